@@ -1,0 +1,181 @@
+"""Typed PPO experience: one unpadded sample (`ExperienceItem`) and a padded batch (`ExperienceBatch`).
+
+Makers produce items; the buffer stores items; the trainer merges items into batches. Items carry
+no padding, so samples of any prompt and response lengths can be mixed freely: `merge` pads them
+and `split` strips that padding exactly (`split(merge(items)) == items`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+PER_TOKEN_FIELDS = ("action_log_probs", "ref_log_probs", "values", "rewards", "advantages", "returns")
+"""The float32 fields with one entry per response token, shared by items and batches."""
+
+
+def _tensors(obj) -> dict[str, torch.Tensor]:
+    """The tensor-valued fields of a dataclass instance, by name."""
+    return {k: v for k, v in vars(obj).items() if isinstance(v, torch.Tensor)}
+
+
+@dataclass
+class ExperienceItem:
+    """One sample, unpadded. Shapes: P_i = prompt length, R_i = response length (>= 1)."""
+
+    prompt_ids: torch.Tensor
+    """(P_i,) int64, no padding."""
+    response_ids: torch.Tensor
+    """(R_i,) int64, generated tokens incl. the EOS token if one was generated; no padding."""
+    action_log_probs: torch.Tensor
+    """(R_i,) float32, log-probs of the response tokens under the behaviour policy that generated them."""
+    ref_log_probs: torch.Tensor
+    """(R_i,) float32, log-probs of the response tokens under the reference model."""
+    values: torch.Tensor
+    """(R_i,) float32, critic values."""
+    rewards: torch.Tensor
+    """(R_i,) float32, KL-penalised per-token rewards."""
+    advantages: torch.Tensor
+    """(R_i,) float32."""
+    returns: torch.Tensor
+    """(R_i,) float32."""
+    reward: float
+    """Scalar score of the response (reward model or rule)."""
+    policy_version: int
+    """Version of the policy weights that generated the response."""
+    uid: str = ""
+    """Unique id ("<maker>-<counter>-<index>"), for accounting."""
+
+    @property
+    def response_length(self) -> int:
+        """R_i, the number of response tokens."""
+        return int(self.response_ids.numel())
+
+    def num_bytes(self) -> int:
+        """Bytes held by the item's tensors (for buffer accounting)."""
+        return sum(t.nbytes for t in _tensors(self).values())
+
+
+def _check_item(i: int, item: ExperienceItem) -> None:
+    """Raise ValueError naming the problem if `item` cannot be padded into a batch."""
+    if item.response_length == 0:
+        raise ValueError(f"item {i} (uid={item.uid!r}) has a zero-length response; R_i must be >= 1")
+    for name in PER_TOKEN_FIELDS:
+        if getattr(item, name).shape != item.response_ids.shape:
+            raise ValueError(
+                f"item {i} (uid={item.uid!r}): {name} has shape {tuple(getattr(item, name).shape)}, "
+                f"expected {tuple(item.response_ids.shape)} like response_ids"
+            )
+
+
+@dataclass
+class ExperienceBatch:
+    """B samples padded to a rectangle. P = max prompt length, R = max response length.
+
+    Prompts are LEFT-padded to P and responses RIGHT-padded to R, so every response starts at column P.
+    """
+
+    sequences: torch.Tensor
+    """(B, P+R) int64, prompt then response tokens."""
+    attention_mask: torch.Tensor
+    """(B, P+R) int64, 1 on real prompt and response tokens."""
+    action_mask: torch.Tensor
+    """(B, R) bool, True on real response tokens."""
+    action_log_probs: torch.Tensor
+    """(B, R) float32, 0 at padding (as are all per-token fields below)."""
+    ref_log_probs: torch.Tensor
+    """(B, R) float32."""
+    values: torch.Tensor
+    """(B, R) float32."""
+    rewards: torch.Tensor
+    """(B, R) float32."""
+    advantages: torch.Tensor
+    """(B, R) float32."""
+    returns: torch.Tensor
+    """(B, R) float32."""
+    reward: torch.Tensor
+    """(B,) float32, scalar score of each response."""
+    policy_version: torch.Tensor
+    """(B,) int64, policy version that generated each response."""
+    uids: list[str]
+    """B unique ids."""
+    prompt_len: int
+    """P, the column where every response starts."""
+    pad_token_id: int
+    """Token id written at padded positions of `sequences`."""
+
+    @property
+    def num_actions(self) -> int:
+        """R, the padded response length."""
+        return self.action_mask.shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        """B, the number of samples."""
+        return self.sequences.shape[0]
+
+    def position_ids(self) -> torch.Tensor:
+        """(B, P+R) int64 positions that count real tokens only, so left padding does not shift them."""
+        return (self.attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+    def to(self, device: torch.device | str) -> ExperienceBatch:
+        """A copy with every tensor on `device`."""
+        return dataclasses.replace(self, **{k: v.to(device) for k, v in _tensors(self).items()})
+
+    def select(self, indices: Sequence[int] | torch.Tensor) -> ExperienceBatch:
+        """The rows `indices` (e.g. a minibatch), keeping P and R."""
+        idx = torch.as_tensor(indices, dtype=torch.long, device=self.sequences.device)
+        tensors = {k: v.index_select(0, idx) for k, v in _tensors(self).items()}
+        return dataclasses.replace(self, **tensors, uids=[self.uids[i] for i in idx.tolist()])
+
+    def split(self) -> list[ExperienceItem]:
+        """The B unpadded items: inverse of `merge`."""
+        return [self._item(i) for i in range(self.batch_size)]
+
+    def _item(self, i: int) -> ExperienceItem:
+        P = self.prompt_len
+        prompt_mask = self.attention_mask[i, :P].bool()
+        action_mask = self.action_mask[i].bool()
+        return ExperienceItem(
+            prompt_ids=self.sequences[i, :P][prompt_mask],
+            response_ids=self.sequences[i, P:][action_mask],
+            **{name: getattr(self, name)[i][action_mask] for name in PER_TOKEN_FIELDS},
+            reward=float(self.reward[i]),
+            policy_version=int(self.policy_version[i]),
+            uid=self.uids[i],
+        )
+
+    @classmethod
+    def merge(cls, items: Sequence[ExperienceItem], pad_token_id: int) -> ExperienceBatch:
+        """Pad `items` into one batch: prompts left-padded to P, responses right-padded to R."""
+        if len(items) == 0:
+            raise ValueError("cannot merge an empty list of ExperienceItem")
+        for i, item in enumerate(items):
+            _check_item(i, item)
+        B, device = len(items), items[0].response_ids.device
+        P = max(item.prompt_ids.numel() for item in items)
+        R = max(item.response_length for item in items)
+        sequences = torch.full((B, P + R), pad_token_id, dtype=torch.long, device=device)
+        attention_mask = torch.zeros(B, P + R, dtype=torch.long, device=device)
+        per_token = {name: torch.zeros(B, R, dtype=torch.float32, device=device) for name in PER_TOKEN_FIELDS}
+        for i, item in enumerate(items):
+            p, r = item.prompt_ids.numel(), item.response_length
+            sequences[i, P - p : P] = item.prompt_ids
+            sequences[i, P : P + r] = item.response_ids
+            attention_mask[i, P - p : P + r] = 1
+            for name in PER_TOKEN_FIELDS:
+                per_token[name][i, :r] = getattr(item, name)
+        return cls(
+            sequences=sequences,
+            attention_mask=attention_mask,
+            action_mask=attention_mask[:, P:].bool(),
+            **per_token,
+            reward=torch.tensor([item.reward for item in items], dtype=torch.float32, device=device),
+            policy_version=torch.tensor([item.policy_version for item in items], dtype=torch.long, device=device),
+            uids=[item.uid for item in items],
+            prompt_len=P,
+            pad_token_id=pad_token_id,
+        )

@@ -1,0 +1,224 @@
+"""PPO losses, advantages and KL estimates for language models, as pure functions of tensors.
+
+Shapes: B = batch size, T = response length (tokens), V = vocabulary size. Every `mask` may be
+bool or 0/1 and marks the valid (non-padding) tokens; masked-out entries of the inputs do not
+change any result (keep them finite where gradients flow: a nan poisons the backward pass).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of `x` over the positions where `mask` is set (over `dim`, or over everything)."""
+    x = torch.where(mask.bool(), x, 0.0)
+    return x.sum() if dim is None else x.sum(dim=dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `x` over the positions where `mask` is set; nan where no position is set."""
+    return masked_sum(x, mask, dim) / masked_sum(torch.ones_like(x), mask, dim)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of `x` over all positions where `mask` is set (Bessel-corrected if `unbiased`)."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        n = masked_sum(torch.ones_like(x), mask)
+        var = var * n / (n - 1)
+    return var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """Normalise `x` to zero mean and unit variance over the valid positions; 0 where `mask` is unset.
+
+    As `whiten` in OpenAI lm-human-preferences (lm_human_preferences/utils/core.py), which uses the
+    population variance; with `shift_mean=False` the mean is added back (only the scale changes).
+    """
+    mean, var = masked_mean(x, mask), masked_var(x, mask, unbiased=False)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, 0.0)
+
+
+def compute_gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token generalised advantage estimation, vectorised over the batch.
+
+    Schulman et al. 2016, "High-Dimensional Continuous Control Using GAE", arXiv:1506.02438, eq. 16:
+        delta_t = r_t + gamma * V(s_{t+1}) - V(s_t),   A_t = delta_t + gamma * lam * A_{t+1}
+    Inputs are (B, T) with right padding (`mask` is a valid prefix of each row). The episode ends at
+    the last valid token, so V and A beyond it are 0. Returns (advantages, returns), both (B, T) and
+    0 at padding, with returns = advantages + values (the critic's regression target).
+    """
+    valid = mask.bool()
+    rewards, values = torch.where(valid, rewards, 0.0), torch.where(valid, values, 0.0)
+    T = rewards.shape[1]
+    lastgaelam = torch.zeros_like(values[:, 0])
+    advantages_reversed = []
+    for t in reversed(range(T)):
+        next_values = values[:, t + 1] if t + 1 < T else torch.zeros_like(lastgaelam)
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        lastgaelam = torch.where(valid[:, t], delta + gamma * lam * lastgaelam, 0.0)
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    return advantages, advantages + values
+
+
+def compute_gae_reference(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`compute_gae` as a plain loop over samples and time steps: the readable reference for tests.
+
+    Schulman et al. 2016, arXiv:1506.02438, eq. 16; same inputs and outputs as `compute_gae`.
+    """
+    advantages, returns = torch.zeros_like(values), torch.zeros_like(values)
+    for b in range(rewards.shape[0]):
+        n = int(mask[b].sum())
+        lastgaelam = 0.0
+        for t in reversed(range(n)):
+            next_value = values[b, t + 1] if t + 1 < n else 0.0
+            delta = rewards[b, t] + gamma * next_value - values[b, t]
+            lastgaelam = delta + gamma * lam * lastgaelam
+            advantages[b, t] = lastgaelam
+            returns[b, t] = lastgaelam + values[b, t]
+    return advantages, returns
+
+
+def policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_clip: float,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate loss, averaged over all valid tokens.
+
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms", arXiv:1707.06347, eq. 7 (negated,
+    as in CleanRL ppo.py). With `dual_clip` (> 1), the loss of a negative-advantage token is also
+    bounded by -adv * dual_clip: Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep
+    RL", arXiv:1912.09729, eq. 5.
+    Stats (0-dim, detached): "clipfrac", the fraction of tokens whose clipped term is active, and
+    "approx_kl", the k3 estimate of KL(old || new) (http://joschu.net/blog/kl-approx.html).
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    logratio = log_probs - old_log_probs
+    ratio = torch.exp(logratio)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip)
+    pg_loss = torch.max(pg_loss1, pg_loss2)
+    if dual_clip is not None:
+        pg_loss3 = -advantages * dual_clip
+        pg_loss = torch.where(advantages < 0, torch.min(pg_loss, pg_loss3), pg_loss)
+    loss = masked_mean(pg_loss, mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((pg_loss2 > pg_loss1).float(), mask)
+        approx_kl = masked_mean((ratio - 1) - logratio, mask)
+    return loss, {"clipfrac": clipfrac, "approx_kl": approx_kl}
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    value_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Critic loss 0.5 * (V - returns)^2 averaged over valid tokens, optionally clipped around the old values.
+
+    As CleanRL ppo.py and OpenAI baselines ppo2: the clipped loss is the max of the unclipped and the
+    clipped squared errors, with V_clipped = V_old + clamp(V - V_old, -value_clip, value_clip).
+    Stats (0-dim, detached): "vf_clipfrac", the fraction of tokens where the clipped error is larger.
+    """
+    v_loss_unclipped = (values - returns) ** 2
+    if value_clip is None:
+        return 0.5 * masked_mean(v_loss_unclipped, mask), {"vf_clipfrac": torch.zeros((), device=values.device)}
+    v_clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
+    v_loss_clipped = (v_clipped - returns) ** 2
+    v_loss = torch.max(v_loss_unclipped, v_loss_clipped)
+    with torch.no_grad():
+        vf_clipfrac = masked_mean((v_loss_clipped > v_loss_unclipped).float(), mask)
+    return 0.5 * masked_mean(v_loss, mask), {"vf_clipfrac": vf_clipfrac}
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) finite logits -> (...) entropy of softmax(logits).
+
+    H = -sum_a p_a log p_a = logsumexp(z) - sum_a p_a z_a, which never takes the log of a probability.
+    """
+    p = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(dim=-1)
+
+
+def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits and (...) int labels -> (...) log softmax(logits)[label], without a (..., V) log-softmax."""
+    label_logits = torch.gather(logits, dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
+    return label_logits - torch.logsumexp(logits, dim=-1)
+
+
+def kl_k1(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    """k1 = log p - log r: unbiased per-sample estimate of KL(pi || pi_ref), can be negative.
+
+    John Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html.
+    """
+    return log_probs - ref_log_probs
+
+
+def kl_k2(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    """k2 = 0.5 * (log p - log r)^2: biased, low-variance, non-negative estimate of KL(pi || pi_ref).
+
+    John Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html.
+    """
+    return 0.5 * (log_probs - ref_log_probs) ** 2
+
+
+def kl_k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    """k3 = (r/p - 1) - log(r/p): unbiased, non-negative estimate of KL(pi || pi_ref).
+
+    John Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html.
+    """
+    log_ratio = ref_log_probs - log_probs
+    return torch.exp(log_ratio) - 1 - log_ratio
+
+
+KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+"""Per-token estimators of KL(pi || pi_ref) from tokens sampled from pi, by name."""
+
+
+def compute_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) with the estimator named `estimator` (see KL_ESTIMATORS)."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; valid names: {sorted(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[estimator](log_probs, ref_log_probs)
+
+
+def kl_penalized_rewards(
+    reward: torch.Tensor, kl: torch.Tensor, action_mask: torch.Tensor, kl_coef: float
+) -> torch.Tensor:
+    """Per-token rewards r_t = -kl_coef * kl_t, plus the (B,) score `reward` at each row's last valid token.
+
+    Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences", arXiv:1909.08593,
+    section 2.2: R(x, y) = r(x, y) - beta * log(pi(y|x) / rho(y|x)), spread per token as in
+    Stiennon et al. 2020, arXiv:2009.01325. Rewards are 0 at padding; every row needs a valid token.
+    """
+    valid = action_mask.bool()
+    rewards = torch.where(valid, -kl_coef * kl, 0.0)
+    positions = torch.arange(1, valid.shape[1] + 1, device=valid.device)
+    last = (positions * valid).argmax(dim=1, keepdim=True)
+    return rewards.scatter_add(1, last, reward.to(rewards.dtype).unsqueeze(1))
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var[returns - values] / Var[returns] over valid tokens; nan if Var[returns] == 0.
+
+    As CleanRL ppo.py: 1 is a perfect critic, 0 is no better than a constant, < 0 is worse.
+    """
+    var_y = masked_var(returns, mask, unbiased=False)
+    ev = 1 - masked_var(returns - values, mask, unbiased=False) / var_y
+    return torch.where(var_y == 0, torch.full_like(ev, float("nan")), ev)

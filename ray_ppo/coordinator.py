@@ -1,0 +1,347 @@
+"""The coordinator: one named actor per run that relays experience and weights.
+
+Responsibilities:
+  - hand out prompt batches to makers from the run's prompt dataset (so a dead maker never
+    stalls the others, unlike ``streaming_split``'s per-epoch barrier);
+  - admit makers only while their policy version is within ``max_staleness`` of the trainer's;
+  - route items into bounded per-rank buffers (back-pressure: a send waits for space);
+  - drop, and count, items that became too stale while buffered;
+  - relay weight pushes to makers as ObjectRefs (never tensors) and track each maker's version;
+  - keep the run's counters, per-step metrics and maker failures.
+
+``Coordinator`` is a plain class whose methods are coroutines; ``ray.remote`` turns it into an
+async actor where it is created. All its methods run on one event loop (one concurrency group),
+so its state needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ray_ppo.algo import ExperienceItem
+from ray_ppo.routing import receivers
+
+HEALTH_CHECK_S = 5.0
+"""How long a maker has to answer a ping when the coordinator diagnoses a stall."""
+
+
+@dataclass
+class Counters:
+    """Item accounting. At any time: produced = consumed + in_flight + discarded."""
+
+    produced: int = 0          # items makers handed to ``send``
+    consumed: int = 0          # items returned to trainer ranks by ``pull``
+    discarded: int = 0         # items dropped because they exceeded ``max_staleness``
+    in_flight: int = 0         # items buffered or waiting for buffer space
+    prompts_served: int = 0    # prompts handed to makers
+    blank_prompts: int = 0     # prompts skipped because they were empty
+    truncated_prompts: int = 0 # prompts cut to ``data.max_prompt_len`` tokens
+    epochs: int = 0            # full passes over the prompt dataset started
+
+
+@dataclass
+class PromptBatch:
+    """Work item for a maker: raw prompt texts (encoding happens in the maker)."""
+
+    texts: list[str]
+    epoch: int
+
+
+@dataclass
+class MakerState:
+    version: int = 0
+    failed: str | None = None
+    generate_s: float = 0.0
+    idle_s: float = 0.0
+    tokens: int = 0
+
+
+@dataclass
+class Push:
+    """A weight push in progress: the refs of its buckets and where each maker stands."""
+
+    version: int
+    bucket_refs: list[Any]
+    nbytes: int
+    meta: dict
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Coordinator:
+    def __init__(self, num_ranks: int, num_makers: int, buffer_size: int, max_staleness: int,
+                 items_per_version: int, routing: str = "round_robin", prompts: Any = None,
+                 prompt_batch_size: int = 16, shuffle: bool = True, seed: int = 0):
+        self.num_ranks, self.num_makers = num_ranks, num_makers
+        self.buffer_size, self.max_staleness, self.routing = buffer_size, max_staleness, routing
+        self.buffers: list[collections.deque[ExperienceItem]] = [collections.deque() for _ in range(num_ranks)]
+        self.changed = asyncio.Condition()
+        self.counters = Counters()
+        self.makers: dict[int, Any] = {}
+        self.maker_state = {i: MakerState() for i in range(num_makers)}
+        self.trainer_version = 0
+        self.items_per_version = items_per_version
+        self.consumed_at_version = 0  # items pulled since the trainer reached its current version
+        self.reserved = 0  # prompts handed out whose items have not come back yet
+        self.prompt_batch_size = prompt_batch_size
+        self.pushes: list[Push] = []
+        self.push_tasks: set[asyncio.Task] = set()
+        self.metrics: list[dict] = []
+        self.finished = False
+        self.last_item_at = time.monotonic()
+        self._rr = 0
+        self._prompts = PromptFeed(prompts, prompt_batch_size, shuffle, seed) if prompts is not None else None
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def register_makers(self, handles: dict[int, Any]) -> None:
+        self.makers = dict(handles)
+
+    def ready(self) -> bool:
+        return True
+
+    # -- prompts --------------------------------------------------------------------------------
+    async def next_prompts(self, maker_id: int) -> PromptBatch | None:
+        """Next prompt batch for ``maker_id``; waits while the maker is too stale; None once the run is over."""
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.finished or self._admitted(maker_id))
+            if self.finished:
+                return None
+            self.reserved += self.prompt_batch_size  # before any await, so admission sees it
+        batch = await self._prompts.next()
+        self.reserved += len(batch.texts) - self.prompt_batch_size
+        self.counters.prompts_served += len(batch.texts)
+        self.counters.epochs = self._prompts.epoch + 1
+        return batch
+
+    def _admitted(self, maker_id: int) -> bool:
+        """Admission control: hand out a batch only if its items can still be trained on within
+        ``max_staleness`` versions, counting everything already buffered or being generated.
+
+        Items made at maker version v are usable while the trainer's version is <= v + S; until
+        then the trainer consumes at most ``(v + S - V + 1) * items_per_version`` items, minus what
+        it already consumed at its current version V.
+        """
+        v, V, S = self.maker_state[maker_id].version, self.trainer_version, self.max_staleness
+        capacity = (v + S - V + 1) * self.items_per_version - self.consumed_at_version
+        return self.counters.in_flight + self.reserved + self.prompt_batch_size <= capacity
+
+    # -- experience -----------------------------------------------------------------------------
+    async def send(self, maker_id: int, items: list[ExperienceItem], stats: dict) -> int:
+        """Buffer ``items`` for the trainer ranks, waiting for space. Returns how many were accepted
+        (all of them, unless the run finished while waiting: the rest are counted in flight)."""
+        self.counters.produced += len(items)
+        self.counters.in_flight += len(items)
+        self.reserved -= stats.get("num_prompts", 0)
+        self._record_maker_stats(maker_id, stats)
+        targets = receivers(self.routing, maker_id, self.num_makers, self.num_ranks)
+        accepted = 0
+        async with self.changed:
+            for item in items:
+                await self.changed.wait_for(lambda: self.finished or self._has_space(targets))
+                if self.finished:
+                    break
+                self.buffers[self._pick(targets)].append(item)
+                accepted += 1
+                self.changed.notify_all()
+        self.last_item_at = time.monotonic()
+        return accepted
+
+    def _has_space(self, targets: list[int]) -> bool:
+        return any(len(self.buffers[r]) < self.buffer_size for r in targets)
+
+    def _pick(self, targets: list[int]) -> int:
+        """The target rank with the most free space; ties go round-robin."""
+        self._rr += 1
+        order = targets[self._rr % len(targets):] + targets[:self._rr % len(targets)]
+        return min(order, key=lambda r: len(self.buffers[r]))
+
+    def _record_maker_stats(self, maker_id: int, stats: dict) -> None:
+        state = self.maker_state[maker_id]
+        state.generate_s += stats.get("generate_s", 0.0)
+        state.idle_s += stats.get("idle_s", 0.0)
+        state.tokens += stats.get("num_tokens", 0)
+        self.counters.blank_prompts += stats.get("blank", 0)
+        self.counters.truncated_prompts += stats.get("truncated", 0)
+
+    async def pull(self, rank: int, n: int, trainer_version: int, timeout_s: float) -> list[ExperienceItem]:
+        """``n`` items for ``rank``, none older than ``trainer_version - max_staleness``.
+
+        Raises ``RuntimeError`` if a maker failed, ``TimeoutError`` (with what was seen) when
+        nothing arrives for ``timeout_s``.
+        """
+        self._set_trainer_version(trainer_version)
+        out: list[ExperienceItem] = []
+        deadline = time.monotonic() + timeout_s
+        async with self.changed:
+            self.changed.notify_all()  # admission may have changed with the version
+            while len(out) < n:
+                self._raise_on_failure()
+                self._drop_stale(rank)
+                while self.buffers[rank] and len(out) < n:
+                    out.append(self.buffers[rank].popleft())
+                if len(out) == n:
+                    break
+                self.changed.notify_all()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.buffers[rank].extendleft(reversed(out))
+                    raise TimeoutError(await self._stall_report(rank, n, len(out), timeout_s))
+                try:
+                    await asyncio.wait_for(self.changed.wait(), timeout=min(remaining, 1.0))
+                except asyncio.TimeoutError:
+                    pass
+            self.counters.consumed += len(out)
+            self.counters.in_flight -= len(out)
+            self.consumed_at_version += len(out)
+            self.changed.notify_all()
+        return out
+
+    def _set_trainer_version(self, version: int) -> None:
+        if version > self.trainer_version:
+            self.trainer_version = version
+            self.consumed_at_version = 0
+
+    def _drop_stale(self, rank: int) -> None:
+        oldest_allowed = self.trainer_version - self.max_staleness
+        buffer = self.buffers[rank]
+        fresh = [item for item in buffer if item.policy_version >= oldest_allowed]
+        dropped = len(buffer) - len(fresh)
+        if dropped:
+            buffer.clear()
+            buffer.extend(fresh)
+            self.counters.discarded += dropped
+            self.counters.in_flight -= dropped
+
+    def _raise_on_failure(self) -> None:
+        failed = {i: s.failed for i, s in self.maker_state.items() if s.failed}
+        if failed:
+            maker_id, error = next(iter(failed.items()))
+            raise RuntimeError(f"maker_{maker_id} failed ({len(failed)}/{self.num_makers} makers failed): {error}")
+
+    async def _stall_report(self, rank: int, wanted: int, got: int, timeout_s: float) -> str:
+        alive = await self._ping_makers()
+        details = "; ".join(f"maker_{i}: {status}" for i, status in sorted(alive.items()))
+        n_alive = sum(status.startswith("alive") for status in alive.values())
+        return (f"rank {rank}: no complete batch for {timeout_s:.0f} s (got {got}/{wanted} items; "
+                f"trainer version {self.trainer_version}, max_staleness {self.max_staleness}); "
+                f"makers alive {n_alive}/{self.num_makers}; {details}")
+
+    async def _ping_makers(self) -> dict[int, str]:
+        async def ping(i: int) -> str:
+            if self.maker_state[i].failed:
+                return f"failed: {self.maker_state[i].failed}"
+            try:
+                await asyncio.wait_for(self.makers[i].ping.remote(), timeout=HEALTH_CHECK_S)
+                return f"alive at version {self.maker_state[i].version}"
+            except Exception as e:  # a dead actor raises RayActorError; a hung one times out
+                return f"not answering ({type(e).__name__})"
+        results = await asyncio.gather(*(ping(i) for i in self.makers))
+        return dict(zip(self.makers, results))
+
+    def maker_failed(self, maker_id: int, error: str) -> None:
+        """Called by a maker whose loop raised; the next ``pull`` surfaces the error."""
+        self.maker_state[maker_id].failed = error
+
+    # -- weights --------------------------------------------------------------------------------
+    async def publish_weights(self, version: int, bucket_refs: list, nbytes: int, meta: dict) -> None:
+        """Start relaying a push to every maker; returns at once (the trainer does not wait)."""
+        self._set_trainer_version(version)
+        push = Push(version, bucket_refs, nbytes, meta)
+        self.pushes.append(push)
+        for maker_id, handle in self.makers.items():
+            task = asyncio.get_running_loop().create_task(self._push_to(maker_id, handle, push))
+            self.push_tasks.add(task)
+            task.add_done_callback(self.push_tasks.discard)
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def _push_to(self, maker_id: int, handle: Any, push: Push) -> None:
+        """chunk_start, one chunk call per bucket, chunk_end: ordered calls in the maker's ``model_io`` group."""
+        try:
+            handle.weights_start.remote(push.version, len(push.bucket_refs), push.meta)
+            for index, ref in enumerate(push.bucket_refs):
+                handle.weights_chunk.remote(push.version, index, [ref])  # nested: the maker fetches it
+            loaded = await handle.weights_end.remote(push.version)
+        except Exception as e:
+            self.maker_state[maker_id].failed = f"weight push v{push.version} failed: {type(e).__name__}: {e}"
+            return
+        async with self.changed:
+            if loaded:
+                self.maker_state[maker_id].version = max(self.maker_state[maker_id].version, push.version)
+            self.changed.notify_all()
+
+    async def wait_for_version(self, version: int, timeout_s: float) -> dict[int, int]:
+        """Wait until every live maker has loaded ``version``; returns each maker's version."""
+        async with self.changed:
+            try:
+                await asyncio.wait_for(self.changed.wait_for(
+                    lambda: all(s.version >= version or s.failed for s in self.maker_state.values())), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return {i: s.version for i, s in self.maker_state.items()}
+
+    async def maker_fingerprints(self) -> dict[int, tuple[int, str]]:
+        """Each maker's (version, weight fingerprint)."""
+        refs = {i: h.weights_fingerprint.remote() for i, h in self.makers.items()}
+        return {i: await ref for i, ref in refs.items()}
+
+    # -- metrics and shutdown -------------------------------------------------------------------
+    def record_metrics(self, metrics: dict) -> None:
+        self.metrics.append(metrics)
+
+    def metrics_since(self, index: int) -> list[dict]:
+        return self.metrics[index:]
+
+    def status(self) -> dict:
+        """Counters, versions and maker states, for metrics and tests."""
+        return {"counters": asdict(self.counters), "trainer_version": self.trainer_version,
+                "buffered": [len(b) for b in self.buffers],
+                "makers": {i: asdict(s) for i, s in self.maker_state.items()},
+                "pushes": [(p.version, p.nbytes) for p in self.pushes]}
+
+    async def finish(self) -> dict:
+        """End of run: makers get no more prompts, waiting sends return. Returns the final status."""
+        async with self.changed:
+            self.finished = True
+            self.changed.notify_all()
+        return self.status()
+
+
+class PromptFeed:
+    """Iterates the prompt dataset in batches, epoch after epoch (reshuffled each epoch).
+
+    Ray Data iteration blocks, so it runs in a worker thread of the coordinator's event loop.
+    """
+
+    def __init__(self, dataset: Any, batch_size: int, shuffle: bool, seed: int):
+        self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
+        self.epoch = -1
+        self.position = 0  # prompts served in the current epoch
+        self._iter = None
+        self._lock = asyncio.Lock()
+
+    def _epoch_iter(self):
+        ds = self.dataset.random_shuffle(seed=self.seed + self.epoch) if self.shuffle else self.dataset
+        for batch in ds.iter_batches(batch_size=self.batch_size, batch_format="numpy", drop_last=False):
+            yield [None if v is None else str(v) for v in batch["prompt"].tolist()]
+
+    def _next_blocking(self) -> list[str]:
+        for _ in range(2):  # at most one epoch roll-over per call
+            if self._iter is None:
+                self.epoch += 1
+                self.position = 0
+                self._iter = self._epoch_iter()
+            batch = next(self._iter, None)
+            if batch is not None:
+                self.position += len(batch)
+                return batch
+            self._iter = None
+        raise RuntimeError("the prompt dataset is empty")
+
+    async def next(self) -> PromptBatch:
+        async with self._lock:
+            texts = await asyncio.to_thread(self._next_blocking)
+            return PromptBatch(texts, self.epoch)

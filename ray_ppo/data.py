@@ -1,0 +1,121 @@
+"""Prompts: reading them (Ray Data or pandas) and encoding them into token ids.
+
+Reading validates the input once, with errors that name the path or the columns present.
+Encoding skips blank prompts and truncates long ones, and counts both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+FORMATS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".json": "json", ".jsonl": "json"}
+
+
+class DataError(ValueError):
+    """Bad prompt input (unreadable path, missing column, unknown format)."""
+
+
+@dataclass
+class EncodedPrompts:
+    """Token ids of the usable prompts of one batch, and what was dropped or cut."""
+
+    ids: list[list[int]] = field(default_factory=list)
+    blank: int = 0
+    truncated: int = 0
+
+
+class PromptEncoder:
+    """Tokenizes prompt texts for generation.
+
+    Blank prompts are skipped; prompts longer than ``max_prompt_len`` tokens keep their LAST
+    ``max_prompt_len`` tokens (the end of a prompt is what the response continues).
+    """
+
+    def __init__(self, tokenizer, max_prompt_len: int, chat_template: bool = False):
+        self.tokenizer, self.max_prompt_len, self.chat_template = tokenizer, max_prompt_len, chat_template
+
+    def encode(self, texts: Sequence[str | None]) -> EncodedPrompts:
+        out = EncodedPrompts()
+        for text in texts:
+            if text is None or not str(text).strip():
+                out.blank += 1
+                continue
+            ids = self._tokenize(str(text))
+            if not ids:
+                out.blank += 1
+                continue
+            if len(ids) > self.max_prompt_len:
+                ids = ids[-self.max_prompt_len:]
+                out.truncated += 1
+            out.ids.append(ids)
+        return out
+
+    def _tokenize(self, text: str) -> list[int]:
+        if self.chat_template:
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                     add_generation_prompt=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def infer_format(path: str, fmt: str | None) -> str:
+    """``data.format`` if set, else from the file suffix (csv, parquet, json)."""
+    if fmt:
+        return fmt
+    suffix = Path(path.rstrip("/")).suffix.lower()
+    if suffix not in FORMATS:
+        raise DataError(f"cannot tell the format of data.path={path!r} from its suffix; "
+                        f"set data.format to one of csv, parquet, json")
+    return FORMATS[suffix]
+
+
+def _check_local_path(path: str) -> None:
+    if "://" not in path and not Path(path).exists():
+        raise DataError(f"data.path={path!r} does not exist (resolved to {Path(path).resolve()})")
+
+
+def _check_column(columns: Sequence[str], column: str, path: str) -> None:
+    if column not in columns:
+        raise DataError(f"data.prompt_column={column!r} is not a column of {path!r}; columns present: {list(columns)}")
+
+
+def read_prompt_dataset(path: str, prompt_column: str, fmt: str | None = None, num_cpus: float = 0.25):
+    """A Ray Dataset with one column ``prompt`` read from CSV, Parquet or JSON Lines.
+
+    Read tasks ask for ``num_cpus`` (a fraction) so they are scheduled beside long-lived actors.
+    """
+    import ray.data
+
+    fmt = infer_format(path, fmt)
+    _check_local_path(path)
+    readers = {"csv": ray.data.read_csv, "parquet": ray.data.read_parquet, "json": ray.data.read_json}
+    try:
+        ds = readers[fmt](path, ray_remote_args={"num_cpus": num_cpus})
+        columns = ds.schema().names
+    except Exception as e:  # Ray wraps reader errors in several types; the path is what the user needs
+        raise DataError(f"cannot read data.path={path!r} as {fmt}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    return select_prompt_column(ds, prompt_column, path)
+
+
+def select_prompt_column(ds, prompt_column: str, source: str = "dataset"):
+    """Keep only ``prompt_column`` of a Ray Dataset, renamed to ``prompt``."""
+    _check_column(ds.schema().names, prompt_column, source)
+    ds = ds.select_columns([prompt_column])
+    return ds.rename_columns({prompt_column: "prompt"}) if prompt_column != "prompt" else ds
+
+
+def read_prompt_texts(path: str, prompt_column: str, fmt: str | None = None) -> list[str | None]:
+    """All prompt texts of a local file, without Ray (for the synchronous local loop)."""
+    import pandas as pd
+
+    fmt = infer_format(path, fmt)
+    _check_local_path(path)
+    readers = {"csv": pd.read_csv, "parquet": pd.read_parquet, "json": lambda p: pd.read_json(p, lines=True)}
+    try:
+        frame = readers[fmt](path)
+    except Exception as e:
+        raise DataError(f"cannot read data.path={path!r} as {fmt}: {e}") from e
+    _check_column(list(frame.columns), prompt_column, path)
+    return [None if pd.isna(v) else str(v) for v in frame[prompt_column]]

@@ -1,0 +1,82 @@
+"""The synchronous PPO loop in one process, no Ray: generate -> score -> advantages -> PPO epochs.
+
+It reuses the pieces of the detached pipeline (``ExperienceMaker``, ``PPOLearner``) and is the
+baseline the benchmarks compare the detached pipeline against.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from ray_ppo.algo import ExperienceBatch, ExperienceItem, make_kl_controller
+from ray_ppo.build import build_actor, build_critic, build_experience_maker, learner_params
+from ray_ppo.config import Config
+from ray_ppo.data import PromptEncoder, read_prompt_texts
+from ray_ppo.tasks.toy import make_prompts
+from ray_ppo.train.learner import PPOLearner
+from ray_ppo.train.loop import experience_metrics
+from ray_ppo.train.strategies import LocalStrategy
+
+
+def prompt_batches(texts: Sequence[str | None], batch_size: int, shuffle: bool, seed: int) -> Iterator[list]:
+    """Endless prompt batches, epoch after epoch, reshuffled each epoch."""
+    rng = random.Random(seed)
+    order = list(range(len(texts)))
+    while True:
+        if shuffle:
+            rng.shuffle(order)
+        for start in range(0, len(order), batch_size):
+            yield [texts[i] for i in order[start:start + batch_size]]
+
+
+def run_local(cfg: Config, prompts: Sequence[str | None] | None = None,
+              on_metrics: Callable[[dict], None] | None = None) -> list[dict]:
+    """Train ``cfg.trainer.total_steps`` synchronous PPO steps; returns the per-step metrics."""
+    from ray_ppo.api import resolve_config
+
+    cfg = resolve_config(cfg)
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.trainer.torch_threads)
+    if prompts is None and cfg.data.path:
+        prompts = read_prompt_texts(cfg.data.path, cfg.data.prompt_column, cfg.data.format)
+    elif prompts is None:
+        prompts = make_prompts(cfg.toy.num_prompts, cfg.toy.prompt_len, cfg.toy.seed)
+    learner = PPOLearner(build_actor(cfg), build_critic(cfg), LocalStrategy(), learner_params(cfg), seed=cfg.seed)
+    maker = build_experience_maker(cfg, actor=learner.actor, critic=learner.critic, name="local")
+    encoder = PromptEncoder(maker.tokenizer, cfg.data.max_prompt_len, cfg.data.chat_template)
+    kl_ctl = make_kl_controller(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
+    batches = prompt_batches(prompts, cfg.maker.batch_size, cfg.data.shuffle, cfg.seed)
+    history, start = [], time.perf_counter()
+    for step in range(1, cfg.trainer.total_steps + 1):
+        step_start = time.perf_counter()
+        maker.advantage.kl_coef = kl_ctl.value
+        items, generate_s = _collect(maker, encoder, batches, cfg.trainer.train_batch_size, step - 1)
+        train_start = time.perf_counter()
+        metrics = learner.train_step(ExperienceBatch.merge(items, maker.tokenizer.pad_token_id))
+        metrics.update(experience_metrics(items, step - 1))
+        kl_ctl.update(metrics["kl"], len(items))
+        step_s = time.perf_counter() - step_start
+        metrics.update(step=step, policy_version=step, kl_coef=kl_ctl.value, generate_s=generate_s,
+                       train_s=time.perf_counter() - train_start, samples_per_s=len(items) / step_s,
+                       elapsed_s=time.perf_counter() - start)
+        history.append(metrics)
+        if on_metrics:
+            on_metrics(metrics)
+    return history
+
+
+def _collect(maker, encoder: PromptEncoder, batches: Iterator[list], n: int, version: int) -> tuple[list[ExperienceItem], float]:
+    """Generate until ``n`` items are made (a surplus is dropped); returns items and generation seconds."""
+    items: list[ExperienceItem] = []
+    start = time.perf_counter()
+    maker.actor.eval()
+    while len(items) < n:
+        encoded = encoder.encode(next(batches))
+        if encoded.ids:
+            items.extend(maker.make_experience(encoded.ids, version)[0])
+    maker.actor.train()
+    return items[:n], time.perf_counter() - start

@@ -1,0 +1,165 @@
+"""The maker: an ``ExperienceMaker`` in a loop, fed by the coordinator, taking weight pushes.
+
+``MakerWorker`` is a plain class; ``maker_actor_class`` turns it into a threaded Ray actor with
+three concurrency groups of one thread each:
+
+  - ``compute``: ``run`` — fetch prompts -> make experience -> hand items to the sender;
+  - ``experience_io``: ``send_loop`` — send items to the coordinator (blocks on back-pressure
+    while ``run`` goes on generating the next batch);
+  - ``model_io``: ``weights_start`` / ``weights_chunk`` / ``weights_end`` — stage a push while
+    generation continues; only the final swap takes the model lock.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import traceback
+from typing import Any
+
+import ray
+import torch
+
+from ray_ppo.config import Config
+from ray_ppo.data import PromptEncoder
+from ray_ppo.sync import fingerprint, unpack_bucket
+
+CONCURRENCY_GROUPS = {"compute": 1, "experience_io": 1, "model_io": 1}
+SEND_QUEUE_BATCHES = 2
+"""Made batches that may wait for the sender before generation blocks."""
+
+
+class MakerWorker:
+    """Responsibilities: generate experience at the current policy version, keep the
+    coordinator fed, and swap in new weights atomically (a push that never completes leaves
+    the previous weights in place)."""
+
+    def __init__(self, maker_id: int, config: dict, coordinator: Any):
+        from ray_ppo.build import build_experience_maker
+
+        self.cfg = Config.from_dict(config)
+        torch.set_num_threads(self.cfg.maker.torch_threads)
+        torch.manual_seed(self.cfg.seed + 1000 * (maker_id + 1))
+        self.maker_id, self.coordinator = maker_id, coordinator
+        self.maker = build_experience_maker(self.cfg, name=f"maker_{maker_id}")
+        self.maker.actor.eval()
+        self.maker.critic.eval()
+        self.encoder = PromptEncoder(self.maker.tokenizer, self.cfg.data.max_prompt_len, self.cfg.data.chat_template)
+        self.version = 0
+        self.model_lock = threading.Lock()
+        self.outbox: queue.Queue = queue.Queue(maxsize=SEND_QUEUE_BATCHES)
+        self.staging: dict | None = None
+        self.made = 0
+        self.sent = 0
+        self.pause_s = 0.0
+        self.pushes_loaded = 0
+        self._unreported_idle_s = 0.0
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    # -- compute --------------------------------------------------------------------------------
+    @ray.method(concurrency_group="compute")
+    def run(self) -> dict:
+        """Make experience until the coordinator has no more prompts; returns a summary."""
+        try:
+            if self.cfg.maker.wait_for_weights:
+                self._wait_for_first_push()
+            while True:
+                start = time.perf_counter()
+                batch = ray.get(self.coordinator.next_prompts.remote(self.maker_id))
+                if batch is None:
+                    break
+                self._make_and_queue(batch.texts, waited_s=time.perf_counter() - start)
+        except Exception:
+            error = traceback.format_exc(limit=8)
+            self.coordinator.maker_failed.remote(self.maker_id, error)
+            raise
+        finally:
+            self.outbox.put(None)
+        return {"made": self.made, "version": self.version}
+
+    def _wait_for_first_push(self, poll_s: float = 0.05) -> None:
+        deadline = time.monotonic() + self.cfg.trainer.pull_timeout_s
+        while self.pushes_loaded == 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"maker_{self.maker_id}: no weight push arrived within "
+                                   f"{self.cfg.trainer.pull_timeout_s:.0f} s (maker.wait_for_weights=true)")
+            time.sleep(poll_s)
+
+    def _make_and_queue(self, texts: list[str], waited_s: float) -> None:
+        """Make one batch and queue it for the sender; ``idle_s`` counts the wait for prompts
+        (admission) and for the sender (back-pressure)."""
+        encoded = self.encoder.encode(texts)
+        stats = {"num_prompts": len(texts), "blank": encoded.blank, "truncated": encoded.truncated}
+        if encoded.ids:
+            with self.model_lock:
+                items, made = self.maker.make_experience(encoded.ids, self.version)
+            self.made += len(items)
+            stats.update(generate_s=made.generate_s + made.score_s, num_tokens=made.num_tokens)
+        else:
+            items = []
+        start = time.perf_counter()
+        stats["idle_s"], self._unreported_idle_s = waited_s + self._unreported_idle_s, 0.0
+        self.outbox.put((items, stats))
+        self._unreported_idle_s += time.perf_counter() - start  # reported with the next batch
+
+    # -- experience_io --------------------------------------------------------------------------
+    @ray.method(concurrency_group="experience_io")
+    def send_loop(self) -> dict:
+        """Forward made batches to the coordinator, waiting on back-pressure; returns counts."""
+        unsent = 0
+        while (entry := self.outbox.get()) is not None:
+            items, stats = entry
+            accepted = ray.get(self.coordinator.send.remote(self.maker_id, items, stats))
+            self.sent += accepted
+            unsent += len(items) - accepted
+        return {"sent": self.sent, "unsent": unsent}
+
+    # -- model_io -------------------------------------------------------------------------------
+    @ray.method(concurrency_group="model_io")
+    def weights_start(self, version: int, num_chunks: int, meta: dict) -> None:
+        """chunk_start: begin staging push ``version`` (any unfinished earlier push is dropped)."""
+        self.staging = {"version": version, "num_chunks": num_chunks, "meta": meta, "tensors": {}, "seen": set()}
+
+    @ray.method(concurrency_group="model_io")
+    def weights_chunk(self, version: int, index: int, bucket_ref: list) -> None:
+        """One bucket of push ``version``; the ref comes nested so it is fetched here, zero-copy."""
+        if self.staging is None or self.staging["version"] != version:
+            return
+        self.staging["tensors"].update(unpack_bucket(ray.get(bucket_ref[0])))
+        self.staging["seen"].add(index)
+
+    @ray.method(concurrency_group="model_io")
+    def weights_end(self, version: int) -> bool:
+        """chunk_end: swap the staged weights in under the model lock. False if the push is incomplete."""
+        staged, self.staging = self.staging, None
+        if staged is None or staged["version"] != version or len(staged["seen"]) != staged["num_chunks"]:
+            return False
+        tensors = staged["tensors"]
+        actor_state = {k.removeprefix("actor."): v for k, v in tensors.items() if k.startswith("actor.")}
+        critic_state = {k.removeprefix("critic."): v for k, v in tensors.items() if k.startswith("critic.")}
+        start = time.perf_counter()
+        with self.model_lock:
+            self.maker.actor.load_state_dict(actor_state, strict=True)
+            self.maker.critic.load_state_dict(critic_state, strict=True)
+            if "kl_coef" in staged["meta"]:
+                self.maker.advantage.kl_coef = staged["meta"]["kl_coef"]
+            self.version = version
+            self.pushes_loaded += 1
+        self.pause_s += time.perf_counter() - start
+        return True
+
+    def weights_fingerprint(self) -> tuple[int, str]:
+        """(version, fingerprint of the actor and critic weights) for consistency checks."""
+        with self.model_lock:
+            state = {f"actor.{k}": v for k, v in self.maker.actor.state_dict().items()}
+            state.update({f"critic.{k}": v for k, v in self.maker.critic.state_dict().items()})
+            return self.version, fingerprint(state)
+
+
+def maker_actor_class(num_cpus: float, num_gpus: float):
+    """``MakerWorker`` as a Ray actor class with its concurrency groups."""
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, concurrency_groups=CONCURRENCY_GROUPS)(MakerWorker)

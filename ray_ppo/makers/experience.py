@@ -1,0 +1,121 @@
+"""Making experience: generate -> score -> log-probs and values -> KL-penalised rewards -> GAE.
+
+``ExperienceMaker`` is a plain class. The synchronous local loop calls it directly; the maker
+actor (``ray_ppo.makers.actor``) wraps it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ray_ppo.algo import ExperienceBatch, ExperienceItem, compute_gae, compute_kl, kl_penalized_rewards
+from ray_ppo.models import RewardFn, Rollout, SamplingParams, action_log_probs, action_values, generate
+
+
+@dataclass
+class MakeStats:
+    """Timings and counts of one ``make_experience`` call."""
+
+    num_samples: int = 0
+    num_tokens: int = 0
+    generate_s: float = 0.0
+    score_s: float = 0.0
+    rewards: list[float] = field(default_factory=list)
+    kl_mean: float = 0.0
+
+
+@dataclass
+class AdvantageParams:
+    """Reward shaping and GAE settings (``ppo.*`` in the config)."""
+
+    kl_coef: float = 0.05
+    kl_estimator: str = "k1"
+    gamma: float = 1.0
+    lam: float = 0.95
+
+
+class ExperienceMaker:
+    """Turns prompt token ids into per-sample ``ExperienceItem``s.
+
+    Responsibilities:
+      - sample responses from the actor;
+      - score them with the reward model or the rule reward;
+      - compute behaviour and reference log-probs and critic values;
+      - shape per-token rewards with the KL penalty and compute GAE advantages and returns.
+
+    ``ref`` may be None when the actor is a peft model: the reference is then the actor with its
+    adapters disabled.
+    """
+
+    def __init__(self, actor: nn.Module, ref: nn.Module | None, critic: nn.Module, tokenizer,
+                 sampling: SamplingParams, advantage: AdvantageParams,
+                 reward_fn: RewardFn | None = None, reward_model: nn.Module | None = None, name: str = "maker"):
+        if (reward_fn is None) == (reward_model is None):
+            raise ValueError("give exactly one of reward_fn and reward_model")
+        self.actor, self.ref, self.critic, self.tokenizer = actor, ref, critic, tokenizer
+        self.sampling, self.advantage = sampling, advantage
+        self.reward_fn, self.reward_model = reward_fn, reward_model
+        self.name = name
+        self._counter = 0
+
+    @torch.no_grad()
+    def make_experience(self, prompts: Sequence[Sequence[int]], policy_version: int) -> tuple[list[ExperienceItem], MakeStats]:
+        """One batch of experience from token-id prompts, every item tagged with ``policy_version``."""
+        stats = MakeStats(num_samples=len(prompts))
+        start = time.perf_counter()
+        rollout = generate(self.actor, prompts, self.sampling, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
+        stats.generate_s = time.perf_counter() - start
+        start = time.perf_counter()
+        reward = self._score(rollout)
+        batch = self._to_batch(rollout, reward, policy_version)
+        stats.score_s = time.perf_counter() - start
+        stats.num_tokens = int(rollout.action_mask.sum())
+        stats.rewards = reward.tolist()
+        stats.kl_mean = float(((batch.action_log_probs - batch.ref_log_probs) * batch.action_mask).sum()
+                              / batch.action_mask.sum())
+        items = batch.split()
+        for i, item in enumerate(items):
+            item.uid = f"{self.name}-{self._counter}-{i}"
+        self._counter += 1
+        return items, stats
+
+    def _score(self, rollout: Rollout) -> torch.Tensor:
+        if self.reward_model is not None:
+            return self.reward_model(rollout.sequences, rollout.attention_mask).float().cpu()
+        prompt_part = rollout.sequences[:, :rollout.prompt_len]
+        response_part = rollout.sequences[:, rollout.prompt_len:]
+        prompts = self.tokenizer.batch_decode(prompt_part, skip_special_tokens=True)
+        responses = self.tokenizer.batch_decode(response_part, skip_special_tokens=True)
+        scores = list(self.reward_fn(prompts, responses))
+        if len(scores) != len(responses):
+            raise ValueError(f"reward function returned {len(scores)} scores for {len(responses)} responses")
+        return torch.tensor(scores, dtype=torch.float32)
+
+    def _ref_log_probs(self, rollout: Rollout) -> torch.Tensor:
+        args = (rollout.sequences, rollout.attention_mask, rollout.num_actions, self.sampling.temperature)
+        if self.ref is not None:
+            return action_log_probs(self.ref, *args)
+        with self.actor.disable_adapter():
+            return action_log_probs(self.actor, *args)
+
+    def _to_batch(self, rollout: Rollout, reward: torch.Tensor, policy_version: int) -> ExperienceBatch:
+        mask = rollout.action_mask
+        log_probs = action_log_probs(self.actor, rollout.sequences, rollout.attention_mask, rollout.num_actions,
+                                     self.sampling.temperature)
+        ref_log_probs = self._ref_log_probs(rollout)
+        values = action_values(self.critic, rollout.sequences, rollout.attention_mask, rollout.num_actions) * mask
+        kl = compute_kl(log_probs, ref_log_probs, self.advantage.kl_estimator) * mask
+        rewards = kl_penalized_rewards(reward, kl, mask, self.advantage.kl_coef)
+        advantages, returns = compute_gae(rewards, values, mask, self.advantage.gamma, self.advantage.lam)
+        return ExperienceBatch(
+            sequences=rollout.sequences, attention_mask=rollout.attention_mask, action_mask=mask,
+            action_log_probs=log_probs * mask, ref_log_probs=ref_log_probs * mask, values=values, rewards=rewards,
+            advantages=advantages, returns=returns, reward=reward,
+            policy_version=torch.full((len(reward),), policy_version, dtype=torch.long),
+            uids=[""] * len(reward), prompt_len=rollout.prompt_len, pad_token_id=self.tokenizer.pad_token_id,
+        )

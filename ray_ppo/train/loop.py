@@ -1,0 +1,214 @@
+"""``train_loop_per_worker`` for the detached PPO ``TorchTrainer``.
+
+Each step reads top to bottom: pull -> PPO epochs -> publish weights -> report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+import ray.train
+import torch
+
+from ray_ppo.algo import ExperienceBatch, ExperienceItem, make_kl_controller
+from ray_ppo.build import build_actor, build_critic, learner_params, tokenizer_path
+from ray_ppo.config import Config
+from ray_ppo.models import load_tokenizer
+from ray_ppo.sync import bucket_nbytes, fingerprint, make_buckets
+from ray_ppo.train.learner import PPOLearner
+from ray_ppo.train.strategies import make_strategy
+
+VERIFY_TIMEOUT_S = 60.0
+"""How long the last step waits for every maker to load the final push before comparing weights."""
+
+
+@dataclass
+class RunHandles:
+    """What a worker needs to find the run's actors."""
+
+    namespace: str
+    coordinator_name: str = "coordinator"
+
+
+def experience_metrics(items: list[ExperienceItem], version: int) -> dict[str, float]:
+    """Reward, KL, length and staleness statistics of the items of one step."""
+    rewards = torch.tensor([it.reward for it in items])
+    lengths = torch.tensor([it.response_length for it in items], dtype=torch.float32)
+    kl = torch.cat([it.action_log_probs - it.ref_log_probs for it in items])
+    staleness = torch.tensor([version - it.policy_version for it in items], dtype=torch.float32)
+    return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(items) > 1 else 0.0,
+            "kl": float(kl.mean()), "response_length": float(lengths.mean()),
+            "staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max())}
+
+
+def reduce_across_ranks(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Mean over ranks (max for ``*_max`` keys); identity in a single process."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return metrics
+    keys = sorted(metrics)
+    means = [k for k in keys if not k.endswith("_max")]
+    maxes = [k for k in keys if k.endswith("_max")]
+    out = dict(metrics)
+    if means:
+        t = torch.tensor([metrics[k] for k in means], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(t)
+        out.update(zip(means, (t / torch.distributed.get_world_size()).tolist()))
+    if maxes:
+        t = torch.tensor([metrics[k] for k in maxes], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        out.update(zip(maxes, t.tolist()))
+    return out
+
+
+class WeightPublisher:
+    """Rank 0 side of a push: gather full state dicts, cut buckets, ``ray.put`` each once, hand the
+    refs to the coordinator. Every rank must call ``gather`` (it is a collective)."""
+
+    def __init__(self, learner: PPOLearner, coordinator: Any, bucket_mb: float, rank: int):
+        self.learner, self.coordinator, self.bucket_mb, self.rank = learner, coordinator, bucket_mb, rank
+
+    def gather(self) -> dict[str, torch.Tensor]:
+        strategy = self.learner.strategy
+        state = {f"actor.{k}": v for k, v in strategy.full_state_dict(self.learner.actor).items()}
+        state.update({f"critic.{k}": v for k, v in strategy.full_state_dict(self.learner.critic).items()})
+        return state
+
+    def publish(self, state: dict[str, torch.Tensor], version: int, meta: dict) -> tuple[float, int]:
+        """Put the buckets and start the relay; returns (seconds, bytes). Rank 0 only."""
+        start = time.perf_counter()
+        refs, nbytes = [], 0
+        for bucket in make_buckets(state, self.bucket_mb):
+            refs.append(ray.put(bucket))
+            nbytes += bucket_nbytes(bucket)
+        ray.get(self.coordinator.publish_weights.remote(version, refs, nbytes, meta))
+        return time.perf_counter() - start, nbytes
+
+
+class CheckpointWriter:
+    """Rank 0 writes actor and critic (``save_pretrained``, safetensors), tokenizer, optimizer
+    state and run state into a fresh directory that becomes a ``ray.train.Checkpoint``."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self._actor = self._critic = None  # CPU copies that receive full state dicts before saving
+
+    def write(self, state: dict[str, torch.Tensor], optim_state: dict, run_state: dict) -> ray.train.Checkpoint:
+        if self._actor is None:
+            self._actor, self._critic = build_actor(self.cfg), build_critic(self.cfg)
+        self._actor.load_state_dict({k.removeprefix("actor."): v for k, v in state.items() if k.startswith("actor.")})
+        self._critic.load_state_dict({k.removeprefix("critic."): v for k, v in state.items() if k.startswith("critic.")})
+        directory = Path(tempfile.mkdtemp(prefix="ray_ppo_ckpt_"))
+        self._actor.save_pretrained(directory / "actor")
+        load_tokenizer(tokenizer_path(self.cfg)).save_pretrained(directory / "actor")
+        self._critic.save_pretrained(directory / "critic")
+        torch.save(optim_state, directory / "optimizer.pt")
+        (directory / "state.json").write_text(json.dumps(run_state, indent=2))
+        return ray.train.Checkpoint.from_directory(str(directory))
+
+
+def train_loop_per_worker(loop_config: dict) -> None:
+    """Pull experience, train, publish weights, report: ``trainer.total_steps`` times."""
+    cfg = Config.from_dict(loop_config["config"])
+    handles = RunHandles(**loop_config["handles"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(cfg.trainer.torch_threads)
+    torch.manual_seed(cfg.seed)
+    device = ray.train.torch.get_device() if cfg.trainer.use_gpu else torch.device("cpu")
+    coordinator = ray.get_actor(handles.coordinator_name, namespace=handles.namespace)
+
+    learner = PPOLearner(build_actor(cfg), build_critic(cfg), make_strategy(cfg.trainer.strategy, device),
+                         learner_params(cfg), seed=cfg.seed + rank)
+    kl_ctl = make_kl_controller(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
+    publisher = WeightPublisher(learner, coordinator, cfg.sync.bucket_mb, rank)
+    checkpoints = CheckpointWriter(cfg) if rank == 0 else None
+    monitor = MakerMonitor(coordinator) if rank == 0 else None
+    pad_token_id = load_tokenizer(tokenizer_path(cfg)).pad_token_id
+    version = 0
+    if cfg.maker.wait_for_weights:
+        state = publisher.gather()
+        if rank == 0:
+            publisher.publish(state, version, {"kl_coef": kl_ctl.value})
+
+    run_start = time.perf_counter()
+    for step in range(1, cfg.trainer.total_steps + 1):
+        step_start = time.perf_counter()
+        items = ray.get(coordinator.pull.remote(rank, cfg.trainer.train_batch_size, version, cfg.trainer.pull_timeout_s))
+        wait_s = time.perf_counter() - step_start
+
+        train_start = time.perf_counter()
+        metrics = learner.train_step(ExperienceBatch.merge(items, pad_token_id))
+        train_s = time.perf_counter() - train_start
+        metrics.update(experience_metrics(items, version))
+        kl_ctl.update(metrics["kl"], cfg.trainer.train_batch_size * world)
+
+        is_last = step == cfg.trainer.total_steps
+        push_due = step % cfg.trainer.update_steps == 0 or is_last
+        ckpt_due = is_last or (cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0)
+        state = publisher.gather() if push_due or ckpt_due else {}
+        optim_state = _gather_optim(learner) if ckpt_due else {}
+        push_s, push_bytes = 0.0, 0
+        if push_due:
+            version += 1
+            if rank == 0:
+                push_s, push_bytes = publisher.publish(state, version, {"kl_coef": kl_ctl.value})
+
+        step_s = time.perf_counter() - step_start
+        metrics.update(train_s=train_s, trainer_idle_ratio=wait_s / step_s, push_s=push_s, push_bytes=float(push_bytes))
+        metrics = reduce_across_ranks(metrics, device)
+        metrics.update(step=step, policy_version=version, kl_coef=kl_ctl.value,
+                       samples_per_s=cfg.trainer.train_batch_size * world / step_s,
+                       elapsed_s=time.perf_counter() - run_start)
+        checkpoint = None
+        if rank == 0:
+            metrics.update(monitor.metrics(step_s))
+            if is_last:
+                metrics["weights_in_sync"] = _verify_makers(coordinator, version, fingerprint(state))
+            if ckpt_due:
+                run_state = {"step": step, "policy_version": version, "kl_ctl": kl_ctl.state_dict()}
+                checkpoint = checkpoints.write(state, optim_state, run_state)
+            coordinator.record_metrics.remote(metrics)
+        if is_last or ckpt_due or step % cfg.logging.report_every == 0:
+            ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def _gather_optim(learner: PPOLearner) -> dict:
+    s = learner.strategy
+    return {"actor": s.full_optimizer_state_dict(learner.actor, learner.actor_optim),
+            "critic": s.full_optimizer_state_dict(learner.critic, learner.critic_optim),
+            "actor_sched": learner.actor_sched.state_dict(), "critic_sched": learner.critic_sched.state_dict()}
+
+
+class MakerMonitor:
+    """Generation throughput and maker idle ratio since the previous step, from the coordinator's totals."""
+
+    def __init__(self, coordinator: Any):
+        self.coordinator = coordinator
+        self.last = {"tokens": 0.0, "generate_s": 0.0, "idle_s": 0.0}
+
+    def metrics(self, step_s: float) -> dict[str, float]:
+        status = ray.get(self.coordinator.status.remote())
+        makers = status["makers"].values()
+        totals = {key: sum(m[key] for m in makers) for key in self.last}
+        delta = {key: totals[key] - self.last[key] for key in totals}
+        self.last = totals
+        n = max(1, len(status["makers"]))
+        counters = status["counters"]
+        return {"generated_tokens_per_s": delta["tokens"] / step_s, "maker_generate_s": delta["generate_s"] / n,
+                "maker_idle_ratio": min(1.0, delta["idle_s"] / (n * step_s)),
+                "items_produced": float(counters["produced"]), "items_consumed": float(counters["consumed"]),
+                "items_discarded": float(counters["discarded"]), "items_in_flight": float(counters["in_flight"])}
+
+
+def _verify_makers(coordinator: Any, version: int, expected: str) -> float:
+    """1.0 if every maker loaded push ``version`` and holds exactly the published weights."""
+    ray.get(coordinator.wait_for_version.remote(version, VERIFY_TIMEOUT_S))
+    prints = ray.get(coordinator.maker_fingerprints.remote())
+    return float(all(v == version and fp == expected for v, fp in prints.values()))
