@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -73,9 +74,10 @@ class MakerWorker:
                 if batch is None:
                     break
                 self._make_and_queue(batch.texts, waited_s=time.perf_counter() - start)
-        except Exception:
-            error = traceback.format_exc(limit=8)
-            self.coordinator.maker_failed.remote(self.maker_id, error)
+        except Exception as e:  # reported in one line; the full traceback stays in this actor's log
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            summary = f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})"
+            ray.get(self.coordinator.maker_failed.remote(self.maker_id, summary))
             raise
         finally:
             self.outbox.put(None)

@@ -140,7 +140,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     run_start = time.perf_counter()
     for step in range(1, cfg.trainer.total_steps + 1):
         step_start = time.perf_counter()
-        items = ray.get(coordinator.pull.remote(rank, cfg.trainer.train_batch_size, version, cfg.trainer.pull_timeout_s))
+        items = _pull(coordinator, rank, cfg.trainer.train_batch_size, version, cfg.trainer.pull_timeout_s)
         wait_s = time.perf_counter() - step_start
 
         train_start = time.perf_counter()
@@ -177,6 +177,15 @@ def train_loop_per_worker(loop_config: dict) -> None:
             coordinator.record_metrics.remote(metrics)
         if is_last or ckpt_due or step % cfg.logging.report_every == 0:
             ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float) -> list[ExperienceItem]:
+    """Items from the coordinator; its errors (maker failure, stall) are re-raised as themselves,
+    so the run's error message is the coordinator's one-line diagnosis."""
+    try:
+        return ray.get(coordinator.pull.remote(rank, n, version, timeout_s))
+    except ray.exceptions.RayTaskError as e:
+        raise e.as_instanceof_cause() from None
 
 
 def _gather_optim(learner: PPOLearner) -> dict:

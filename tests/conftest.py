@@ -1,0 +1,48 @@
+"""Shared fixtures: the tiny models are built once per test session, in a temporary cache."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tiny_model_cache(tmp_path_factory) -> str:
+    """Point ``RAY_PPO_CACHE`` at a session temporary directory, so nothing is written to $HOME."""
+    cache = str(tmp_path_factory.mktemp("ray_ppo_cache"))
+    previous = os.environ.get("RAY_PPO_CACHE")
+    os.environ["RAY_PPO_CACHE"] = cache
+    yield cache
+    if previous is None:
+        os.environ.pop("RAY_PPO_CACHE", None)
+    else:
+        os.environ["RAY_PPO_CACHE"] = previous
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tiny_model_cache) -> str:
+    """Directory of the built-in tiny causal LM (built on first use)."""
+    from ray_ppo.models import ensure_tiny_model
+
+    return str(ensure_tiny_model("lm"))
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_path(tiny_model_cache) -> str:
+    """Directory of the built-in tiny one-label reward model (built on first use)."""
+    from ray_ppo.models import ensure_tiny_model
+
+    return str(ensure_tiny_model("reward"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_path):
+    """The tiny model's tokenizer, loaded for generation (left padding)."""
+    from ray_ppo.models import load_tokenizer
+
+    return load_tokenizer(tiny_path)

@@ -1,0 +1,19 @@
+"""One local Ray cluster for every test under tests/ray (session scope, CPU only)."""
+
+import os
+
+import pytest
+
+RAY_NUM_CPUS = 8
+"""Logical CPUs: more than the 2 cores, so fractional makers, a trainer and read tasks all fit."""
+
+
+@pytest.fixture(scope="session")
+def ray_session(tmp_path_factory):
+    import ray
+
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    ray.init(num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,123 @@
+"""The detached pipeline end to end on a local CPU cluster: fit() with M makers : N ranks."""
+
+import csv
+from pathlib import Path
+
+import pytest
+import ray
+
+from ray_ppo.api import PPOTrainer
+from ray_ppo.config import load_config
+from ray_ppo.data import DataError
+
+pytestmark = pytest.mark.ray
+
+REPO = Path(__file__).parents[2]
+STEPS = 4
+BATCH = 16
+MAX_STALENESS = 1
+
+
+def small_config(tmp_path, *overrides):
+    return load_config(REPO / "configs" / "tiny.yaml", [
+        f"trainer.total_steps={STEPS}", f"trainer.train_batch_size={BATCH}", "trainer.mini_batch_size=8",
+        "maker.batch_size=8", f"ppo.max_staleness={MAX_STALENESS}", f"logging.output_dir={tmp_path}",
+        "trainer.pull_timeout_s=60", "logging.report_every=2", *overrides])
+
+
+def messy_prompts(path: Path) -> Path:
+    """The toy prompts plus blank ones and prompts longer than data.max_prompt_len (16 tokens)."""
+    rows = [line.strip() for line in open(REPO / "data" / "toy_prompts.csv")][1:65]
+    rows[3] = rows[10] = ""
+    rows[5] = rows[20] = " ".join(["7"] * 40)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["text", "id"])
+        writer.writerows([r, i] for i, r in enumerate(rows))
+    return path
+
+
+def run_namespaces() -> set[str]:
+    return {a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)}
+
+
+@pytest.mark.parametrize("strategy,num_makers,num_workers", [
+    ("ddp", 2, 1), ("fsdp", 2, 1), ("ddp", 2, 2), ("fsdp", 2, 2)])
+def test_fit_accounts_for_every_item(ray_session, tmp_path, strategy, num_makers, num_workers):
+    prompts = messy_prompts(tmp_path / "prompts.csv")
+    cfg = small_config(tmp_path, f"trainer.strategy={strategy}", f"maker.num_makers={num_makers}",
+                       f"trainer.num_workers={num_workers}", f"data.path={prompts}", "data.prompt_column=text")
+    trainer = PPOTrainer(cfg)
+    result = trainer.fit()
+
+    history = trainer.history
+    assert [m["step"] for m in history] == list(range(1, STEPS + 1))
+    for key in ("reward_mean", "reward_std", "kl", "policy_loss", "value_loss", "clipfrac", "approx_kl", "entropy",
+                "policy_version", "staleness_mean", "staleness_max", "samples_per_s", "generated_tokens_per_s",
+                "maker_generate_s", "train_s", "trainer_idle_ratio", "maker_idle_ratio", "push_s", "push_bytes"):
+        assert key in history[-1], key
+    assert result.metrics["step"] == STEPS
+    versions = [m["policy_version"] for m in history]
+    assert versions == sorted(versions) and versions[-1] == STEPS
+    assert max(m["staleness_max"] for m in history) <= MAX_STALENESS
+    assert history[-1]["weights_in_sync"] == 1.0  # every maker holds exactly the last published weights
+
+    counters = trainer.final_status["counters"]
+    assert counters["consumed"] == STEPS * BATCH * num_workers
+    assert counters["produced"] == counters["consumed"] + counters["in_flight"] + counters["discarded"]
+    assert counters["blank_prompts"] > 0 and counters["truncated_prompts"] > 0
+    # Every item a maker made reached the coordinator's books (sends cut short at the end count in flight).
+    assert len(trainer.maker_summaries) == 2 * num_makers
+    assert sum(s.get("made", 0) for s in trainer.maker_summaries) == counters["produced"]
+
+    ckpt = Path(result.checkpoint.path)
+    assert (ckpt / "actor" / "model.safetensors").exists() and (ckpt / "critic" / "value_head.safetensors").exists()
+    assert trainer.namespace not in run_namespaces()  # fit() removed the actors it started
+
+
+def test_checkpoint_loads_with_from_pretrained(ray_session, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ray_ppo.models import Critic
+
+    trainer = PPOTrainer(small_config(tmp_path, "trainer.total_steps=2"))
+    result = trainer.fit()
+    with result.checkpoint.as_directory() as directory:
+        actor = AutoModelForCausalLM.from_pretrained(Path(directory) / "actor")
+        AutoTokenizer.from_pretrained(Path(directory) / "actor")
+        critic = Critic.from_pretrained(str(Path(directory) / "critic"))
+        state = (Path(directory) / "state.json").read_text()
+    assert actor.config.n_layer == 2 and critic.value_head.out_features == 1
+    assert '"policy_version": 2' in state
+
+
+def test_missing_column_names_the_columns(ray_session, tmp_path):
+    cfg = small_config(tmp_path, f"data.path={messy_prompts(tmp_path / 'p.csv')}", "data.prompt_column=question")
+    before = run_namespaces()
+    with pytest.raises(DataError, match=r"'question'.*columns present: \['text', 'id'\]"):
+        PPOTrainer(cfg).fit()
+    assert run_namespaces() == before
+
+
+def test_unreadable_file_names_the_path(ray_session, tmp_path):
+    missing = tmp_path / "nope.parquet"
+    with pytest.raises(DataError, match="nope.parquet"):
+        PPOTrainer(small_config(tmp_path, f"data.path={missing}")).fit()
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"this is not parquet")
+    with pytest.raises(DataError, match="broken.parquet"):
+        PPOTrainer(small_config(tmp_path, f"data.path={broken}")).fit()
+
+
+def test_maker_error_surfaces_in_fit(ray_session, tmp_path):
+    # A reward function with the wrong signature raises TypeError inside the maker's loop.
+    cfg = small_config(tmp_path, "model.reward_fn=ray_ppo.tasks.toy:write_prompt_files", "trainer.total_steps=2")
+    trainer = PPOTrainer(cfg)
+    with pytest.raises(Exception, match=r"maker_\d failed.*TypeError"):
+        trainer.fit()
+    assert trainer.namespace not in run_namespaces()
+
+
+def test_runs_get_separate_namespaces(ray_session, tmp_path):
+    a, b = PPOTrainer(small_config(tmp_path)), PPOTrainer(small_config(tmp_path))
+    assert a.namespace != b.namespace and a.namespace.startswith("ray_ppo.tiny.")
