@@ -1,7 +1,20 @@
 """ray_ppo: detached PPO for language models on Ray.
 
-Importing the package is cheap: it pulls in neither Ray nor torch. Import the parts you need
-(`ray_ppo.algo`, `ray_ppo.models`, `ray_ppo.api`, ...).
+Importing the package is cheap: it pulls in neither Ray nor torch. ``PPOTrainer``, ``Config``
+and ``load_config`` are loaded on first use::
+
+    from ray_ppo import PPOTrainer, load_config
 """
 
+import importlib
+
 __version__ = "0.1.0"
+
+_LAZY = {"PPOTrainer": "ray_ppo.api", "Config": "ray_ppo.config", "load_config": "ray_ppo.config"}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ray_ppo' has no attribute {name!r}")

@@ -1,0 +1,34 @@
+"""`ray-ppo train` as a user runs it: a subprocess with its own local Ray cluster."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).parents[2]
+
+
+def test_ray_ppo_train_writes_metrics_and_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ray_ppo.cli", "train", "--config", "configs/tiny.yaml", "--output", str(out),
+         "trainer.total_steps=3", "trainer.train_batch_size=16", "trainer.mini_batch_size=8", "maker.batch_size=8"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all({"reward_mean", "kl", "policy_version"} <= r.keys() for r in rows)
+    assert "step 3/3 | reward" in proc.stdout and "done: 3 steps" in proc.stdout
+    assert (out / "config.yaml").exists()
+    assert (out / "checkpoint" / "actor" / "model.safetensors").exists()
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 3
+
+
+def test_ray_ppo_train_bad_override_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ray_ppo.cli", "train", "--config", "configs/tiny.yaml",
+                           "ppo.kl_cof=0.1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "did you mean 'ppo.kl_coef'" in proc.stderr

@@ -1,0 +1,117 @@
+"""Maker and coordinator actors wired by hand: weight pushes and back-pressure."""
+
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from ray_ppo.api import resolve_config
+from ray_ppo.config import load_config
+from ray_ppo.coordinator import Coordinator
+from ray_ppo.makers.actor import maker_actor_class
+from ray_ppo.models import Critic, load_actor
+from ray_ppo.sync import fingerprint, make_buckets
+
+pytestmark = pytest.mark.ray
+REPO = Path(__file__).parents[2]
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return resolve_config(load_config(REPO / "configs" / "tiny.yaml", ["maker.batch_size=4", "maker.num_makers=1"]))
+
+
+def start(cfg, *, buffer_size=8, items_per_version=10_000, prompts=None):
+    coordinator = ray.remote(num_cpus=0)(Coordinator).remote(
+        num_ranks=1, num_makers=1, buffer_size=buffer_size, max_staleness=1, items_per_version=items_per_version,
+        prompts=prompts, prompt_batch_size=cfg.maker.batch_size)
+    maker = maker_actor_class(0.5, 0).remote(0, cfg.to_dict(), coordinator)
+    ray.get(coordinator.register_makers.remote({0: maker}))
+    ray.get(maker.ping.remote())
+    return coordinator, maker
+
+
+def perturbed_state(cfg, seed: int) -> dict[str, torch.Tensor]:
+    """Trained-looking weights: every parameter nudged in place (tied weights stay tied)."""
+    torch.manual_seed(seed)
+    actor, critic = load_actor(cfg.model.pretrained), Critic.from_pretrained(cfg.model.pretrained)
+    with torch.no_grad():
+        for p in [*actor.parameters(), *critic.parameters()]:
+            p.add_(0.01 * torch.randn_like(p))
+    state = {f"actor.{k}": v for k, v in actor.state_dict().items()}
+    state.update({f"critic.{k}": v for k, v in critic.state_dict().items()})
+    return state
+
+
+def put_buckets(state, bucket_mb=0.05):
+    return [ray.put(b) for b in make_buckets(state, bucket_mb)]
+
+
+def test_push_is_atomic_and_exact(ray_session, cfg):
+    coordinator, maker = start(cfg)
+    version0, print0 = ray.get(maker.weights_fingerprint.remote())
+    state = perturbed_state(cfg, seed=1)
+    refs = put_buckets(state)
+    assert len(refs) > 3  # several chunks, so "some but not all" is meaningful
+
+    # Interrupted: chunk_start and all chunks but one, then chunk_end -> refused, old weights kept.
+    ray.get(maker.weights_start.remote(1, len(refs), {}))
+    for i, ref in enumerate(refs[:-1]):
+        ray.get(maker.weights_chunk.remote(1, i, [ref]))
+    assert ray.get(maker.weights_end.remote(1)) is False
+    assert ray.get(maker.weights_fingerprint.remote()) == (version0, print0)
+
+    # A push abandoned midway by a newer one: only the newer completes.
+    ray.get(maker.weights_start.remote(2, len(refs), {}))
+    ray.get(maker.weights_chunk.remote(2, 0, [refs[0]]))
+    newer = perturbed_state(cfg, seed=2)
+    newer_refs = put_buckets(newer)
+    ray.get(maker.weights_start.remote(3, len(newer_refs), {"kl_coef": 0.5}))
+    for i, ref in enumerate(newer_refs):
+        ray.get(maker.weights_chunk.remote(3, i, [ref]))
+    assert ray.get(maker.weights_end.remote(2)) is False
+    assert ray.get(maker.weights_end.remote(3)) is False  # staging was consumed by the stale chunk_end
+    ray.get(maker.weights_start.remote(3, len(newer_refs), {"kl_coef": 0.5}))
+    for i, ref in enumerate(newer_refs):
+        ray.get(maker.weights_chunk.remote(3, i, [ref]))
+    assert ray.get(maker.weights_end.remote(3)) is True
+    assert ray.get(maker.weights_fingerprint.remote()) == (3, fingerprint(newer))
+
+
+def test_coordinator_relays_pushes_as_refs(ray_session, cfg):
+    coordinator, maker = start(cfg)
+    state = perturbed_state(cfg, seed=3)
+    refs = put_buckets(state)
+    ray.get(coordinator.publish_weights.remote(1, refs, 0, {}))
+    versions = ray.get(coordinator.wait_for_version.remote(1, 30))
+    assert versions == {0: 1}
+    assert ray.get(coordinator.maker_fingerprints.remote()) == {0: (1, fingerprint(state))}
+
+
+def test_slow_trainer_makes_makers_wait_and_loses_nothing(ray_session, cfg):
+    prompts = ray.data.from_items([{"prompt": "1 2 3"}] * 64)
+    coordinator, maker = start(cfg, buffer_size=8, prompts=prompts)
+    loops = [maker.run.remote(), maker.send_loop.remote()]
+    time.sleep(8)  # the "trainer" pulls nothing: the buffer fills, then the maker blocks
+    status = ray.get(coordinator.status.remote())
+    assert status["buffered"] == [8]
+    # Blocked: at most one send waiting in the coordinator and SEND_QUEUE_BATCHES queued in the maker.
+    assert status["counters"]["produced"] <= 8 + 2 * cfg.maker.batch_size
+    first = ray.get(coordinator.status.remote())["counters"]["produced"]
+    time.sleep(2)
+    assert ray.get(coordinator.status.remote())["counters"]["produced"] == first  # still waiting
+
+    pulled = []
+    for _ in range(4):
+        pulled += ray.get(coordinator.pull.remote(0, 8, 0, 30))
+    final = ray.get(coordinator.finish.remote())
+    summaries = ray.get(loops, timeout=30)
+    counters = ray.get(coordinator.status.remote())["counters"]
+    assert len(pulled) == 32 == counters["consumed"]
+    assert len({item.uid for item in pulled}) == 32  # no duplicates
+    assert counters["produced"] == counters["consumed"] + counters["in_flight"] + counters["discarded"]
+    assert counters["discarded"] == 0
+    assert summaries[0]["made"] == counters["produced"]
+    assert final["makers"][0]["idle_s"] > 1.0  # back-pressure time is reported as maker idle time
