@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ray_ppo.config import Config
 from ray_ppo.makers.experience import AdvantageParams, ExperienceMaker
+from ray_ppo.models.lora import apply_lora
 from ray_ppo.models import Critic, RewardModel, SamplingParams, load_actor, load_reward_fn, load_tokenizer
 from ray_ppo.train.learner import LearnerParams
 
@@ -43,19 +44,31 @@ def tokenizer_path(cfg: Config) -> str:
     return cfg.model.tokenizer or cfg.model.pretrained
 
 
-def build_actor(cfg: Config):
-    return load_actor(cfg.model.pretrained, cfg.model.dtype)
+def build_actor(cfg: Config, with_lora: bool = True):
+    """The actor, with fresh LoRA adapters when ``model.lora.rank > 0``."""
+    actor = load_actor(cfg.model.pretrained, cfg.model.dtype)
+    lora = cfg.model.lora
+    if with_lora and lora.rank > 0:
+        actor = apply_lora(actor, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    return actor
 
 
 def build_critic(cfg: Config) -> Critic:
-    return Critic.from_pretrained(cfg.model.critic_pretrained or cfg.model.pretrained, cfg.model.dtype)
+    """The critic; its backbone gets LoRA adapters when ``model.lora.critic`` (the value head stays trainable)."""
+    critic = Critic.from_pretrained(cfg.model.critic_pretrained or cfg.model.pretrained, cfg.model.dtype)
+    lora = cfg.model.lora
+    if lora.rank > 0 and lora.critic:
+        critic.backbone = apply_lora(critic.backbone, lora.rank, lora.alpha, lora.dropout, lora.target_modules,
+                                     task_type=None)
+    return critic
 
 
 def build_experience_maker(cfg: Config, actor=None, critic=None, name: str = "maker") -> ExperienceMaker:
     """An ``ExperienceMaker``; pass ``actor``/``critic`` to share models with a learner (local loop)."""
     actor = actor if actor is not None else build_actor(cfg)
     critic = critic if critic is not None else build_critic(cfg)
-    ref = build_actor(cfg).eval()
+    # With LoRA the reference is the actor with adapters disabled: no second copy of the weights.
+    ref = None if cfg.model.lora.rank > 0 else build_actor(cfg, with_lora=False).eval()
     reward_model = RewardModel.from_pretrained(cfg.model.reward_pretrained, cfg.model.dtype).eval() \
         if cfg.model.reward_pretrained else None
     reward_fn = load_reward_fn(cfg.model.reward_fn) if reward_model is None else None

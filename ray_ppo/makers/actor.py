@@ -25,6 +25,7 @@ import torch
 
 from ray_ppo.config import Config
 from ray_ppo.data import PromptEncoder
+from ray_ppo.models.quantize import quantize_for_generation
 from ray_ppo.sync import fingerprint, unpack_bucket
 
 CONCURRENCY_GROUPS = {"compute": 1, "experience_io": 1, "model_io": 1}
@@ -47,6 +48,11 @@ class MakerWorker:
         self.maker = build_experience_maker(self.cfg, name=f"maker_{maker_id}")
         self.maker.actor.eval()
         self.maker.critic.eval()
+        self.float_actor = self.maker.actor  # receives pushes; generation may use a quantized copy
+        if self.cfg.maker.quantization:
+            if self.maker.ref is None:  # LoRA: the reference stays the float base model
+                self.maker.ref = self.float_actor
+            self.maker.actor = quantize_for_generation(self.float_actor, self.cfg.maker.quantization)
         self.encoder = PromptEncoder(self.maker.tokenizer, self.cfg.data.max_prompt_len, self.cfg.data.chat_template)
         self.version = 0
         self.model_lock = threading.Lock()
@@ -143,10 +149,15 @@ class MakerWorker:
         tensors = staged["tensors"]
         actor_state = {k.removeprefix("actor."): v for k, v in tensors.items() if k.startswith("actor.")}
         critic_state = {k.removeprefix("critic."): v for k, v in tensors.items() if k.startswith("critic.")}
+        partial = bool(staged["meta"].get("partial"))  # LoRA-only: adapters and value head
+        _check_keys(self.float_actor, actor_state, partial, "actor")  # before touching any weight
+        _check_keys(self.maker.critic, critic_state, partial, "critic")
         start = time.perf_counter()
         with self.model_lock:
-            self.maker.actor.load_state_dict(actor_state, strict=True)
-            self.maker.critic.load_state_dict(critic_state, strict=True)
+            self.float_actor.load_state_dict(actor_state, strict=not partial)
+            self.maker.critic.load_state_dict(critic_state, strict=not partial)
+            if self.cfg.maker.quantization:
+                self.maker.actor = quantize_for_generation(self.float_actor, self.cfg.maker.quantization)
             if "kl_coef" in staged["meta"]:
                 self.maker.advantage.kl_coef = staged["meta"]["kl_coef"]
             self.version = version
@@ -157,9 +168,17 @@ class MakerWorker:
     def weights_fingerprint(self) -> tuple[int, str]:
         """(version, fingerprint of the actor and critic weights) for consistency checks."""
         with self.model_lock:
-            state = {f"actor.{k}": v for k, v in self.maker.actor.state_dict().items()}
+            state = {f"actor.{k}": v for k, v in self.float_actor.state_dict().items()}
             state.update({f"critic.{k}": v for k, v in self.maker.critic.state_dict().items()})
             return self.version, fingerprint(state)
+
+
+def _check_keys(model: torch.nn.Module, state: dict[str, torch.Tensor], partial: bool, what: str) -> None:
+    """A push may never bring tensors the model lacks; only a partial (LoRA-only) push may omit some."""
+    expected = set(model.state_dict())
+    unknown, missing = sorted(set(state) - expected), sorted(expected - set(state))
+    if unknown or (missing and not partial):
+        raise ValueError(f"{what} push does not match the maker's model: unknown {unknown[:5]}, missing {missing[:5]}")
 
 
 def maker_actor_class(num_cpus: float, num_gpus: float):

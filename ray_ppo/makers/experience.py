@@ -49,18 +49,21 @@ class ExperienceMaker:
       - shape per-token rewards with the KL penalty and compute GAE advantages and returns.
 
     ``ref`` may be None when the actor is a peft model: the reference is then the actor with its
-    adapters disabled.
+    adapters disabled. ``ref_disable_adapters`` says the same of a peft ``ref`` (a quantized
+    maker generates with a merged copy and keeps the float peft model as reference).
     """
 
     def __init__(self, actor: nn.Module, ref: nn.Module | None, critic: nn.Module, tokenizer,
                  sampling: SamplingParams, advantage: AdvantageParams,
-                 reward_fn: RewardFn | None = None, reward_model: nn.Module | None = None, name: str = "maker"):
+                 reward_fn: RewardFn | None = None, reward_model: nn.Module | None = None, name: str = "maker",
+                 ref_disable_adapters: bool = False):
         if (reward_fn is None) == (reward_model is None):
             raise ValueError("give exactly one of reward_fn and reward_model")
         self.actor, self.ref, self.critic, self.tokenizer = actor, ref, critic, tokenizer
         self.sampling, self.advantage = sampling, advantage
         self.reward_fn, self.reward_model = reward_fn, reward_model
         self.name = name
+        self.ref_disable_adapters = ref_disable_adapters or ref is None
         self._counter = 0
 
     @torch.no_grad()
@@ -98,10 +101,11 @@ class ExperienceMaker:
 
     def _ref_log_probs(self, rollout: Rollout) -> torch.Tensor:
         args = (rollout.sequences, rollout.attention_mask, rollout.num_actions, self.sampling.temperature)
-        if self.ref is not None:
-            return action_log_probs(self.ref, *args)
-        with self.actor.disable_adapter():
-            return action_log_probs(self.actor, *args)
+        model = self.ref if self.ref is not None else self.actor
+        if not self.ref_disable_adapters:
+            return action_log_probs(model, *args)
+        with model.disable_adapter():
+            return action_log_probs(model, *args)
 
     def _to_batch(self, rollout: Rollout, reward: torch.Tensor, policy_version: int) -> ExperienceBatch:
         mask = rollout.action_mask

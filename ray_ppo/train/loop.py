@@ -21,6 +21,7 @@ from ray_ppo.algo import ExperienceBatch, ExperienceItem, make_kl_controller
 from ray_ppo.build import build_actor, build_critic, learner_params, tokenizer_path
 from ray_ppo.config import Config
 from ray_ppo.models import load_tokenizer
+from ray_ppo.models.lora import trainable_names
 from ray_ppo.sync import bucket_nbytes, fingerprint, make_buckets
 from ray_ppo.train.learner import PPOLearner
 from ray_ppo.train.strategies import make_strategy
@@ -73,12 +74,20 @@ class WeightPublisher:
 
     def __init__(self, learner: PPOLearner, coordinator: Any, bucket_mb: float, rank: int):
         self.learner, self.coordinator, self.bucket_mb, self.rank = learner, coordinator, bucket_mb, rank
+        unwrap = learner.strategy.unwrap
+        self.trainable = {f"actor.{n}" for n in trainable_names(unwrap(learner.actor))}
+        self.trainable |= {f"critic.{n}" for n in trainable_names(unwrap(learner.critic))}
 
     def gather(self) -> dict[str, torch.Tensor]:
+        """Full actor and critic state dicts, keys prefixed ``actor.`` / ``critic.``."""
         strategy = self.learner.strategy
         state = {f"actor.{k}": v for k, v in strategy.full_state_dict(self.learner.actor).items()}
         state.update({f"critic.{k}": v for k, v in strategy.full_state_dict(self.learner.critic).items()})
         return state
+
+    def trainable_only(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The LoRA-only push (``sync.lora_only``): adapters and other trainable tensors (value head)."""
+        return {k: v for k, v in state.items() if k in self.trainable}
 
     def publish(self, state: dict[str, torch.Tensor], version: int, meta: dict) -> tuple[float, int]:
         """Put the buckets and start the relay; returns (seconds, bytes). Rank 0 only."""
@@ -158,7 +167,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
         if push_due:
             version += 1
             if rank == 0:
-                push_s, push_bytes = publisher.publish(state, version, {"kl_coef": kl_ctl.value})
+                pushed = publisher.trainable_only(state) if cfg.sync.lora_only else state
+                push_s, push_bytes = publisher.publish(pushed, version, {"kl_coef": kl_ctl.value,
+                                                                         "partial": cfg.sync.lora_only})
 
         step_s = time.perf_counter() - step_start
         metrics.update(train_s=train_s, trainer_idle_ratio=wait_s / step_s, push_s=push_s, push_bytes=float(push_bytes))

@@ -1,0 +1,49 @@
+"""int8 makers: generation stays valid and pushes re-quantize from the new float weights."""
+
+import pytest
+import torch
+
+from ray_ppo.config import Config
+from ray_ppo.makers.actor import MakerWorker
+from ray_ppo.models import SamplingParams, action_logits, generate, load_actor
+from ray_ppo.models.quantize import quantize_for_generation
+
+
+def test_int8_copy_is_close_and_generates(tiny_path):
+    actor = load_actor(tiny_path)
+    q = quantize_for_generation(actor)
+    assert "quantized.dynamic" in type(q.transformer.h[0].attn.c_attn).__module__  # Conv1D got quantized too
+    assert type(actor.transformer.h[0].attn.c_attn).__name__ == "Conv1D"  # the float model is untouched
+    rollout = generate(q, [[3, 4, 5], [6, 7]], SamplingParams(max_new_tokens=6), pad_token_id=0, eos_token_id=1)
+    assert rollout.sequences.shape == (2, 3 + rollout.num_actions)
+    assert ((rollout.sequences >= 0) & (rollout.sequences < 13)).all()
+    args = (rollout.sequences, rollout.attention_mask, rollout.num_actions)
+    assert torch.allclose(action_logits(q, *args), action_logits(actor, *args), atol=0.1)
+
+
+def test_unknown_method_and_gpu_are_refused(tiny_path):
+    with pytest.raises(ValueError, match="int4"):
+        quantize_for_generation(load_actor(tiny_path), "int4")
+
+
+def test_push_to_quantized_maker_requantizes(tiny_path):
+    cfg = Config().with_overrides({"model.pretrained": tiny_path, "maker.quantization": "int8"})
+    worker = MakerWorker(0, cfg.to_dict(), coordinator=None)  # the plain class, no Ray needed here
+    old_generator = worker.maker.actor
+    torch.manual_seed(0)
+    new = load_actor(tiny_path)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    state = {f"actor.{k}": v for k, v in new.state_dict().items()}
+    state.update({f"critic.{k}": v for k, v in worker.maker.critic.state_dict().items()})
+    worker.weights_start(1, 1, {})
+    worker.staging["tensors"].update(state)  # what weights_chunk stages from the object store
+    worker.staging["seen"].add(0)
+    assert worker.weights_end(1) is True
+    assert worker.version == 1 and worker.maker.actor is not old_generator
+    x = torch.tensor([[3, 4, 5, 6]])
+    mask = torch.ones_like(x)
+    expected = action_logits(quantize_for_generation(new), x, mask, 2)
+    torch.testing.assert_close(action_logits(worker.maker.actor, x, mask, 2), expected)
+    assert not torch.allclose(action_logits(old_generator, x, mask, 2), expected, atol=1e-3)
