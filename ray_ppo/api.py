@@ -34,6 +34,9 @@ ACTOR_READY_TIMEOUT_S = 300.0
 SHUTDOWN_TIMEOUT_S = 30.0
 """How long makers get to finish their loops after the last step before they are killed."""
 POLL_S = 0.5
+OUTSIDE_CALLER_PLACEMENT_GROUP = "DEFAULT"
+"""Scheduling strategy of the run's actors: never captured by the caller's placement group (a
+Tune trial's driver holds one sized for itself alone)."""
 
 MetricsCallback = Callable[[dict], None]
 
@@ -126,14 +129,16 @@ class PPOTrainer(TorchTrainer):
         cfg = self.ppo_config
         dataset = self._dataset()
         self.coordinator = ray.remote(num_cpus=0)(Coordinator).options(
-            name="coordinator", namespace=self.namespace, lifetime="detached").remote(
+            name="coordinator", namespace=self.namespace, lifetime="detached",
+            scheduling_strategy=OUTSIDE_CALLER_PLACEMENT_GROUP).remote(
             num_ranks=cfg.trainer.num_workers, num_makers=cfg.maker.num_makers, buffer_size=cfg.buffer_size,
             max_staleness=cfg.ppo.max_staleness, routing=cfg.topology.routing, prompts=dataset,
             items_per_version=cfg.trainer.update_steps * cfg.trainer.train_batch_size * cfg.trainer.num_workers,
             prompt_batch_size=cfg.maker.batch_size, shuffle=cfg.data.shuffle, seed=cfg.seed)
         maker_cls = maker_actor_class(cfg.maker.num_cpus, cfg.maker.num_gpus)
         self.makers = {
-            i: maker_cls.options(name=f"maker_{i}", namespace=self.namespace, lifetime="detached").remote(
+            i: maker_cls.options(name=f"maker_{i}", namespace=self.namespace, lifetime="detached",
+                                 scheduling_strategy=OUTSIDE_CALLER_PLACEMENT_GROUP).remote(
                 i, cfg.to_dict(), self.coordinator)
             for i in range(cfg.maker.num_makers)}
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from ray_ppo.config import Config
 from ray_ppo.makers.experience import AdvantageParams, ExperienceMaker
 from ray_ppo.models.lora import apply_lora
+from ray_ppo.models.hf import disable_dropout
 from ray_ppo.models import Critic, RewardModel, SamplingParams, load_actor, load_reward_fn, load_tokenizer
 from ray_ppo.train.learner import LearnerParams
 
@@ -46,7 +47,7 @@ def tokenizer_path(cfg: Config) -> str:
 
 def build_actor(cfg: Config, with_lora: bool = True):
     """The actor, with fresh LoRA adapters when ``model.lora.rank > 0``."""
-    actor = load_actor(cfg.model.pretrained, cfg.model.dtype)
+    actor = disable_dropout(load_actor(cfg.model.pretrained, cfg.model.dtype))
     lora = cfg.model.lora
     if with_lora and lora.rank > 0:
         actor = apply_lora(actor, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
@@ -55,7 +56,7 @@ def build_actor(cfg: Config, with_lora: bool = True):
 
 def build_critic(cfg: Config) -> Critic:
     """The critic; its backbone gets LoRA adapters when ``model.lora.critic`` (the value head stays trainable)."""
-    critic = Critic.from_pretrained(cfg.model.critic_pretrained or cfg.model.pretrained, cfg.model.dtype)
+    critic = disable_dropout(Critic.from_pretrained(cfg.model.critic_pretrained or cfg.model.pretrained, cfg.model.dtype))
     lora = cfg.model.lora
     if lora.rank > 0 and lora.critic:
         critic.backbone = apply_lora(critic.backbone, lora.rank, lora.alpha, lora.dropout, lora.target_modules,

@@ -1,6 +1,7 @@
 """The ``ray-ppo`` command line.
 
     ray-ppo train --config configs/tiny.yaml [--output DIR] [--address ADDR] [key=value ...]
+    ray-ppo tune --config configs/tiny.yaml --grid ppo.kl_coef=0.02,0.1 --grid ppo.eps_clip=0.1,0.2
     ray-ppo local --config configs/tiny.yaml [--output DIR] [key=value ...]
     ray-ppo toy-data DIR
 
@@ -40,6 +41,22 @@ def build_parser() -> argparse.ArgumentParser:
                                          "instead of starting a local one")
     train.add_argument("--num-cpus", type=int, default=None,
                        help="logical CPUs of the local Ray cluster (default: max(8, cores)); ignored with --address")
+    tune = sub.add_parser("tune", help="a Ray Tune sweep of PPO runs (grid over dotted config keys)",
+                          description="Sweep config fields with Ray Tune, one detached PPO run per trial. Writes "
+                                      "DIR/trials.csv, DIR/sweep.png and DIR/trials/<id>/ per trial.")
+    _config_args(tune)
+    tune.add_argument("--grid", action="append", default=[], metavar="key=v1,v2,...",
+                      help="grid-search values of a config field, e.g. --grid ppo.kl_coef=0.02,0.1 (repeatable)")
+    tune.add_argument("--sweep", help="sweep YAML: {grid: {key: [values]}, metric:, mode:, num_samples:}")
+    tune.add_argument("--metric", default=None, help="metric to rank trials by (default reward_mean)")
+    tune.add_argument("--mode", choices=["max", "min"], default=None, help="maximise or minimise --metric (default max)")
+    tune.add_argument("--num-samples", type=int, default=None, help="repeat the grid this many times (default 1)")
+    tune.add_argument("--max-concurrent", type=int, default=None,
+                      help="trials running at once (default: as many as the cluster's CPUs fit)")
+    tune.add_argument("--scheduler", choices=["fifo", "asha"], default="fifo",
+                      help="trial scheduler: fifo runs every trial to the end, asha stops weak trials early")
+    tune.add_argument("--address", help="attach to a running Ray cluster instead of starting a local one")
+    tune.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the local Ray cluster")
     local = sub.add_parser("local", help="the synchronous single-process PPO loop (no Ray)",
                            description="Generate, then train, in one process: the baseline of the benchmarks.")
     _config_args(local)
@@ -54,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "local": cmd_local, "toy-data": cmd_toy_data}[args.command](args)
+        return {"train": cmd_train, "tune": cmd_tune, "local": cmd_local, "toy-data": cmd_toy_data}[args.command](args)
     except (ConfigError, DataError, FileNotFoundError) as e:
         print(f"ray-ppo {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -70,6 +87,23 @@ def _load(args):
     return cfg
 
 
+def _run_outputs(cfg, out_dir: Path):
+    """Per-step callbacks (run files, progress) and a closer that also draws ``curves.png``."""
+    from ray_ppo.plots import plot_run
+    from ray_ppo.tracking import LiveLine, Progress, RunDirectory
+
+    run_dir = RunDirectory(out_dir, cfg, tensorboard=cfg.logging.tensorboard)
+    progress = Progress(cfg.trainer.total_steps) if cfg.logging.progress else LiveLine(cfg.trainer.total_steps)
+
+    def close(history: list[dict]) -> None:
+        if isinstance(progress, Progress):
+            progress.close()
+        run_dir.close()
+        if history:
+            plot_run(history, out_dir / "curves.png")
+    return [run_dir, progress], close
+
+
 def _summary(history: list[dict], wall_s: float, out_dir: Path) -> str:
     if not history:
         return f"no steps completed in {wall_s:.0f} s"
@@ -81,29 +115,34 @@ def _summary(history: list[dict], wall_s: float, out_dir: Path) -> str:
             f"| {samples_per_s:.1f} samples/s | run dir {out_dir}")
 
 
+def _init_ray(args) -> None:
+    import ray
+
+    if args.address:
+        ray.init(address=args.address)
+        return
+    # Ray Train's controller polls workers every 2 s by default and each ray.train.report
+    # waits for that poll; a faster poll keeps reports cheap on a local cluster.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    # Worker logs stay in the Ray session directory; errors reach the driver as exceptions.
+    ray.init(num_cpus=args.num_cpus or max(8, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+
+
 def cmd_train(args) -> int:
     import ray
 
     from ray_ppo.api import PPOTrainer
-    from ray_ppo.tracking import LiveLine, RunDirectory
 
     cfg = _load(args)
     out_dir = Path(cfg.output_dir).resolve()
-    run_dir = RunDirectory(out_dir, cfg)
-    if args.address:
-        ray.init(address=args.address, log_to_driver=True)
-    else:
-        # Ray Train's controller polls workers every 2 s by default and each ray.train.report
-        # waits for that poll; a faster poll keeps reports cheap on a local cluster.
-        os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-        # Worker logs stay in the Ray session directory; errors reach the driver as exceptions.
-        ray.init(num_cpus=args.num_cpus or max(8, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    callbacks, close = _run_outputs(cfg, out_dir)
+    _init_ray(args)
     start = time.perf_counter()
-    trainer = PPOTrainer(cfg, metrics_callbacks=[run_dir, LiveLine(cfg.trainer.total_steps)])
+    trainer = PPOTrainer(cfg, metrics_callbacks=callbacks)
     try:
         result = trainer.fit()
     finally:
-        run_dir.close()
+        close(trainer.history)
         ray.shutdown()
     if result.checkpoint is not None:
         target = out_dir / "checkpoint"
@@ -113,19 +152,94 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _parse_grid(entries: list[str]) -> dict[str, list]:
+    import yaml
+
+    grid = {}
+    for entry in entries:
+        key, sep, values = entry.partition("=")
+        if not sep or not key or not values:
+            raise ConfigError(f"--grid {entry!r} must look like key=v1,v2 (e.g. ppo.kl_coef=0.02,0.1)")
+        grid[key.strip()] = [yaml.safe_load(v) for v in values.split(",")]
+    return grid
+
+
+def _sweep_spec(args) -> dict:
+    """Grid, metric, mode and samples from --sweep YAML, then --grid/--metric/... on top."""
+    import yaml
+
+    spec: dict = {}
+    if args.sweep:
+        path = Path(args.sweep)
+        if not path.exists():
+            raise ConfigError(f"sweep file {args.sweep!r} does not exist")
+        spec = yaml.safe_load(path.read_text()) or {}
+        unknown = set(spec) - {"grid", "metric", "mode", "num_samples"}
+        if not isinstance(spec, dict) or unknown:
+            raise ConfigError(f"sweep file {args.sweep!r}: unknown keys {sorted(unknown)}; use grid, metric, mode, num_samples")
+    grid = {**(spec.get("grid") or {}), **_parse_grid(args.grid)}
+    if not grid:
+        raise ConfigError("nothing to sweep: give --grid key=v1,v2 or --sweep FILE")
+    return {"grid": grid, "metric": args.metric or spec.get("metric", "reward_mean"),
+            "mode": args.mode or spec.get("mode", "max"), "num_samples": args.num_samples or spec.get("num_samples", 1)}
+
+
+def cmd_tune(args) -> int:
+    import ray
+    from ray import tune
+
+    from ray_ppo.sweep import sweep
+
+    cfg = _load(args)
+    spec = _sweep_spec(args)
+    for key, values in spec["grid"].items():  # unknown keys and bad values fail here, in one line
+        for value in values:
+            cfg.with_overrides({key: value})
+    out_dir = Path(args.output or f"runs/{cfg.name}-sweep").resolve()
+    scheduler = None
+    if args.scheduler == "asha":
+        from ray.tune.schedulers import ASHAScheduler
+
+        scheduler = ASHAScheduler(time_attr="step", max_t=cfg.trainer.total_steps,
+                                  grace_period=max(1, cfg.logging.report_every))
+    _init_ray(args)
+    start = time.perf_counter()
+    try:
+        outcome = sweep(cfg, {k: tune.grid_search(v) for k, v in spec["grid"].items()}, metric=spec["metric"],
+                        mode=spec["mode"], num_samples=spec["num_samples"], scheduler=scheduler,
+                        max_concurrent_trials=args.max_concurrent, output_dir=str(out_dir))
+    finally:
+        ray.shutdown()
+    print(_ranking(outcome.trials, list(spec["grid"]), spec["metric"], spec["mode"]))
+    print(f"best: {outcome.best_config} {spec['metric']}={outcome.best_metric:.4f} | checkpoint "
+          f"{outcome.best_checkpoint} | {len(outcome.trials)} trials in {time.perf_counter() - start:.0f} s | "
+          f"{out_dir / 'trials.csv'}, {out_dir / 'sweep.png'}")
+    return 0
+
+
+def _ranking(trials: list[dict], keys: list[str], metric: str, mode: str) -> str:
+    def score(t):
+        value = t.get(metric)
+        return float("-inf") if value is None else (value if mode == "max" else -value)
+    header = ["rank", *keys, metric, "status"]
+    rows = [[str(i + 1), *(str(t[k]) for k in keys), "-" if t.get(metric) is None else f"{t[metric]:.4f}", t["status"]]
+            for i, t in enumerate(sorted(trials, key=score, reverse=True))]
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in [header, *rows])
+
+
 def cmd_local(args) -> int:
     from ray_ppo.local import run_local
-    from ray_ppo.tracking import LiveLine, RunDirectory
 
     cfg = _load(args)
     out_dir = Path(cfg.output_dir).resolve()
-    run_dir = RunDirectory(out_dir, cfg)
-    live = LiveLine(cfg.trainer.total_steps)
+    callbacks, close = _run_outputs(cfg, out_dir)
     start = time.perf_counter()
+    history: list[dict] = []
     try:
-        history = run_local(cfg, on_metrics=lambda m: (run_dir(m), live(m)))
+        history = run_local(cfg, on_metrics=lambda m: [callback(m) for callback in callbacks])
     finally:
-        run_dir.close()
+        close(history)
     print(_summary(history, time.perf_counter() - start, out_dir))
     return 0
 

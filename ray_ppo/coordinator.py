@@ -225,7 +225,7 @@ class Coordinator:
         alive = await self._ping_makers()
         details = "; ".join(f"maker_{i}: {status}" for i, status in sorted(alive.items()))
         n_alive = sum(status.startswith("alive") for status in alive.values())
-        return (f"rank {rank}: no complete batch for {timeout_s:.0f} s (got {got}/{wanted} items; "
+        return (f"rank {rank}: no complete batch for {timeout_s:g} s (got {got}/{wanted} items; "
                 f"trainer version {self.trainer_version}, max_staleness {self.max_staleness}); "
                 f"makers alive {n_alive}/{self.num_makers}; {details}")
 

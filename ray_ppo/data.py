@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Sequence
 
 FORMATS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".json": "json", ".jsonl": "json"}
@@ -56,7 +57,7 @@ class PromptEncoder:
         if self.chat_template:
             ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
                                                      add_generation_prompt=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -112,7 +113,8 @@ def read_prompt_texts(path: str, prompt_column: str, fmt: str | None = None) -> 
 
     fmt = infer_format(path, fmt)
     _check_local_path(path)
-    readers = {"csv": pd.read_csv, "parquet": pd.read_parquet, "json": lambda p: pd.read_json(p, lines=True)}
+    readers = {"csv": lambda p: pd.read_csv(p, dtype=str), "parquet": pd.read_parquet,
+               "json": lambda p: pd.read_json(p, lines=True, dtype=False)}  # prompts stay text, never numbers
     try:
         frame = readers[fmt](path)
     except Exception as e:

@@ -15,15 +15,20 @@ import torch
 from ray_ppo.algo import ExperienceBatch, ExperienceItem, make_kl_controller
 from ray_ppo.build import build_actor, build_critic, build_experience_maker, learner_params
 from ray_ppo.config import Config
-from ray_ppo.data import PromptEncoder, read_prompt_texts
+from ray_ppo.data import DataError, PromptEncoder, read_prompt_texts
 from ray_ppo.tasks.toy import make_prompts
 from ray_ppo.train.learner import PPOLearner
 from ray_ppo.train.loop import experience_metrics
 from ray_ppo.train.strategies import LocalStrategy
 
+MAX_EMPTY_BATCHES = 1000
+"""Consecutive prompt batches without a usable prompt before the loop gives up."""
+
 
 def prompt_batches(texts: Sequence[str | None], batch_size: int, shuffle: bool, seed: int) -> Iterator[list]:
     """Endless prompt batches, epoch after epoch, reshuffled each epoch."""
+    if not texts:
+        raise DataError("the prompt list is empty")
     rng = random.Random(seed)
     order = list(range(len(texts)))
     while True:
@@ -73,10 +78,18 @@ def _collect(maker, encoder: PromptEncoder, batches: Iterator[list], n: int, ver
     """Generate until ``n`` items are made (a surplus is dropped); returns items and generation seconds."""
     items: list[ExperienceItem] = []
     start = time.perf_counter()
-    maker.actor.eval()
+    batches_without_prompts = 0
+    maker.actor.eval()  # sample without LoRA dropout; the update below trains with it
+    maker.critic.eval()
     while len(items) < n:
         encoded = encoder.encode(next(batches))
         if encoded.ids:
             items.extend(maker.make_experience(encoded.ids, version)[0])
+            batches_without_prompts = 0
+        else:
+            batches_without_prompts += 1
+            if batches_without_prompts > MAX_EMPTY_BATCHES:
+                raise DataError(f"no usable prompt in {MAX_EMPTY_BATCHES} batches: every prompt is blank")
     maker.actor.train()
+    maker.critic.train()
     return items[:n], time.perf_counter() - start

@@ -83,8 +83,12 @@ def unpack_bucket(bucket: Bucket) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():  # Ray hands out read-only buffers; we never write to them
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for meta in metas:
+            dtype = getattr(torch, meta.dtype)
+            if meta.nbytes == 0:  # a 0-byte view cannot be reinterpreted; nothing to share anyway
+                out[meta.name] = torch.empty(meta.shape, dtype=dtype)
+                continue
             raw = torch.from_numpy(buffer[meta.offset:meta.offset + meta.nbytes])
-            out[meta.name] = raw.view(getattr(torch, meta.dtype)).reshape(meta.shape)
+            out[meta.name] = raw.view(dtype).reshape(meta.shape)
     return out
 
 

@@ -1,9 +1,10 @@
-"""Per-run files: the resolved config, ``metrics.jsonl``, and a live line per step."""
+"""Per-run files (the resolved config, ``metrics.jsonl``, TensorBoard events) and per-step progress."""
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -13,38 +14,113 @@ from ray_ppo.config import Config
 LIVE_KEYS = (("reward_mean", "reward", "{:.3f}"), ("kl", "kl", "{:.4f}"), ("policy_version", "v", "{:.0f}"),
              ("staleness_mean", "stale", "{:.2f}"), ("samples_per_s", "samples/s", "{:.1f}"))
 
+PROGRESS_KEYS = ("reward_mean", "kl", "samples_per_s")
+"""The LIVE_KEYS shown in the postfix of the progress bar."""
+
+TENSORBOARD_MISSING = ("logging.tensorboard=true needs the tensorboard package: "
+                       "pip install tensorboard or set logging.tensorboard=false")
+
 
 def _jsonable(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-class RunDirectory:
-    """Writes ``config.yaml`` once and appends one JSON object per step to ``metrics.jsonl``."""
+def _is_scalar(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
-    def __init__(self, directory: str | Path, cfg: Config):
+
+class TensorBoardWriter:
+    """Writes each numeric, finite metric of a row as a TensorBoard scalar (tag = metric key) at its ``step``."""
+
+    def __init__(self, directory: str | Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ImportError(TENSORBOARD_MISSING) from exc
+        self._writer = SummaryWriter(log_dir=str(directory))
+
+    def __call__(self, metrics: dict) -> None:
+        step = int(metrics["step"])
+        for key, value in metrics.items():
+            if key != "step" and _is_scalar(value):
+                self._writer.add_scalar(key, value, global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class RunDirectory:
+    """Writes ``config.yaml`` once and appends one JSON object per step to ``metrics.jsonl``.
+
+    With ``tensorboard=True`` it also writes each row to TensorBoard event files in ``tensorboard/``.
+    """
+
+    def __init__(self, directory: str | Path, cfg: Config, tensorboard: bool = False):
         self.path = Path(directory)
         self.path.mkdir(parents=True, exist_ok=True)
+        self._tensorboard = TensorBoardWriter(self.path / "tensorboard") if tensorboard else None
         (self.path / "config.yaml").write_text(cfg.to_yaml())
         self._metrics = open(self.path / "metrics.jsonl", "w")
 
     def __call__(self, metrics: dict) -> None:
         self._metrics.write(json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n")
         self._metrics.flush()
+        if self._tensorboard is not None:
+            self._tensorboard(metrics)
 
     def close(self) -> None:
         self._metrics.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
 
 class LiveLine:
     """Prints ``step 12/100 | reward 0.412 | kl 0.0031 | ...`` for each step."""
 
-    def __init__(self, total_steps: int, stream: TextIO = sys.stdout):
+    def __init__(self, total_steps: int, stream: TextIO | None = None):
         self.total_steps, self.stream = total_steps, stream
 
     def __call__(self, metrics: dict) -> None:
         parts = [f"step {int(metrics['step'])}/{self.total_steps}"]
         parts += [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in LIVE_KEYS if key in metrics]
         print(" | ".join(parts), file=self.stream, flush=True)
+
+
+class Progress:
+    """Per-step progress: a tqdm bar on a terminal, else one LiveLine per step.
+
+    The bar shows ``step/total`` and a postfix with reward, kl and samples/s (LIVE_KEYS formats).
+    ``stream=None`` means the ``sys.stdout`` current at construction; ``bar=None`` means a bar
+    if ``stream.isatty()``.
+    """
+
+    def __init__(self, total_steps: int, stream: TextIO | None = None, bar: bool | None = None):
+        self.total_steps = total_steps
+        self.stream = sys.stdout if stream is None else stream
+        if bar is None:
+            bar = self.stream.isatty()
+        self._bar = _progress_bar(total_steps, self.stream) if bar else None
+        self._line = None if bar else LiveLine(total_steps, self.stream)
+
+    def __call__(self, metrics: dict) -> None:
+        if self._line is not None:
+            self._line(metrics)
+            return
+        self._bar.set_postfix_str(", ".join(
+            f"{label} {fmt.format(metrics[key])}" for key, label, fmt in LIVE_KEYS
+            if key in PROGRESS_KEYS and _is_scalar(metrics.get(key))), refresh=False)
+        self._bar.update(int(metrics["step"]) - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _progress_bar(total_steps: int, stream: TextIO):
+    from tqdm import tqdm
+
+    return tqdm(total=total_steps, file=stream, unit="step")
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -57,6 +57,19 @@ def load_actor(path: str, dtype: str = "float32") -> nn.Module:
     return AutoModelForCausalLM.from_pretrained(resolve_pretrained(path), dtype=torch_dtype(dtype))
 
 
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Set every dropout probability of ``model`` to 0, in place.
+
+    PPO's ratio compares the policy that sampled (no dropout) with the policy being updated; a
+    dropout mask in the update alone would bias it. LoRA adapters applied afterwards keep their
+    own ``model.lora.dropout``.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding: 0 at the first real token of each row."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

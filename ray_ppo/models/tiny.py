@@ -52,6 +52,9 @@ def build_tiny_model(directory: str | Path, seed: int = 0) -> Path:
     import torch
     from transformers import GPT2LMHeadModel
 
+    from ray_ppo.models.hf import quiet_transformers
+
+    quiet_transformers()
     directory = Path(directory)
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)

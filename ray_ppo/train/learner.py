@@ -73,7 +73,7 @@ class PPOLearner:
 
     def __init__(self, actor: nn.Module, critic: nn.Module, strategy: Strategy, params: LearnerParams, seed: int = 0):
         self.strategy, self.params = strategy, params
-        self.actor, self.critic = strategy.wrap(actor), strategy.wrap(critic)
+        self.actor, self.critic = strategy.wrap(actor.train()), strategy.wrap(critic.train())
         self.actor_optim = strategy.make_optimizer(self.actor, params.actor_lr, params.weight_decay)
         self.critic_optim = strategy.make_optimizer(self.critic, params.critic_lr, params.weight_decay)
         schedule = lr_lambda(params.lr_schedule, params.warmup_steps, params.total_updates)
@@ -113,7 +113,7 @@ class PPOLearner:
         grad_norm = self.strategy.clip_grad_norm(self.actor, self.actor_optim, p.max_grad_norm)
         self.strategy.step(self.actor_optim, self.actor)
         self.actor_sched.step()
-        return {"policy_loss": float(pg_loss), "entropy": float(entropy), "clipfrac": float(stats["clipfrac"]),
+        return {"policy_loss": pg_loss.item(), "entropy": entropy.item(), "clipfrac": float(stats["clipfrac"]),
                 "approx_kl": float(stats["approx_kl"]), "actor_grad_norm": grad_norm}
 
     def _critic_update(self, mb: ExperienceBatch) -> dict[str, float]:
@@ -124,7 +124,7 @@ class PPOLearner:
         grad_norm = self.strategy.clip_grad_norm(self.critic, self.critic_optim, p.max_grad_norm)
         self.strategy.step(self.critic_optim, self.critic)
         self.critic_sched.step()
-        return {"value_loss": float(vf_loss), "vf_clipfrac": float(stats["vf_clipfrac"]), "critic_grad_norm": grad_norm}
+        return {"value_loss": vf_loss.item(), "vf_clipfrac": float(stats["vf_clipfrac"]), "critic_grad_norm": grad_norm}
 
     def state_dict(self) -> dict:
         """Optimizer, scheduler and RNG state (model weights are saved separately)."""

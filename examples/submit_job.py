@@ -1,0 +1,54 @@
+"""Submit a detached PPO run to a running Ray cluster with Ray's JobSubmissionClient.
+
+Start a cluster first (keep it on a private network; Ray's dashboard/job port has no
+authentication of its own beyond Ray's token):
+
+    ray start --head --dashboard-host 127.0.0.1 --num-cpus 8
+    python examples/submit_job.py --address http://127.0.0.1:8265 [--steps 5]
+    ray stop
+
+The job's runtime environment carries this repository as its working directory, so the
+entrypoint finds `configs/` and `data/`; ray_ppo itself must be installed on the cluster's
+nodes (or add it to runtime_env["pip"] where the nodes can reach a package index).
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from ray.job_submission import JobStatus, JobSubmissionClient
+
+REPO = Path(__file__).resolve().parents[1]
+TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--address", default="http://127.0.0.1:8265", help="the cluster's dashboard address")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--timeout-s", type=float, default=600)
+    args = parser.parse_args()
+
+    client = JobSubmissionClient(args.address)
+    job_id = client.submit_job(
+        entrypoint=f"python -m ray_ppo.cli train --config configs/tiny.yaml --address auto "
+                   f"--output /tmp/ray_ppo_job trainer.total_steps={args.steps}",
+        runtime_env={"working_dir": str(REPO), "excludes": [".venv", "runs", ".git", "*.egg-info", "tests"]},
+    )
+    print(f"submitted {job_id}")
+    deadline = time.monotonic() + args.timeout_s
+    while (status := client.get_job_status(job_id)) not in TERMINAL:
+        if time.monotonic() > deadline:
+            client.stop_job(job_id)
+            print(f"job {job_id} still {status} after {args.timeout_s:.0f} s; stopped it", file=sys.stderr)
+            return 1
+        time.sleep(2)
+    logs = client.get_job_logs(job_id)
+    print("\n".join(logs.splitlines()[-5:]))
+    print(f"job {job_id}: {status}")
+    return 0 if status == JobStatus.SUCCEEDED else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Ray Tune sweeps over any config fields (``ppo.kl_coef`` and ``ppo.eps_clip`` first of all).
+
+    from ray import tune
+    from ray_ppo import load_config
+    from ray_ppo.sweep import sweep
+
+    outcome = sweep(load_config("configs/tiny.yaml"),
+                    {"ppo.kl_coef": tune.grid_search([0.02, 0.1]), "ppo.eps_clip": tune.grid_search([0.1, 0.2])},
+                    metric="reward_mean", mode="max")
+    print(outcome.best_config, outcome.best_metric, outcome.best_checkpoint)
+
+Follows the Ray Train v2 pattern: each trial is a Tune *function* trainable that builds and
+fits its own ``PPOTrainer`` (so its own coordinator and makers, in a namespace of their own),
+with ``TuneReportCallback`` relaying the trainer's reports to Tune. Search-space keys are the
+dotted config names; schedulers (e.g. ASHA) and search algorithms pass straight to
+``tune.TuneConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from ray_ppo.config import Config
+
+TRIAL_DRIVER_CPUS = 0.01
+"""CPUs Tune reserves for a trial's driver process, which only waits on its TorchTrainer."""
+CHECKPOINT_PATH_KEY = "checkpoint_path"
+"""Key under which ``TuneReportCallback`` puts the path of a trial's reported checkpoint."""
+
+
+@dataclass
+class SweepOutcome:
+    """What a sweep returns: the best trial and everything Tune knows."""
+
+    best_config: dict[str, Any]      # the best trial's swept values (dotted keys)
+    best_metric: float
+    best_checkpoint: str | None      # directory of the best trial's last checkpoint
+    best_trial_dir: str              # the best trial's run directory (metrics.jsonl, plots)
+    trials: list[dict]               # one row per trial: id, swept values, metric, status, run dir
+    result_grid: Any                 # ray.tune.ResultGrid
+
+
+def trial_cpus(cfg: Config) -> float:
+    """CPUs one trial's worker group and makers reserve."""
+    return cfg.trainer.num_workers * cfg.trainer.cpus_per_worker + cfg.maker.num_makers * cfg.maker.num_cpus
+
+
+def _trial(tune_config: dict, base: dict, root: str) -> None:
+    """The Tune function trainable: one PPO run with the trial's values."""
+    from ray import tune
+    from ray.train import FailureConfig, RunConfig
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from ray_ppo.api import PPOTrainer
+    from ray_ppo.plots import plot_run
+    from ray_ppo.tracking import RunDirectory
+
+    trial_id = tune.get_context().get_trial_id()
+    cfg = Config.from_dict(base).with_overrides(tune_config)
+    run_dir = Path(root) / "trials" / trial_id
+    cfg = cfg.with_overrides({"name": f"{cfg.name}-{trial_id}", "logging.output_dir": str(run_dir)})
+    writer = RunDirectory(run_dir, cfg, tensorboard=cfg.logging.tensorboard)
+    trainer = PPOTrainer(cfg, metrics_callbacks=[writer], run_config=RunConfig(
+        name=cfg.name, storage_path=str(run_dir / "ray_train"), callbacks=[TuneReportCallback()],
+        failure_config=FailureConfig(max_failures=0, controller_failure_limit=0)))
+    try:
+        trainer.fit()
+    finally:
+        writer.close()
+        if trainer.history:
+            plot_run(trainer.history, run_dir / "curves.png")
+
+
+def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward_mean", mode: str = "max",
+          num_samples: int = 1, scheduler: Any = None, search_alg: Any = None,
+          max_concurrent_trials: int | None = None, output_dir: str | None = None) -> SweepOutcome:
+    """Run a Tune sweep of PPO runs; every key of ``param_space`` is a dotted config name.
+
+    Trials run side by side as far as ``max_concurrent_trials`` allows (default: as many as the
+    cluster's CPUs fit, see ``trial_cpus``) and queue otherwise. The run's files go to
+    ``output_dir`` (default ``runs/<name>-sweep``): ``trials/<id>/`` per trial, plus
+    ``trials.csv`` and ``sweep.png``.
+    """
+    import ray
+    from ray import tune
+
+    from ray_ppo.api import resolve_config
+    from ray_ppo.plots import plot_sweep, write_trials_csv
+    from ray_ppo.tracking import read_metrics
+
+    for key, value in param_space.items():  # fail fast on unknown keys, before any trial starts
+        base.with_overrides({key: _sample_value(value, base.get(key))})
+    base = resolve_config(base)
+    root = Path(output_dir or f"runs/{base.name}-sweep").resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    if max_concurrent_trials is None:
+        max_concurrent_trials = max(1, int(ray.cluster_resources().get("CPU", 1) // max(trial_cpus(base), 1)))
+    trainable = tune.with_resources(tune.with_parameters(_trial, base=base.to_dict(), root=str(root)), {"cpu": TRIAL_DRIVER_CPUS})
+    tuner = tune.Tuner(
+        trainable, param_space=dict(param_space),
+        tune_config=tune.TuneConfig(metric=metric, mode=mode, num_samples=num_samples, scheduler=scheduler,
+                                    search_alg=search_alg, max_concurrent_trials=max_concurrent_trials),
+        run_config=tune.RunConfig(name=f"{base.name}-sweep", storage_path=str(root / "tune"), verbose=1))
+    grid = tuner.fit()
+    trials = _trial_rows(grid, list(param_space), metric, root)
+    write_trials_csv(trials, root / "trials.csv")
+    curves = {_label(t, list(param_space)): read_metrics(Path(t["run_dir"]) / "metrics.jsonl")
+              for t in trials if (Path(t["run_dir"]) / "metrics.jsonl").exists()}
+    plot_sweep(curves, root / "sweep.png", metric=metric)
+    best = grid.get_best_result(metric=metric, mode=mode, scope="last")
+    best_row = next(t for t in trials if t["trial_id"] == best.metrics["trial_id"])
+    return SweepOutcome(
+        best_config={k: best.config[k] for k in param_space}, best_metric=best.metrics[metric],
+        best_checkpoint=best.metrics.get(CHECKPOINT_PATH_KEY), best_trial_dir=best_row["run_dir"],
+        trials=trials, result_grid=grid)
+
+
+def _sample_value(value: Any, default: Any) -> Any:
+    """A representative value of a search-space entry, to validate its key and type early."""
+    if isinstance(value, dict) and "grid_search" in value:
+        return value["grid_search"][0]
+    if hasattr(value, "sample"):
+        return value.sample()
+    return value if not callable(value) else default
+
+
+def _label(trial: dict, keys: list[str]) -> str:
+    return ", ".join(f"{k.split('.')[-1]}={trial[k]}" for k in keys)
+
+
+def _trial_rows(grid, keys: list[str], metric: str, root: Path) -> list[dict]:
+    rows = []
+    for result in grid:
+        # Tune adds trial_id to every reported row; a trial that failed before reporting has none.
+        trial_id = (result.metrics or {}).get("trial_id") or Path(result.path).name
+        row = {"trial_id": trial_id, **{k: result.config.get(k) for k in keys},
+               metric: (result.metrics or {}).get(metric), "step": (result.metrics or {}).get("step"),
+               "status": "ERROR" if result.error else "TERMINATED",
+               "checkpoint": (result.metrics or {}).get(CHECKPOINT_PATH_KEY),
+               "run_dir": str(root / "trials" / trial_id), "trial_path": result.path,
+               "error": str(result.error).splitlines()[0] if result.error else ""}
+        rows.append(row)
+    return rows

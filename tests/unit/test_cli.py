@@ -1,0 +1,115 @@
+"""Unit tests of the ``ray-ppo`` command line (ray_ppo.cli.main), without a Ray cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from ray_ppo.cli import EXIT_USAGE, main
+from ray_ppo.config import load_config
+from ray_ppo.tasks.toy import make_prompts
+from ray_ppo.tracking import LiveLine, read_metrics
+
+ROOT = Path(__file__).parents[2]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+# The tiny model is built before any command runs: its first build is not what these tests observe.
+pytestmark = pytest.mark.usefixtures("tiny_path")
+
+
+def one_error_line(capsys, command: str) -> str:
+    """The single line the CLI printed to stderr, checked to start with ``ray-ppo <command>: error:``."""
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"ray-ppo {command}: error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["local", "train"])
+def test_unknown_key_suggests_the_right_one(capsys, command):
+    assert main([command, "--config", TINY, "trainer.totl_steps=2"]) == EXIT_USAGE
+    line = one_error_line(capsys, command)
+    assert "unknown key 'trainer.totl_steps'; did you mean 'trainer.total_steps'?" in line
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.total_steps=many", "trainer.total_steps: expected an integer, got 'many'"),
+    ("ppo.eps_clip=-0.1", "ppo.eps_clip=-0.1 is invalid: must be > 0"),
+    ("trainer.mini_batch_size=48", "trainer.train_batch_size=64 is not a multiple of trainer.mini_batch_size=48; "
+                                   "set trainer.train_batch_size=96 or trainer.mini_batch_size=32"),
+])
+def test_bad_value(capsys, override, message):
+    assert main(["local", "--config", TINY, override]) == EXIT_USAGE
+    assert message in one_error_line(capsys, "local")
+
+
+def test_missing_config_file(capsys, tmp_path):
+    missing = tmp_path / "nope.yaml"
+    assert main(["local", "--config", str(missing)]) == EXIT_USAGE
+    assert f"config file not found: {str(missing)!r}" in one_error_line(capsys, "local")
+
+
+def test_override_without_equals(capsys):
+    assert main(["local", "--config", TINY, "trainer.total_steps"]) == EXIT_USAGE
+    line = one_error_line(capsys, "local")
+    assert "bad override 'trainer.total_steps': expected the form key=value" in line
+
+
+def test_missing_data_path(capsys, tmp_path):
+    missing = tmp_path / "prompts.csv"
+    args = ["local", "--config", TINY, "--output", str(tmp_path / "run"), f"data.path={missing}"]
+    assert main(args) == EXIT_USAGE
+    assert f"data.path={str(missing)!r} does not exist" in one_error_line(capsys, "local")
+
+
+def test_toy_data_writes_both_files(capsys, tmp_path):
+    out = tmp_path / "toy"
+    assert main(["toy-data", str(out), "--num-prompts", "10", "--prompt-len", "3", "--seed", "7"]) == 0
+    csv_path, parquet_path = out / "toy_prompts.csv", out / "toy_prompts.parquet"
+    assert capsys.readouterr().out.splitlines() == [str(csv_path), str(parquet_path)]
+    expected = make_prompts(10, 3, seed=7)
+    assert pd.read_csv(csv_path)["prompt"].tolist() == expected
+    assert pd.read_parquet(parquet_path)["prompt"].tolist() == expected
+    assert all(len(p.split()) == 3 for p in expected)
+
+
+def test_local_run_writes_config_and_metrics(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # configs/tiny.yaml names data/toy_prompts.csv relative to the repository
+    out = tmp_path / "run"
+    args = ["local", "--config", "configs/tiny.yaml", "--output", str(out), "trainer.total_steps=2",
+            "trainer.train_batch_size=8", "trainer.mini_batch_size=4", "maker.batch_size=8"]
+    assert main(args) == 0
+
+    saved = load_config(out / "config.yaml")
+    assert saved.logging.output_dir == str(out)
+    assert (saved.trainer.total_steps, saved.trainer.train_batch_size, saved.maker.batch_size) == (2, 8, 8)
+    assert saved.data.path == "data/toy_prompts.csv"
+
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2]
+    assert [row["policy_version"] for row in rows] == [1, 2]
+    for row in rows:
+        assert 0.0 <= row["reward_mean"] <= 1.0
+        assert isinstance(row["kl"], float)
+
+    captured = capsys.readouterr()
+    summary = captured.out.splitlines()[-1]
+    assert summary.startswith("done: 2 steps in ")
+    assert f"run dir {out}" in summary
+
+
+def test_live_line_prints_to_the_current_stdout(capsys):
+    LiveLine(total_steps=5)({"step": 2, "reward_mean": 0.25, "kl": 0.001, "policy_version": 2})
+    assert capsys.readouterr().out == "step 2/5 | reward 0.250 | kl 0.0010 | v 2\n"
+
+
+def test_live_line_format():
+    import io
+
+    stream = io.StringIO()
+    LiveLine(total_steps=5, stream=stream)({"step": 2, "reward_mean": 0.25, "kl": 0.001, "policy_version": 2,
+                                            "staleness_mean": 0.5, "samples_per_s": 12.34, "other": 1})
+    assert stream.getvalue() == "step 2/5 | reward 0.250 | kl 0.0010 | v 2 | stale 0.50 | samples/s 12.3\n"

@@ -1,0 +1,359 @@
+"""Unit tests of ray_ppo.coordinator.Coordinator, driven with asyncio in-process (no Ray).
+
+The coordinator is built inside the event loop of each test (``asyncio.run``), as the Ray async
+actor builds it inside its own loop. Paths that need a prompt dataset (``next_prompts`` serving
+batches) are left to the Ray tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from ray_ppo.algo import ExperienceItem
+from ray_ppo.coordinator import Coordinator
+
+SHORT_S = 0.1  # long enough for any runnable task to run; the blocked ones stay blocked
+
+
+def item(version: int, uid: str) -> ExperienceItem:
+    zeros = torch.zeros(2)
+    return ExperienceItem(prompt_ids=torch.tensor([3, 4, 5]), response_ids=torch.tensor([6, 1]),
+                          action_log_probs=zeros, ref_log_probs=zeros, values=zeros, rewards=zeros,
+                          advantages=zeros, returns=zeros, reward=0.5, policy_version=version, uid=uid)
+
+
+def items(n: int, version: int = 0, prefix: str = "m0") -> list[ExperienceItem]:
+    return [item(version, f"{prefix}-{i}") for i in range(n)]
+
+
+def uids(batch: list[ExperienceItem]) -> list[str]:
+    return [it.uid for it in batch]
+
+
+def coordinator(**kwargs) -> Coordinator:
+    args = dict(num_ranks=1, num_makers=1, buffer_size=16, max_staleness=1, items_per_version=8)
+    return Coordinator(**{**args, **kwargs})
+
+
+def counters(coord: Coordinator) -> dict:
+    """The coordinator's counters, after checking produced = consumed + in_flight + discarded."""
+    c = coord.status()["counters"]
+    assert c["produced"] == c["consumed"] + c["in_flight"] + c["discarded"], c
+    return c
+
+
+async def is_blocked(task: asyncio.Task) -> bool:
+    done, _ = await asyncio.wait({task}, timeout=SHORT_S)
+    return not done
+
+
+class FakeRemote:
+    """Stands in for ``handle.method``: records ``.remote(...)`` calls and returns ``result(...)``."""
+
+    def __init__(self, calls: list, name: str, result=None):
+        self.calls, self.name, self.result = calls, name, result
+
+    def remote(self, *args):
+        self.calls.append((self.name, *args))
+        return self.result(*args) if self.result else None
+
+
+class FakeMaker:
+    """A maker actor handle whose ``ping`` and ``weights_end`` are awaitable, as ObjectRefs are."""
+
+    def __init__(self, fail_push: bool = False, dead: bool = False):
+        self.calls: list[tuple] = []
+
+        async def ping():
+            if dead:
+                raise ConnectionError("actor died")
+            return True
+
+        async def weights_end(version):
+            if fail_push:
+                raise ConnectionError("maker died")
+            return True
+
+        self.ping = FakeRemote(self.calls, "ping", lambda: ping())
+        self.weights_start = FakeRemote(self.calls, "start")
+        self.weights_chunk = FakeRemote(self.calls, "chunk")
+        self.weights_end = FakeRemote(self.calls, "end", weights_end)
+
+
+# -- send and pull ------------------------------------------------------------------------------
+
+
+def test_send_then_pull_returns_the_items_in_order():
+    async def main():
+        coord = coordinator()
+        stats = {"num_prompts": 3, "blank": 1, "truncated": 2, "num_tokens": 6, "generate_s": 0.5}
+        assert await coord.send(0, items(3), stats) == 3
+        c = counters(coord)
+        assert (c["produced"], c["in_flight"], c["consumed"]) == (3, 3, 0)
+        assert (c["blank_prompts"], c["truncated_prompts"]) == (1, 2)
+        assert coord.status()["makers"][0]["tokens"] == 6
+        assert coord.status()["buffered"] == [3]
+
+        got = await coord.pull(0, 3, trainer_version=0, timeout_s=1.0)
+        assert uids(got) == ["m0-0", "m0-1", "m0-2"]
+        c = counters(coord)
+        assert (c["produced"], c["consumed"], c["in_flight"], c["discarded"]) == (3, 3, 0, 0)
+        assert coord.status()["buffered"] == [0]
+
+    asyncio.run(main())
+
+
+def test_send_waits_for_buffer_space():
+    async def main():
+        coord = coordinator(buffer_size=4)
+        send = asyncio.create_task(coord.send(0, items(6), {}))
+        assert await is_blocked(send)
+        assert coord.status()["buffered"] == [4]
+        assert counters(coord)["in_flight"] == 6  # 4 buffered + 2 waiting for space
+
+        pull = asyncio.create_task(coord.pull(0, 4, trainer_version=0, timeout_s=1.0))
+        assert await asyncio.wait_for(send, timeout=1.0) == 6
+        assert uids(await pull) == ["m0-0", "m0-1", "m0-2", "m0-3"]
+        assert coord.status()["buffered"] == [2]
+        assert uids(await coord.pull(0, 2, trainer_version=0, timeout_s=1.0)) == ["m0-4", "m0-5"]
+        c = counters(coord)
+        assert (c["produced"], c["consumed"], c["in_flight"]) == (6, 6, 0)
+
+    asyncio.run(main())
+
+
+def test_pull_waits_for_items_to_arrive():
+    async def main():
+        coord = coordinator()
+        pull = asyncio.create_task(coord.pull(0, 3, trainer_version=0, timeout_s=5.0))
+        await coord.send(0, items(2), {})
+        assert await is_blocked(pull)
+        await coord.send(0, items(2, prefix="late"), {})
+        assert uids(await asyncio.wait_for(pull, timeout=2.0)) == ["m0-0", "m0-1", "late-0"]
+        assert coord.status()["buffered"] == [1]
+
+    asyncio.run(main())
+
+
+def test_items_older_than_max_staleness_are_discarded_on_pull():
+    async def main():
+        coord = coordinator(max_staleness=1)
+        batch = [item(0, "v0"), item(1, "v1"), item(2, "v2a"), item(2, "v2b")]
+        assert await coord.send(0, batch, {}) == 4
+        # trainer at version 2, max_staleness 1: the oldest usable version is 1, so "v0" goes
+        got = await coord.pull(0, 2, trainer_version=2, timeout_s=1.0)
+        assert uids(got) == ["v1", "v2a"]
+        c = counters(coord)
+        assert (c["produced"], c["consumed"], c["in_flight"], c["discarded"]) == (4, 2, 1, 1)
+        assert coord.status()["trainer_version"] == 2
+        # at version 4 the buffered v2 item is stale too
+        with pytest.raises(TimeoutError):
+            await coord.pull(0, 1, trainer_version=4, timeout_s=0.05)
+        c = counters(coord)
+        assert (c["consumed"], c["in_flight"], c["discarded"]) == (2, 0, 2)
+
+    asyncio.run(main())
+
+
+# -- failures -----------------------------------------------------------------------------------
+
+
+def test_pull_timeout_reports_what_it_got_and_keeps_the_items():
+    async def main():
+        coord = coordinator(num_makers=1)
+        coord.register_makers({})
+        await coord.send(0, items(2), {})
+        with pytest.raises(TimeoutError) as info:
+            await coord.pull(0, 5, trainer_version=0, timeout_s=0.2)
+        message = str(info.value)
+        assert "rank 0:" in message
+        assert "got 2/5 items" in message
+        assert "trainer version 0, max_staleness 1" in message
+        assert "makers alive 0/1" in message
+        # the partial batch went back to the buffer, in order
+        assert coord.status()["buffered"] == [2]
+        assert counters(coord)["consumed"] == 0
+        assert uids(await coord.pull(0, 2, trainer_version=0, timeout_s=1.0)) == ["m0-0", "m0-1"]
+
+    asyncio.run(main())
+
+
+def test_stall_report_pings_the_makers():
+    async def main():
+        coord = coordinator(num_makers=2)
+        coord.register_makers({0: FakeMaker(), 1: FakeMaker(dead=True)})
+        coord.maker_state[0].version = 3
+        with pytest.raises(TimeoutError) as info:
+            await coord.pull(0, 1, trainer_version=3, timeout_s=0.05)
+        message = str(info.value)
+        assert "got 0/1 items" in message
+        assert "makers alive 1/2" in message
+        assert message.endswith("maker_0: alive at version 3; maker_1: not answering (ConnectionError)")
+
+    asyncio.run(main())
+
+
+def test_maker_failure_surfaces_on_the_next_pull():
+    async def main():
+        coord = coordinator(num_makers=2)
+        await coord.send(0, items(3), {})
+        coord.maker_failed(1, "ValueError: boom")
+        with pytest.raises(RuntimeError) as info:
+            await coord.pull(0, 2, trainer_version=0, timeout_s=1.0)
+        assert str(info.value) == "maker_1 failed (1/2 makers failed): ValueError: boom"
+        assert coord.status()["makers"][1]["failed"] == "ValueError: boom"
+        assert coord.status()["buffered"] == [3]
+        assert counters(coord)["consumed"] == 0
+
+    asyncio.run(main())
+
+
+def test_maker_failure_wakes_a_waiting_pull_within_its_poll_interval():
+    async def main():
+        coord = coordinator(num_makers=1)
+        pull = asyncio.create_task(coord.pull(0, 1, trainer_version=0, timeout_s=30.0))
+        assert await is_blocked(pull)
+        coord.maker_failed(0, "killed")
+        with pytest.raises(RuntimeError, match="maker_0 failed"):
+            await asyncio.wait_for(pull, timeout=3.0)  # pull re-checks at least once a second
+
+    asyncio.run(main())
+
+
+# -- shutdown -----------------------------------------------------------------------------------
+
+
+def test_finish_releases_a_blocked_send():
+    async def main():
+        coord = coordinator(buffer_size=2)
+        send = asyncio.create_task(coord.send(0, items(5), {}))
+        assert await is_blocked(send)
+        status = await coord.finish()
+        assert await asyncio.wait_for(send, timeout=1.0) == 2
+        assert status["buffered"] == [2]
+        c = counters(coord)
+        assert (c["produced"], c["in_flight"]) == (5, 5)  # the 3 never buffered stay counted in flight
+        assert await coord.send(0, items(1), {}) == 0
+        assert await coord.next_prompts(0) is None  # no dataset needed: a finished run hands out nothing
+
+    asyncio.run(main())
+
+
+# -- routing ------------------------------------------------------------------------------------
+
+
+def test_round_robin_balances_items_between_ranks():
+    async def main():
+        coord = coordinator(num_ranks=2, buffer_size=8)
+        await coord.send(0, items(6), {})
+        assert coord.status()["buffered"] == [3, 3]
+        await coord.pull(0, 3, trainer_version=0, timeout_s=1.0)
+        assert coord.status()["buffered"] == [0, 3]
+        await coord.send(0, items(3, prefix="b"), {})  # the emptier rank fills first
+        assert coord.status()["buffered"] == [3, 3]
+        assert uids(await coord.pull(0, 3, trainer_version=0, timeout_s=1.0)) == ["b-0", "b-1", "b-2"]
+
+    asyncio.run(main())
+
+
+def test_round_robin_uses_a_free_rank_when_one_is_full():
+    async def main():
+        coord = coordinator(num_ranks=2, buffer_size=2)
+        await coord.send(0, items(2), {})
+        await coord.pull(0, 1, trainer_version=0, timeout_s=1.0)
+        await coord.pull(1, 1, trainer_version=0, timeout_s=1.0)
+        assert await asyncio.wait_for(coord.send(0, items(4, prefix="b"), {}), timeout=1.0) == 4
+        assert coord.status()["buffered"] == [2, 2]
+
+    asyncio.run(main())
+
+
+def test_modulo_routing_keeps_each_maker_on_its_ranks():
+    async def main():
+        coord = coordinator(num_ranks=2, num_makers=2, buffer_size=8, routing="modulo")
+        await coord.send(1, items(3, prefix="m1"), {})
+        assert coord.status()["buffered"] == [0, 3]
+        await coord.send(0, items(2), {})
+        assert coord.status()["buffered"] == [2, 3]
+        assert uids(await coord.pull(1, 3, trainer_version=0, timeout_s=1.0)) == ["m1-0", "m1-1", "m1-2"]
+
+    asyncio.run(main())
+
+
+# -- admission ----------------------------------------------------------------------------------
+
+
+def test_admission_hand_computed():
+    async def main():
+        # S = 1 version of staleness, 8 items per version, batches of 4 prompts
+        coord = coordinator(num_makers=2, buffer_size=32, max_staleness=1, items_per_version=8, prompt_batch_size=4)
+        # V = 0, maker v = 0: capacity = (0 + 1 - 0 + 1) * 8 - 0 = 16
+        assert coord._admitted(0)                    # 0 + 0 + 4 <= 16
+        await coord.send(0, items(8), {})            # in_flight = 8
+        coord.reserved = 4                           # one batch handed out, not yet sent back
+        assert coord._admitted(0)                    # 8 + 4 + 4 = 16 <= 16
+        coord.reserved = 5
+        assert not coord._admitted(0)                # 17 > 16
+
+        await coord.pull(0, 8, trainer_version=1, timeout_s=1.0)  # V = 1, consumed_at_version = 8, in_flight = 0
+        coord.reserved = 0
+        # maker 0 still at v = 0: capacity = (0 + 1 - 1 + 1) * 8 - 8 = 0
+        assert not coord._admitted(0)                # 0 + 0 + 4 > 0
+        coord.maker_state[1].version = 1             # maker 1 loaded v1: capacity = (1 + 1 - 1 + 1) * 8 - 8 = 8
+        coord.reserved = 4
+        assert coord._admitted(1)                    # 0 + 4 + 4 = 8 <= 8
+        coord.reserved = 5
+        assert not coord._admitted(1)                # 9 > 8
+
+        coord.reserved = 0
+        await coord.pull(0, 0, trainer_version=3, timeout_s=1.0)  # V = 3 resets consumed_at_version to 0
+        assert not coord._admitted(1)                # v = 1: (1 + 1 - 3 + 1) * 8 - 0 = 0 < 4
+        coord.maker_state[1].version = 2
+        assert coord._admitted(1)                    # v = 2: (2 + 1 - 3 + 1) * 8 = 8 >= 4
+
+    asyncio.run(main())
+
+
+def test_send_returns_the_reserved_prompts():
+    async def main():
+        coord = coordinator(prompt_batch_size=4)
+        coord.reserved = 8  # two batches of 4 prompts handed out
+        await coord.send(0, items(3), {"num_prompts": 4})  # one prompt was blank: 3 items for 4 prompts
+        assert coord.reserved == 4
+
+    asyncio.run(main())
+
+
+# -- weights ------------------------------------------------------------------------------------
+
+
+def test_publish_weights_relays_the_buckets_in_order_and_tracks_versions():
+    async def main():
+        coord = coordinator(num_makers=2)
+        makers = {0: FakeMaker(), 1: FakeMaker()}
+        coord.register_makers(makers)
+        await coord.publish_weights(1, ["ref-a", "ref-b"], 128, {"n": 2})
+        assert await coord.wait_for_version(1, timeout_s=1.0) == {0: 1, 1: 1}
+        for maker in makers.values():
+            assert maker.calls == [("start", 1, 2, {"n": 2}), ("chunk", 1, 0, ["ref-a"]),
+                                   ("chunk", 1, 1, ["ref-b"]), ("end", 1)]
+        status = coord.status()
+        assert status["trainer_version"] == 1
+        assert status["pushes"] == [(1, 128)]
+
+    asyncio.run(main())
+
+
+def test_a_failed_weight_push_fails_the_maker():
+    async def main():
+        coord = coordinator(num_makers=2)
+        coord.register_makers({0: FakeMaker(), 1: FakeMaker(fail_push=True)})
+        await coord.publish_weights(2, ["ref"], 64, {})
+        assert await coord.wait_for_version(2, timeout_s=1.0) == {0: 2, 1: 0}
+        with pytest.raises(RuntimeError, match="maker_1 failed .*weight push v2 failed: ConnectionError: maker died"):
+            await coord.pull(0, 1, trainer_version=2, timeout_s=1.0)
+
+    asyncio.run(main())

@@ -1,0 +1,154 @@
+"""Unit tests of ray_ppo.sync: byte buckets of a state dict, and weight fingerprints."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from ray_ppo.sync import ALIGN_BYTES, TensorMeta, bucket_nbytes, fingerprint, make_buckets, unpack_bucket
+
+MIB = 2**20
+
+
+def mb(n_bytes: int) -> float:
+    """``bucket_mb`` for a bucket of exactly ``n_bytes`` bytes."""
+    return n_bytes / MIB
+
+
+def mixed_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "f32": torch.randn(5, 4, generator=g),
+        "bf16": torch.randn(33, generator=g).to(torch.bfloat16),
+        "f16_odd": torch.randn(7, 3, generator=g).to(torch.float16),
+        "i64": torch.arange(-6, 5, dtype=torch.int64),
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(2.5),
+        "big": torch.randn(300, generator=g),
+    }
+
+
+def round_trip(state, bucket_mb):
+    buckets = list(make_buckets(state, bucket_mb))
+    rebuilt = {}
+    for bucket in buckets:
+        part = unpack_bucket(bucket)
+        assert not rebuilt.keys() & part.keys()
+        rebuilt.update(part)
+    return buckets, rebuilt
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 200, 1000, 64 * MIB])
+def test_round_trip_is_exact(bucket_bytes):
+    state = mixed_state()
+    buckets, rebuilt = round_trip(state, mb(bucket_bytes))
+    assert list(rebuilt) == list(state)
+    for name, tensor in state.items():
+        assert rebuilt[name].dtype == tensor.dtype, name
+        assert rebuilt[name].shape == tensor.shape, name
+        assert torch.equal(rebuilt[name], tensor), name
+    assert fingerprint(rebuilt) == fingerprint(state)
+    if bucket_bytes == 64 * MIB:
+        assert len(buckets) == 1
+    if bucket_bytes == 64:
+        # every tensor alone, except the 0-byte one, which opens a bucket that "scalar" (64 B) then fills
+        assert [[m.name for m in metas] for metas, _ in buckets] == [
+            ["f32"], ["bf16"], ["f16_odd"], ["i64"], ["empty", "scalar"], ["big"]]
+
+
+@pytest.mark.parametrize("state", [
+    {"empty": torch.empty(0, 3)},
+    {"big": torch.ones(100), "empty": torch.empty(0)},  # the plan opens a new bucket after an oversized tensor
+], ids=["only-empty", "empty-after-oversized"])
+def test_round_trip_of_a_bucket_with_only_empty_tensors(state):
+    buckets, rebuilt = round_trip(state, mb(256))
+    assert [bucket_nbytes(b) for b in buckets][-1] == 0
+    assert rebuilt["empty"].shape == state["empty"].shape
+    assert rebuilt["empty"].dtype == torch.float32
+
+
+def test_bf16_stays_bf16_bit_for_bit():
+    values = torch.tensor([1.0, -0.0, 3.140625, 1e-30, float("inf"), float("nan")], dtype=torch.bfloat16)
+    _, rebuilt = round_trip({"w": values}, mb(64))
+    assert rebuilt["w"].dtype == torch.bfloat16
+    assert torch.equal(rebuilt["w"].view(torch.int16), values.view(torch.int16))
+
+
+def test_every_offset_is_aligned():
+    for bucket in make_buckets(mixed_state(), mb(1000)):
+        metas, buffer = bucket
+        assert buffer.dtype == np.uint8 and buffer.ndim == 1
+        assert bucket_nbytes(bucket) == buffer.nbytes
+        for meta in metas:
+            assert meta.offset % ALIGN_BYTES == 0
+            assert meta.offset + meta.nbytes <= buffer.nbytes
+
+
+def test_hand_computed_plan():
+    state = {
+        "a": torch.zeros(10),                       # 40 B  -> 64 aligned
+        "b": torch.zeros(20),                       # 80 B  -> 128
+        "c": torch.zeros(30, dtype=torch.bfloat16), # 60 B  -> 64
+        "d": torch.zeros(8, dtype=torch.int64),     # 64 B  -> 64
+        "e": torch.zeros(7, 3, dtype=torch.float16),  # 42 B -> 64
+    }
+    # 192-byte buckets: a + b = 192 fits exactly; c would make 256, so c, d, e = 192 start the next
+    buckets = list(make_buckets(state, mb(192)))
+    assert [[m.name for m in metas] for metas, _ in buckets] == [["a", "b"], ["c", "d", "e"]]
+    assert [[m.offset for m in metas] for metas, _ in buckets] == [[0, 64], [0, 64, 128]]
+    assert [bucket_nbytes(b) for b in buckets] == [192, 192]
+    assert buckets[1][0][2] == TensorMeta("e", "float16", (7, 3), 128, 42)
+    # one byte less: b (128) no longer fits beside a (64), nor c beside b, nor e beside c + d
+    assert [[m.name for m in metas] for metas, _ in make_buckets(state, mb(191))] == [["a"], ["b"], ["c", "d"], ["e"]]
+
+
+def test_a_tensor_bigger_than_a_bucket_gets_a_bucket_of_its_own():
+    state = {"small1": torch.ones(4), "big": torch.ones(100), "small2": torch.ones(4)}  # 64, 448, 64 aligned
+    buckets = list(make_buckets(state, mb(256)))
+    assert [[m.name for m in metas] for metas, _ in buckets] == [["small1"], ["big"], ["small2"]]
+    assert bucket_nbytes(buckets[1]) == 448 > 256
+
+
+def test_unpack_reads_a_read_only_buffer_without_copy_or_warning():
+    state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    (metas, buffer), = make_buckets(state, mb(1024))
+    buffer.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = unpack_bucket((metas, buffer))
+    assert torch.equal(out["w"], state["w"])
+    assert out["w"].data_ptr() == buffer.ctypes.data  # a view of the buffer, not a copy
+
+
+def test_round_trip_of_the_tiny_model(tiny_path):
+    from ray_ppo.models import load_actor
+
+    state = load_actor(tiny_path).state_dict()
+    buckets, rebuilt = round_trip(state, 0.05)
+    assert len(buckets) > 1
+    assert fingerprint(rebuilt) == fingerprint(state)
+
+
+def test_fingerprint_is_equal_iff_bit_identical():
+    state = mixed_state()
+    reference = fingerprint(state)
+    assert fingerprint({k: v.clone() for k, v in reversed(state.items())}) == reference  # order does not matter
+
+    one_element = dict(state, f32=state["f32"].clone())
+    one_element["f32"][4, 3] += 1e-6
+    assert fingerprint(one_element) != reference
+
+    other_dtype = dict(state, i64=state["i64"].to(torch.int32))  # same values, other dtype
+    assert fingerprint(other_dtype) != reference
+
+    other_shape = dict(state, f32=state["f32"].reshape(4, 5))  # same bytes, other shape
+    assert fingerprint(other_shape) != reference
+
+    renamed = {("F32" if k == "f32" else k): v for k, v in state.items()}
+    assert fingerprint(renamed) != reference
+
+    # 0.0 == -0.0 as numbers, but the bits differ
+    assert fingerprint({"z": torch.tensor([0.0])}) != fingerprint({"z": torch.tensor([-0.0])})
