@@ -1,7 +1,7 @@
 """Submit a detached PPO run to a running Ray cluster with Ray's JobSubmissionClient.
 
-Start a cluster first (keep it on a private network; Ray's dashboard/job port has no
-authentication of its own beyond Ray's token):
+Start a cluster first (keep it on a private network, dashboard on loopback or behind your
+own proxy; this script sends Ray's auth token when one is set up):
 
     ray start --head --dashboard-host 127.0.0.1 --num-cpus 8
     python examples/submit_job.py --address http://127.0.0.1:8265 [--steps 5]
@@ -13,11 +13,17 @@ nodes (or add it to runtime_env["pip"] where the nodes can reach a package index
 """
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
-from ray.job_submission import JobStatus, JobSubmissionClient
+# `ray start --head` turns on Ray's token authentication and keeps the token in
+# ~/.ray/auth_token; the job client sends it only in token mode.
+if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or (Path.home() / ".ray" / "auth_token").exists():
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+from ray.job_submission import JobStatus, JobSubmissionClient  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
@@ -44,8 +50,8 @@ def main() -> int:
             print(f"job {job_id} still {status} after {args.timeout_s:.0f} s; stopped it", file=sys.stderr)
             return 1
         time.sleep(2)
-    logs = client.get_job_logs(job_id)
-    print("\n".join(logs.splitlines()[-5:]))
+    logs = client.get_job_logs(job_id).splitlines()
+    print("\n".join([line for line in logs if line.startswith(("step ", "done:", "ray-ppo"))][-3:] or logs[-20:]))
     print(f"job {job_id}: {status}")
     return 0 if status == JobStatus.SUCCEEDED else 1
 

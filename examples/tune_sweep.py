@@ -28,7 +28,8 @@ def main() -> None:
                     metric="reward_mean", mode="max", max_concurrent_trials=args.max_concurrent,
                     output_dir=args.output)
     for trial in outcome.trials:
-        print(trial["trial_id"], trial["ppo.kl_coef"], trial["ppo.eps_clip"], trial["reward_mean"], trial["status"])
+        print(f"trial {trial['trial_id']} kl_coef={trial['ppo.kl_coef']} eps_clip={trial['ppo.eps_clip']} "
+              f"reward_mean={trial['reward_mean']} {trial['status']}")
     print(f"best {outcome.best_config} reward_mean={outcome.best_metric:.3f} checkpoint={outcome.best_checkpoint}")
     ray.shutdown()
 

@@ -317,6 +317,7 @@ class PromptFeed:
     """
 
     def __init__(self, dataset: Any, batch_size: int, shuffle: bool, seed: int):
+        dataset.context.enable_progress_bars = False  # the driver shows the run's progress
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
         self.epoch = -1
         self.position = 0  # prompts served in the current epoch

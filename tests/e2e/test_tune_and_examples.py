@@ -1,0 +1,102 @@
+"""A 2 x 2 sweep through `ray-ppo tune`, the tracking files, and the examples as users run them."""
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).parents[2]
+SMALL = ["trainer.total_steps=3", "trainer.train_batch_size=16", "trainer.mini_batch_size=8", "maker.batch_size=8",
+         "logging.report_every=1"]
+
+
+def run(args, timeout=600, **kwargs):
+    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=timeout, **kwargs)
+    assert proc.returncode == 0, f"{args}\nSTDOUT:\n{proc.stdout[-2000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def assert_png(path: Path) -> tuple[int, int]:
+    from matplotlib.image import imread
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+    image = imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    return image.shape[:2]
+
+
+def test_ray_ppo_tune_2x2(tmp_path):
+    out = tmp_path / "sweep"
+    proc = run([sys.executable, "-m", "ray_ppo.cli", "tune", "--config", "configs/tiny.yaml",
+                "--grid", "ppo.kl_coef=0.02,0.1", "--grid", "ppo.eps_clip=0.1,0.2", "--max-concurrent", "2",
+                "--output", str(out), *SMALL], timeout=900)
+    with open(out / "trials.csv") as f:
+        trials = list(csv.DictReader(f))
+    assert len(trials) == 4 and {t["status"] for t in trials} == {"TERMINATED"}
+    assert {(t["ppo.kl_coef"], t["ppo.eps_clip"]) for t in trials} == {
+        ("0.02", "0.1"), ("0.02", "0.2"), ("0.1", "0.1"), ("0.1", "0.2")}
+    assert all(t["step"] in ("3", "3.0") for t in trials)
+    best_line = [line for line in proc.stdout.splitlines() if line.startswith("best: ")]
+    assert len(best_line) == 1 and "reward_mean=" in best_line[0] and "checkpoint" in best_line[0]
+    assert "rank" in proc.stdout  # the ranking table
+    assert_png(out / "sweep.png")
+    for trial in trials:  # each trial has its own run directory with curves and metrics
+        run_dir = Path(trial["run_dir"])
+        assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+        assert_png(run_dir / "curves.png")
+
+
+def test_train_writes_tensorboard_and_curves(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    run([sys.executable, "-m", "ray_ppo.cli", "train", "--config", "configs/tiny.yaml", "--output", str(out), *SMALL])
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"reward_mean", "kl", "policy_loss", "value_loss", "samples_per_s", "policy_version"} <= tags
+    assert [e.step for e in events.Scalars("reward_mean")] == [1, 2, 3]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e.value for e in events.Scalars("reward_mean")] == pytest.approx([r["reward_mean"] for r in rows])
+    assert_png(out / "curves.png")
+
+
+def test_example_fit_from_script(tmp_path):
+    proc = run([sys.executable, "examples/fit_from_script.py", "--steps", "3", "--output", str(tmp_path / "fit")])
+    assert "steps=3 reward" in proc.stdout
+
+
+def test_example_tune_sweep(tmp_path):
+    proc = run([sys.executable, "examples/tune_sweep.py", "--steps", "2", "--max-concurrent", "2",
+                "--output", str(tmp_path / "sweep")], timeout=900)
+    trials = [line for line in proc.stdout.splitlines() if line.startswith("trial ")]
+    assert len(trials) == 4 and all(line.endswith("TERMINATED") for line in trials)
+    assert "best {'ppo.kl_coef'" in proc.stdout
+
+
+@pytest.fixture
+def head_node(tmp_path):
+    """A one-node Ray cluster started with `ray start --head` on loopback, stopped afterwards."""
+    ray_bin = Path(sys.executable).parent / "ray"
+    port, dashboard = "6390", "8275"
+    start = [str(ray_bin), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+             "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=8", "--disable-usage-stats"]
+    # The job's entrypoint runs `python` from the head's PATH: put this venv first, as a cluster
+    # image would have its Python with ray_ppo installed.
+    env = {**os.environ, "PATH": f"{ray_bin.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    subprocess.run(start, check=True, capture_output=True, text=True, timeout=180, env=env)
+    try:
+        yield f"http://127.0.0.1:{dashboard}"
+    finally:
+        subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True, timeout=120)
+
+
+def test_example_submit_job(head_node):
+    proc = run([sys.executable, "examples/submit_job.py", "--address", head_node, "--steps", "2"], timeout=900)
+    assert "SUCCEEDED" in proc.stdout and "done: 2 steps" in proc.stdout
