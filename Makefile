@@ -24,3 +24,23 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .cache
+
+# ColossalAI pins old releases (torch<=2.5.1, transformers==4.51.3, peft<=0.13.2), so its tests run in a
+# separate environment. torch 2.5.1 on PyPI is a CUDA build (~3 GB with its nvidia-* wheels); on a CPU
+# machine it runs the CPU code paths, which is all tests/colossalai needs.
+CAI_VENV  := .venv-colossalai
+CAI_PY    := $(CAI_VENV)/bin/python
+CAI_STAMP := $(CAI_VENV)/.installed
+CAI_PINS  := torch==2.5.1 transformers==4.51.3 peft==0.13.2 colossalai==0.5.0
+
+.PHONY: test-colossalai
+
+$(CAI_STAMP): pyproject.toml
+	test -x $(CAI_PY) || $(PYTHON) -m venv $(CAI_VENV)
+	$(CAI_PY) -m pip install --quiet --upgrade pip
+	$(CAI_PY) -m pip install --quiet $(CAI_PINS) safetensors tokenizers pyyaml numpy pandas pyarrow pytest pytest-timeout
+	$(CAI_PY) -m pip install --quiet --no-deps -e .
+	touch $(CAI_STAMP)
+
+test-colossalai: $(CAI_STAMP)
+	$(CAI_PY) -m pytest -q -ra -m colossalai tests/colossalai

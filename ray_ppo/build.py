@@ -37,7 +37,7 @@ def learner_params(cfg: Config) -> LearnerParams:
         warmup_steps=t.warmup_steps, total_updates=total_updates(cfg), max_grad_norm=t.max_grad_norm,
         ppo_epochs=t.ppo_epochs, mini_batch_size=t.mini_batch_size, eps_clip=p.eps_clip, dual_clip=p.dual_clip,
         value_clip=p.value_clip, entropy_coef=p.entropy_coef, whiten_advantages=p.whiten_advantages,
-        temperature=cfg.maker.temperature,
+        temperature=cfg.maker.temperature, max_nonfinite_updates=t.max_nonfinite_updates,
     )
 
 

@@ -189,6 +189,8 @@ class TrainerConfig:
     """Checkpoint every this many steps; 0 = checkpoint only at the end."""
     pull_timeout_s: float = 120.0
     """Seconds a rank waits for a training batch from the makers before failing."""
+    max_nonfinite_updates: int = 10
+    """Optimizer updates in a row skipped for a non-finite loss or gradient before the run fails."""
 
 
 @dataclass
@@ -692,6 +694,7 @@ _RULES: tuple[_Rule, ...] = (
     _positive("toy.num_prompts"),
     _positive("toy.prompt_len"),
     _positive("logging.report_every"),
+    _non_negative("trainer.max_nonfinite_updates"),
 )
 
 

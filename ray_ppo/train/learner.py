@@ -44,6 +44,16 @@ class LearnerParams:
     entropy_coef: float = 0.0
     whiten_advantages: bool = True
     temperature: float = 1.0
+    max_nonfinite_updates: int = 10
+
+
+def all_ranks_agree(flag: bool, device: torch.device) -> bool:
+    """True only if ``flag`` is true on every rank (a collective when a process group exists)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return bool(t.item())
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_updates: int):
@@ -81,6 +91,8 @@ class PPOLearner:
         self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_optim, schedule)
         self.generator = torch.Generator().manual_seed(seed)
         self.device = strategy.device
+        self.nonfinite_updates = 0  # updates skipped for a non-finite loss or gradient, whole run
+        self.consecutive_nonfinite = 0
 
     def train_step(self, batch: ExperienceBatch) -> dict[str, float]:
         """PPO epochs over ``batch``; returns mean losses and statistics."""
@@ -88,7 +100,7 @@ class PPOLearner:
         if self.params.whiten_advantages:
             batch.advantages = masked_whiten(batch.advantages, batch.action_mask)
         sums: dict[str, float] = {}
-        updates = 0
+        updates, skipped_before = 0, self.nonfinite_updates
         for _ in range(self.params.ppo_epochs):
             order = torch.randperm(batch.batch_size, generator=self.generator)
             for start in range(0, batch.batch_size, self.params.mini_batch_size):
@@ -100,6 +112,7 @@ class PPOLearner:
         metrics["actor_lr"] = self.actor_sched.get_last_lr()[0]
         metrics["critic_lr"] = self.critic_sched.get_last_lr()[0]
         metrics["explained_variance"] = float(explained_variance(batch.values, batch.returns, batch.action_mask))
+        metrics["nonfinite_updates"] = float(self.nonfinite_updates - skipped_before)
         return metrics
 
     def _actor_update(self, mb: ExperienceBatch) -> dict[str, float]:
@@ -109,10 +122,7 @@ class PPOLearner:
         pg_loss, stats = policy_loss(log_probs, mb.action_log_probs, mb.advantages, mb.action_mask, p.eps_clip, p.dual_clip)
         entropy = masked_mean(entropy_from_logits(logits), mb.action_mask)
         loss = pg_loss - p.entropy_coef * entropy
-        self.strategy.backward(loss, self.actor, self.actor_optim)
-        grad_norm = self.strategy.clip_grad_norm(self.actor, self.actor_optim, p.max_grad_norm)
-        self.strategy.step(self.actor_optim, self.actor)
-        self.actor_sched.step()
+        grad_norm = self._optimize(loss, self.actor, self.actor_optim, self.actor_sched, "actor")
         return {"policy_loss": pg_loss.item(), "entropy": entropy.item(), "clipfrac": float(stats["clipfrac"]),
                 "approx_kl": float(stats["approx_kl"]), "actor_grad_norm": grad_norm}
 
@@ -120,11 +130,36 @@ class PPOLearner:
         p = self.params
         values = action_values(self.critic, mb.sequences, mb.attention_mask, mb.num_actions)
         vf_loss, stats = value_loss(values, mb.values, mb.returns, mb.action_mask, p.value_clip)
-        self.strategy.backward(vf_loss, self.critic, self.critic_optim)
-        grad_norm = self.strategy.clip_grad_norm(self.critic, self.critic_optim, p.max_grad_norm)
-        self.strategy.step(self.critic_optim, self.critic)
-        self.critic_sched.step()
+        grad_norm = self._optimize(vf_loss, self.critic, self.critic_optim, self.critic_sched, "critic")
         return {"value_loss": vf_loss.item(), "vf_clipfrac": float(stats["vf_clipfrac"]), "critic_grad_norm": grad_norm}
+
+    def _optimize(self, loss: torch.Tensor, model: nn.Module, optim, sched, what: str) -> float:
+        """backward -> clip -> step; returns the gradient norm.
+
+        If the loss or the gradient norm is non-finite on any rank, every rank drops its
+        gradients and skips the step (weights unchanged; counted in ``nonfinite_updates``).
+        More than ``max_nonfinite_updates`` such updates in a row end the run.
+        """
+        grad_norm = float("nan")
+        finite = all_ranks_agree(bool(torch.isfinite(loss.detach())), self.device)
+        if finite:
+            self.strategy.backward(loss, model, optim)
+            grad_norm = self.strategy.clip_grad_norm(model, optim, self.params.max_grad_norm)
+            finite = math.isfinite(grad_norm)  # computed from synchronised gradients: equal on every rank
+        if finite:
+            self.strategy.step(optim, model)
+            self.consecutive_nonfinite = 0
+        else:
+            optim.zero_grad(set_to_none=True)
+            self.nonfinite_updates += 1
+            self.consecutive_nonfinite += 1
+            if self.consecutive_nonfinite > self.params.max_nonfinite_updates:
+                raise FloatingPointError(
+                    f"{self.consecutive_nonfinite} optimizer updates in a row had a non-finite loss or gradient "
+                    f"(last: {what} loss={loss.item()}, grad norm={grad_norm}); lower the learning rate, check the "
+                    f"reward function, or raise trainer.max_nonfinite_updates")
+        sched.step()
+        return grad_norm
 
     def state_dict(self) -> dict:
         """Optimizer, scheduler and RNG state (model weights are saved separately)."""
