@@ -21,6 +21,7 @@ import ray
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
+from ray_ppo.checkpoint import validate_checkpoint
 from ray_ppo.config import Config
 from ray_ppo.coordinator import Coordinator
 from ray_ppo.data import read_prompt_dataset, select_prompt_column
@@ -68,12 +69,17 @@ class PPOTrainer(TorchTrainer):
             directory and ``controller_failure_limit`` is 0 (no infinite retries).
         metrics_callbacks: called in the driver with each step's metrics, in order.
         scaling_config: overrides the one derived from ``trainer.num_workers`` etc.
+        resume_from: a checkpoint directory (``RUN_DIR/checkpoint``) to continue from: weights,
+            optimizer, schedulers, KL controller, RNG, step, policy version and prompt position.
     """
 
     def __init__(self, config: Config, prompts: Any = None, *, run_config: RunConfig | None = None,
                  metrics_callbacks: Sequence[MetricsCallback] = (), scaling_config: ScalingConfig | None = None,
-                 **trainer_kwargs):
+                 resume_from: str | Path | None = None, **trainer_kwargs):
         self.ppo_config = resolve_config(config)
+        self.resume_state = validate_checkpoint(resume_from) if resume_from else None
+        if resume_from:
+            trainer_kwargs["resume_from_checkpoint"] = ray.train.Checkpoint.from_directory(str(Path(resume_from).resolve()))
         self.namespace = f"ray_ppo.{config.name}.{uuid.uuid4().hex[:8]}"
         self.prompts = prompts
         self.metrics_callbacks = list(metrics_callbacks)
@@ -134,7 +140,9 @@ class PPOTrainer(TorchTrainer):
             num_ranks=cfg.trainer.num_workers, num_makers=cfg.maker.num_makers, buffer_size=cfg.buffer_size,
             max_staleness=cfg.ppo.max_staleness, routing=cfg.topology.routing, prompts=dataset,
             items_per_version=cfg.trainer.update_steps * cfg.trainer.train_batch_size * cfg.trainer.num_workers,
-            prompt_batch_size=cfg.maker.batch_size, shuffle=cfg.data.shuffle, seed=cfg.seed)
+            prompt_batch_size=cfg.maker.batch_size, shuffle=cfg.data.shuffle, seed=cfg.seed,
+            initial_version=self.resume_state["policy_version"] if self.resume_state else 0,
+            data_start=self.resume_state.get("data") if self.resume_state else None)
         maker_cls = maker_actor_class(cfg.maker.num_cpus, cfg.maker.num_gpus)
         self.makers = {
             i: maker_cls.options(name=f"maker_{i}", namespace=self.namespace, lifetime="detached",

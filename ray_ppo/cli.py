@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
+from ray_ppo.checkpoint import CheckpointError
 from ray_ppo.config import ConfigError, load_config
 from ray_ppo.data import DataError
 
@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Run detached PPO: makers generate while a TorchTrainer trains. Writes "
                                        "DIR/config.yaml, DIR/metrics.jsonl and DIR/checkpoint/.")
     _config_args(train)
+    train.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue a stopped run from RUN_DIR/checkpoint (its config.yaml unless --config is "
+                            "given; overrides such as trainer.total_steps=200 extend it)")
     train.add_argument("--address", help="attach to a running Ray cluster (e.g. auto or ray://host:10001) "
                                          "instead of starting a local one")
     train.add_argument("--num-cpus", type=int, default=None,
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"train": cmd_train, "tune": cmd_tune, "local": cmd_local, "toy-data": cmd_toy_data}[args.command](args)
-    except (ConfigError, DataError, FileNotFoundError) as e:
+    except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
         print(f"ray-ppo {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
@@ -87,12 +90,12 @@ def _load(args):
     return cfg
 
 
-def _run_outputs(cfg, out_dir: Path):
+def _run_outputs(cfg, out_dir: Path, resume_after_step: int | None = None):
     """Per-step callbacks (run files, progress) and a closer that also draws ``curves.png``."""
     from ray_ppo.plots import plot_run
-    from ray_ppo.tracking import LiveLine, Progress, RunDirectory
+    from ray_ppo.tracking import LiveLine, Progress, RunDirectory, read_metrics
 
-    run_dir = RunDirectory(out_dir, cfg, tensorboard=cfg.logging.tensorboard)
+    run_dir = RunDirectory(out_dir, cfg, tensorboard=cfg.logging.tensorboard, resume_after_step=resume_after_step)
     progress = Progress(cfg.trainer.total_steps) if cfg.logging.progress else LiveLine(cfg.trainer.total_steps)
 
     def close(history: list[dict]) -> None:
@@ -100,7 +103,7 @@ def _run_outputs(cfg, out_dir: Path):
             progress.close()
         run_dir.close()
         if history:
-            plot_run(history, out_dir / "curves.png")
+            plot_run(read_metrics(out_dir / "metrics.jsonl"), out_dir / "curves.png")
     return [run_dir, progress], close
 
 
@@ -132,22 +135,29 @@ def cmd_train(args) -> int:
     import ray
 
     from ray_ppo.api import PPOTrainer
+    from ray_ppo.checkpoint import publish_checkpoint, validate_checkpoint
 
+    resume_from, resume_state = None, None
+    if args.resume:
+        run = Path(args.resume)
+        args.config = args.config or str(run / "config.yaml")
+        args.output = args.output or str(run)
+        resume_from = run / "checkpoint"
+        resume_state = validate_checkpoint(resume_from)
     cfg = _load(args)
     out_dir = Path(cfg.output_dir).resolve()
-    callbacks, close = _run_outputs(cfg, out_dir)
+    callbacks, close = _run_outputs(cfg, out_dir, resume_state["step"] if resume_state else None)
     _init_ray(args)
     start = time.perf_counter()
-    trainer = PPOTrainer(cfg, metrics_callbacks=callbacks)
+    trainer = PPOTrainer(cfg, metrics_callbacks=callbacks, resume_from=resume_from)
     try:
         result = trainer.fit()
     finally:
         close(trainer.history)
         ray.shutdown()
     if result.checkpoint is not None:
-        target = out_dir / "checkpoint"
-        shutil.rmtree(target, ignore_errors=True)
-        result.checkpoint.to_directory(str(target))
+        with result.checkpoint.as_directory() as directory:
+            publish_checkpoint(directory, out_dir, int(result.metrics.get("step", cfg.trainer.total_steps)))
     print(_summary(trainer.history, time.perf_counter() - start, out_dir))
     return 0
 

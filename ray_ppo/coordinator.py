@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -74,7 +75,8 @@ class Push:
 class Coordinator:
     def __init__(self, num_ranks: int, num_makers: int, buffer_size: int, max_staleness: int,
                  items_per_version: int, routing: str = "round_robin", prompts: Any = None,
-                 prompt_batch_size: int = 16, shuffle: bool = True, seed: int = 0):
+                 prompt_batch_size: int = 16, shuffle: bool = True, seed: int = 0,
+                 initial_version: int = 0, data_start: dict | None = None):
         self.num_ranks, self.num_makers = num_ranks, num_makers
         self.buffer_size, self.max_staleness, self.routing = buffer_size, max_staleness, routing
         self.buffers: list[collections.deque[ExperienceItem]] = [collections.deque() for _ in range(num_ranks)]
@@ -82,18 +84,19 @@ class Coordinator:
         self.counters = Counters()
         self.makers: dict[int, Any] = {}
         self.maker_state = {i: MakerState() for i in range(num_makers)}
-        self.trainer_version = 0
+        self.trainer_version = initial_version  # > 0 when resuming: makers wait for the restored weights
         self.items_per_version = items_per_version
         self.consumed_at_version = 0  # items pulled since the trainer reached its current version
         self.reserved = 0  # prompts handed out whose items have not come back yet
         self.prompt_batch_size = prompt_batch_size
-        self.pushes: list[Push] = []
+        self.latest_push: Push | None = None  # its refs stay alive for makers that (re)join late
+        self.push_log: list[tuple[int, int]] = []  # (version, bytes) of every push
         self.push_tasks: set[asyncio.Task] = set()
         self.metrics: list[dict] = []
         self.finished = False
         self.last_item_at = time.monotonic()
         self._rr = 0
-        self._prompts = PromptFeed(prompts, prompt_batch_size, shuffle, seed) if prompts is not None else None
+        self._prompts = PromptFeed(prompts, prompt_batch_size, shuffle, seed, data_start) if prompts is not None else None
 
     # -- set-up ---------------------------------------------------------------------------------
     def register_makers(self, handles: dict[int, Any]) -> None:
@@ -250,7 +253,8 @@ class Coordinator:
         """Start relaying a push to every maker; returns at once (the trainer does not wait)."""
         self._set_trainer_version(version)
         push = Push(version, bucket_refs, nbytes, meta)
-        self.pushes.append(push)
+        self.latest_push = push  # older pushes' refs are released here
+        self.push_log.append((version, nbytes))
         for maker_id, handle in self.makers.items():
             task = asyncio.get_running_loop().create_task(self._push_to(maker_id, handle, push))
             self.push_tasks.add(task)
@@ -260,6 +264,8 @@ class Coordinator:
 
     async def _push_to(self, maker_id: int, handle: Any, push: Push) -> None:
         """chunk_start, one chunk call per bucket, chunk_end: ordered calls in the maker's ``model_io`` group."""
+        if self.latest_push is not None and self.latest_push.version > push.version:
+            return  # superseded before it started: the maker gets the newer one
         try:
             handle.weights_start.remote(push.version, len(push.bucket_refs), push.meta)
             for index, ref in enumerate(push.bucket_refs):
@@ -295,12 +301,23 @@ class Coordinator:
     def metrics_since(self, index: int) -> list[dict]:
         return self.metrics[index:]
 
+    def data_state(self) -> dict:
+        """Where a resumed run should continue the prompt stream: the current epoch, and the
+        prompts of it served so far minus those whose items are not trained on yet (buffered or
+        being generated). Exact with one maker; with several, the count is exact and the
+        order approximate (makers finish batches out of order)."""
+        if self._prompts is None:
+            return {"epoch": 0, "position": 0}
+        pending = self.counters.in_flight + self.reserved
+        return {"epoch": max(self._prompts.epoch, 0), "position": max(0, self._prompts.position - pending)}
+
     def status(self) -> dict:
         """Counters, versions and maker states, for metrics and tests."""
         return {"counters": asdict(self.counters), "trainer_version": self.trainer_version,
+                "data": self.data_state(),
                 "buffered": [len(b) for b in self.buffers],
                 "makers": {i: asdict(s) for i, s in self.maker_state.items()},
-                "pushes": [(p.version, p.nbytes) for p in self.pushes]}
+                "pushes": list(self.push_log)}
 
     async def finish(self) -> dict:
         """End of run: makers get no more prompts, waiting sends return. Returns the final status."""
@@ -316,27 +333,33 @@ class PromptFeed:
     Ray Data iteration blocks, so it runs in a worker thread of the coordinator's event loop.
     """
 
-    def __init__(self, dataset: Any, batch_size: int, shuffle: bool, seed: int):
+    def __init__(self, dataset: Any, batch_size: int, shuffle: bool, seed: int, start: dict | None = None):
         dataset.context.enable_progress_bars = False  # the driver shows the run's progress
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
-        self.epoch = -1
-        self.position = 0  # prompts served in the current epoch
+        self.epoch = start["epoch"] - 1 if start else -1
+        self.start_position = start["position"] if start else 0  # prompts to skip in the first epoch
+        self.position = 0  # prompts served in the current epoch (skipped ones included)
         self._iter = None
         self._lock = asyncio.Lock()
 
-    def _epoch_iter(self):
+    def _epoch_prompts(self):
+        """The prompts of one epoch in order; the epoch's shuffle depends on seed + epoch only."""
         ds = self.dataset.random_shuffle(seed=self.seed + self.epoch) if self.shuffle else self.dataset
         for batch in ds.iter_batches(batch_size=self.batch_size, batch_format="numpy", drop_last=False):
-            yield [None if v is None else str(v) for v in batch["prompt"].tolist()]
+            yield from (None if v is None else str(v) for v in batch["prompt"].tolist())
 
     def _next_blocking(self) -> list[str]:
         for _ in range(2):  # at most one epoch roll-over per call
             if self._iter is None:
                 self.epoch += 1
-                self.position = 0
-                self._iter = self._epoch_iter()
-            batch = next(self._iter, None)
-            if batch is not None:
+                self.position, skip, self.start_position = 0, self.start_position, 0
+                self._iter = self._epoch_prompts()
+                for _ in range(skip):  # resume: these prompts were used before the checkpoint
+                    if next(self._iter, StopIteration) is StopIteration:
+                        break
+                    self.position += 1
+            batch = list(itertools.islice(self._iter, self.batch_size))
+            if batch:
                 self.position += len(batch)
                 return batch
             self._iter = None

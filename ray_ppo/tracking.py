@@ -54,14 +54,21 @@ class RunDirectory:
     """Writes ``config.yaml`` once and appends one JSON object per step to ``metrics.jsonl``.
 
     With ``tensorboard=True`` it also writes each row to TensorBoard event files in ``tensorboard/``.
+    With ``resume_after_step=N`` (a resumed run) it keeps the rows of steps <= N and appends.
     """
 
-    def __init__(self, directory: str | Path, cfg: Config, tensorboard: bool = False):
+    def __init__(self, directory: str | Path, cfg: Config, tensorboard: bool = False,
+                 resume_after_step: int | None = None):
         self.path = Path(directory)
         self.path.mkdir(parents=True, exist_ok=True)
         self._tensorboard = TensorBoardWriter(self.path / "tensorboard") if tensorboard else None
         (self.path / "config.yaml").write_text(cfg.to_yaml())
+        kept = []
+        if resume_after_step is not None and (self.path / "metrics.jsonl").exists():
+            kept = [r for r in read_metrics(self.path / "metrics.jsonl") if r.get("step", 0) <= resume_after_step]
         self._metrics = open(self.path / "metrics.jsonl", "w")
+        for row in kept:
+            self._metrics.write(json.dumps(row) + "\n")
 
     def __call__(self, metrics: dict) -> None:
         self._metrics.write(json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n")

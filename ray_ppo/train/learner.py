@@ -161,15 +161,20 @@ class PPOLearner:
         sched.step()
         return grad_norm
 
-    def state_dict(self) -> dict:
-        """Optimizer, scheduler and RNG state (model weights are saved separately)."""
-        return {"actor_optim": self.actor_optim.state_dict(), "critic_optim": self.critic_optim.state_dict(),
+    def full_state_dict(self) -> dict:
+        """Collective on every rank: full optimizer states (rank 0; ``{}`` elsewhere), schedulers and
+        the minibatch RNG — what a checkpoint needs besides the weights."""
+        s = self.strategy
+        return {"actor": s.full_optimizer_state_dict(self.actor, self.actor_optim),
+                "critic": s.full_optimizer_state_dict(self.critic, self.critic_optim),
                 "actor_sched": self.actor_sched.state_dict(), "critic_sched": self.critic_sched.state_dict(),
                 "generator": self.generator.get_state()}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.actor_optim.load_state_dict(state["actor_optim"])
-        self.critic_optim.load_state_dict(state["critic_optim"])
+    def load_state(self, state: dict) -> None:
+        """Restore what ``train.loop`` checkpoints: full optimizer states (strategy-aware),
+        schedulers and the minibatch RNG."""
+        self.strategy.load_optimizer_state(self.actor, self.actor_optim, state["actor"])
+        self.strategy.load_optimizer_state(self.critic, self.critic_optim, state["critic"])
         self.actor_sched.load_state_dict(state["actor_sched"])
         self.critic_sched.load_state_dict(state["critic_sched"])
         self.generator.set_state(state["generator"])

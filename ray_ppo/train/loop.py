@@ -5,8 +5,6 @@ Each step reads top to bottom: pull -> PPO epochs -> publish weights -> report.
 
 from __future__ import annotations
 
-import json
-import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -18,6 +16,7 @@ import ray.train
 import torch
 
 from ray_ppo.algo import ExperienceBatch, ExperienceItem, make_kl_controller
+from ray_ppo.checkpoint import load_trainer_state, write_trainer_state
 from ray_ppo.build import build_actor, build_critic, learner_params, tokenizer_path
 from ray_ppo.config import Config
 from ray_ppo.models import load_tokenizer
@@ -111,15 +110,32 @@ class CheckpointWriter:
     def write(self, state: dict[str, torch.Tensor], optim_state: dict, run_state: dict) -> ray.train.Checkpoint:
         if self._actor is None:
             self._actor, self._critic = build_actor(self.cfg), build_critic(self.cfg)
-        self._actor.load_state_dict({k.removeprefix("actor."): v for k, v in state.items() if k.startswith("actor.")})
-        self._critic.load_state_dict({k.removeprefix("critic."): v for k, v in state.items() if k.startswith("critic.")})
+        actor_state, critic_state = split_state(state)
+        self._actor.load_state_dict(actor_state)
+        self._critic.load_state_dict(critic_state)
         directory = Path(tempfile.mkdtemp(prefix="ray_ppo_ckpt_"))
         self._actor.save_pretrained(directory / "actor")
         load_tokenizer(tokenizer_path(self.cfg)).save_pretrained(directory / "actor")
         self._critic.save_pretrained(directory / "critic")
-        torch.save(optim_state, directory / "optimizer.pt")
-        (directory / "state.json").write_text(json.dumps(run_state, indent=2))
+        write_trainer_state(directory, actor_state, critic_state, optim_state, run_state)
         return ray.train.Checkpoint.from_directory(str(directory))
+
+
+def split_state(state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """``actor.*`` / ``critic.*`` keys of a gathered state dict, prefixes removed."""
+    actor = {k.removeprefix("actor."): v for k, v in state.items() if k.startswith("actor.")}
+    critic = {k.removeprefix("critic."): v for k, v in state.items() if k.startswith("critic.")}
+    return actor, critic
+
+
+def _restore_point() -> tuple[dict, dict, dict, dict] | None:
+    """The state to resume from: Ray Train's checkpoint (a FailureConfig restart, or
+    ``resume_from_checkpoint``), validated; None for a fresh run."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as directory:
+        return load_trainer_state(directory)
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
@@ -133,21 +149,35 @@ def train_loop_per_worker(loop_config: dict) -> None:
     device = ray.train.torch.get_device() if cfg.trainer.use_gpu else torch.device("cpu")
     coordinator = ray.get_actor(handles.coordinator_name, namespace=handles.namespace)
 
-    learner = PPOLearner(build_actor(cfg), build_critic(cfg), make_strategy(cfg.trainer.strategy, device),
-                         learner_params(cfg), seed=cfg.seed + rank)
+    restored = _restore_point()
+    actor, critic = build_actor(cfg), build_critic(cfg)
+    if restored:
+        actor.load_state_dict(restored[0])
+        critic.load_state_dict(restored[1])
+    learner = PPOLearner(actor, critic, make_strategy(cfg.trainer.strategy, device), learner_params(cfg),
+                         seed=cfg.seed + rank)
     kl_ctl = make_kl_controller(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
     publisher = WeightPublisher(learner, coordinator, cfg.sync.bucket_mb, rank)
     checkpoints = CheckpointWriter(cfg) if rank == 0 else None
     monitor = MakerMonitor(coordinator) if rank == 0 else None
     pad_token_id = load_tokenizer(tokenizer_path(cfg)).pad_token_id
-    version = 0
-    if cfg.maker.wait_for_weights:
+    first_step, version = 1, 0
+    if restored:
+        optim_state, run_state = restored[2], restored[3]
+        learner.load_state(optim_state)
+        kl_ctl.load_state_dict(run_state["kl_ctl"])
+        first_step = run_state["step"] + 1
+        # Versions never go backwards for makers: if pushes were made after this checkpoint
+        # (a worker-group restart), the restored weights get a new, higher version.
+        latest = ray.get(coordinator.status.remote())["trainer_version"]
+        version = run_state["policy_version"] if latest <= run_state["policy_version"] else latest + 1
+    if restored or cfg.maker.wait_for_weights:  # makers start from these weights
         state = publisher.gather()
         if rank == 0:
             publisher.publish(state, version, {"kl_coef": kl_ctl.value})
 
     run_start = time.perf_counter()
-    for step in range(1, cfg.trainer.total_steps + 1):
+    for step in range(first_step, cfg.trainer.total_steps + 1):
         step_start = time.perf_counter()
         items = _pull(coordinator, rank, cfg.trainer.train_batch_size, version, cfg.trainer.pull_timeout_s)
         wait_s = time.perf_counter() - step_start
@@ -162,7 +192,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         push_due = step % cfg.trainer.update_steps == 0 or is_last
         ckpt_due = is_last or (cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0)
         state = publisher.gather() if push_due or ckpt_due else {}
-        optim_state = _gather_optim(learner) if ckpt_due else {}
+        optim_state = learner.full_state_dict() if ckpt_due else {}
         push_s, push_bytes = 0.0, 0
         if push_due:
             version += 1
@@ -183,7 +213,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
             if is_last:
                 metrics["weights_in_sync"] = _verify_makers(coordinator, version, fingerprint(state))
             if ckpt_due:
-                run_state = {"step": step, "policy_version": version, "kl_ctl": kl_ctl.state_dict()}
+                run_state = {"step": step, "policy_version": version, "kl_ctl": kl_ctl.state_dict(),
+                             "data": ray.get(coordinator.data_state.remote())}
                 checkpoint = checkpoints.write(state, optim_state, run_state)
             coordinator.record_metrics.remote(metrics)
         if is_last or ckpt_due or step % cfg.logging.report_every == 0:
@@ -197,13 +228,6 @@ def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float) -
         return ray.get(coordinator.pull.remote(rank, n, version, timeout_s))
     except ray.exceptions.RayTaskError as e:
         raise e.as_instanceof_cause() from None
-
-
-def _gather_optim(learner: PPOLearner) -> dict:
-    s = learner.strategy
-    return {"actor": s.full_optimizer_state_dict(learner.actor, learner.actor_optim),
-            "critic": s.full_optimizer_state_dict(learner.critic, learner.critic_optim),
-            "actor_sched": learner.actor_sched.state_dict(), "critic_sched": learner.critic_sched.state_dict()}
 
 
 class MakerMonitor:

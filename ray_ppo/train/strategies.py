@@ -38,6 +38,9 @@ class Strategy(Protocol):
     def full_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """Collective on every rank: the full optimizer state on rank 0, ``{}`` elsewhere."""
 
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Load a full optimizer state (as ``full_optimizer_state_dict`` returned it on rank 0) on every rank."""
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the wrapper."""
 
@@ -82,6 +85,9 @@ class LocalStrategy:
 
     def full_optimizer_state_dict(self, model, optimizer):
         return optimizer.state_dict()
+
+    def load_optimizer_state(self, model, optimizer, state):
+        optimizer.load_state_dict(state)
 
     def unwrap(self, model):
         return model
@@ -154,6 +160,11 @@ class FSDPStrategy(LocalStrategy):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_optimizer_state_dict(model, optimizer, options=options)
         return state if torch.distributed.get_rank() == 0 else {}
+
+    def load_optimizer_state(self, model, optimizer, state):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
 def make_strategy(name: str, device: str | torch.device = "cpu") -> Strategy:

@@ -150,7 +150,7 @@ def test_learner_state_dict_round_trip(tiny_path, experience):
     ppo = learner(tiny_path)
     ppo.train_step(experience)
     other = learner(tiny_path)
-    other.load_state_dict(ppo.state_dict())
+    other.load_state(ppo.full_state_dict())
     assert other.actor_sched.last_epoch == 4
     assert torch.equal(torch.randperm(8, generator=other.generator), torch.randperm(8, generator=ppo.generator))
 

@@ -1,0 +1,141 @@
+"""Run checkpoints: what they hold, writing them atomically, reading them safely.
+
+A checkpoint directory holds:
+
+    actor/, critic/          save_pretrained (safetensors) for users; tokenizer beside the actor
+    trainer/actor.safetensors, trainer/critic.safetensors
+                             the trainer's exact state dicts (LoRA adapters included) for resuming
+    trainer/optimizer.pt     optimizer, scheduler and RNG state (plain tensors; loaded weights_only)
+    state.json               step, policy version, KL controller, prompt-stream position
+
+Nothing is ever unpickled: weights are safetensors and ``optimizer.pt`` is read with
+``torch.load(weights_only=True)``. A missing, truncated or corrupt file raises
+``CheckpointError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT_VERSION = 1
+STATE_FILE = "state.json"
+TRAINER_DIR = "trainer"
+REQUIRED = (STATE_FILE, f"{TRAINER_DIR}/actor.safetensors", f"{TRAINER_DIR}/critic.safetensors",
+            f"{TRAINER_DIR}/optimizer.pt")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used, with the file and the reason."""
+
+
+def save_tensors(state: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}, str(path))
+
+
+def write_trainer_state(directory: Path, actor: dict, critic: dict, optimizer: dict, run_state: dict) -> None:
+    """The resumable part of a checkpoint (``trainer/`` and ``state.json``) into ``directory``."""
+    (directory / TRAINER_DIR).mkdir(parents=True, exist_ok=True)
+    save_tensors(actor, directory / TRAINER_DIR / "actor.safetensors")
+    save_tensors(critic, directory / TRAINER_DIR / "critic.safetensors")
+    torch.save(optimizer, directory / TRAINER_DIR / "optimizer.pt")
+    (directory / STATE_FILE).write_text(json.dumps({"format": FORMAT_VERSION, **run_state}, indent=2))
+
+
+def read_state(directory: str | Path) -> dict[str, Any]:
+    """``state.json`` of a checkpoint, after checking every required file is there."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint {directory} does not exist")
+    missing = [name for name in REQUIRED if not (directory / name).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {directory} is incomplete: missing {', '.join(missing)}")
+    try:
+        state = json.loads((directory / STATE_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint file {directory / STATE_FILE} is corrupt: {e}") from None
+    if state.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {directory} has format {state.get('format')!r}; this ray_ppo reads {FORMAT_VERSION}")
+    return state
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises several types for truncated or garbled files
+        raise CheckpointError(f"checkpoint file {path} is corrupt or truncated: {type(e).__name__}: {e}") from None
+
+
+def validate_checkpoint(directory: str | Path) -> dict[str, Any]:
+    """Check a checkpoint without loading its weights (safetensors headers and sizes, the
+    optimizer file); returns its run state. Raises ``CheckpointError`` naming the bad file."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    run_state = read_state(directory)
+    for name in ("actor", "critic"):
+        path = directory / TRAINER_DIR / f"{name}.safetensors"
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except Exception as e:
+            raise CheckpointError(f"checkpoint file {path} is corrupt or truncated: {type(e).__name__}: {e}") from None
+    _load_optimizer(directory)
+    return run_state
+
+
+def _load_optimizer(directory: Path) -> dict:
+    path = directory / TRAINER_DIR / "optimizer.pt"
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:
+        raise CheckpointError(f"checkpoint file {path} is corrupt or truncated: {type(e).__name__}: {e}") from None
+
+
+def load_trainer_state(directory: str | Path) -> tuple[dict, dict, dict, dict]:
+    """(actor state, critic state, optimizer state, run state) of a checkpoint, validated."""
+    directory = Path(directory)
+    run_state = read_state(directory)
+    actor = load_tensors(directory / TRAINER_DIR / "actor.safetensors")
+    critic = load_tensors(directory / TRAINER_DIR / "critic.safetensors")
+    return actor, critic, _load_optimizer(directory), run_state
+
+
+KEEP_CHECKPOINTS = 2
+"""Complete checkpoints kept in ``RUN_DIR/checkpoints/`` (the newest is ``RUN_DIR/checkpoint``)."""
+
+
+def publish_checkpoint(source: str | Path, run_dir: str | Path, step: int) -> Path:
+    """Copy a checkpoint into ``run_dir/checkpoints/step_<N>`` and point ``run_dir/checkpoint`` at it.
+
+    The copy goes to a temporary directory that is renamed when complete, and the link is
+    swapped with one atomic ``os.replace``: a crash at any moment leaves ``run_dir/checkpoint``
+    on the previous complete checkpoint or on the new one, never on a partial copy.
+    """
+    run_dir = Path(run_dir)
+    store = run_dir / "checkpoints"
+    store.mkdir(parents=True, exist_ok=True)
+    final = store / f"step_{step:08d}"
+    staging = store / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(source, staging)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(staging, final)
+    link, tmp_link = run_dir / "checkpoint", run_dir / f".checkpoint-{uuid.uuid4().hex[:8]}"
+    os.symlink(Path("checkpoints") / final.name, tmp_link)
+    if link.is_dir() and not link.is_symlink():
+        shutil.rmtree(link)
+    os.replace(tmp_link, link)
+    for stale in sorted(p for p in store.glob("step_*") if p != final)[:-(KEEP_CHECKPOINTS - 1) or None]:
+        shutil.rmtree(stale, ignore_errors=True)
+    return final
