@@ -71,6 +71,7 @@ class PPOTrainer(TorchTrainer):
         scaling_config: overrides the one derived from ``trainer.num_workers`` etc.
         resume_from: a checkpoint directory (``RUN_DIR/checkpoint``) to continue from: weights,
             optimizer, schedulers, KL controller, RNG, step, policy version and prompt position.
+            Every trainer worker reads it, so on a multi-node cluster it must be on shared storage.
     """
 
     def __init__(self, config: Config, prompts: Any = None, *, run_config: RunConfig | None = None,
@@ -78,8 +79,6 @@ class PPOTrainer(TorchTrainer):
                  resume_from: str | Path | None = None, **trainer_kwargs):
         self.ppo_config = resolve_config(config)
         self.resume_state = validate_checkpoint(resume_from) if resume_from else None
-        if resume_from:
-            trainer_kwargs["resume_from_checkpoint"] = ray.train.Checkpoint.from_directory(str(Path(resume_from).resolve()))
         self.namespace = f"ray_ppo.{config.name}.{uuid.uuid4().hex[:8]}"
         self.prompts = prompts
         self.metrics_callbacks = list(metrics_callbacks)
@@ -92,7 +91,8 @@ class PPOTrainer(TorchTrainer):
             failure_config=FailureConfig(max_failures=0, controller_failure_limit=0))
         super().__init__(
             train_loop_per_worker,
-            train_loop_config={"config": self.ppo_config.to_dict(), "handles": dataclasses.asdict(RunHandles(self.namespace))},
+            train_loop_config={"config": self.ppo_config.to_dict(), "handles": dataclasses.asdict(RunHandles(self.namespace)),
+                               "resume_from": str(Path(resume_from).resolve()) if resume_from else None},
             scaling_config=scaling_config, run_config=run_config, **trainer_kwargs)
         self.coordinator = None
         self.makers: dict[int, Any] = {}
@@ -103,7 +103,7 @@ class PPOTrainer(TorchTrainer):
     def fit(self):
         """Start coordinator and makers, train, stop them; returns the ``ray.train.Result``."""
         self._start_actors()
-        poller = _MetricsPoller(self.coordinator, self._on_metrics)
+        poller = _MetricsPoller(self.coordinator, self._on_metrics, self._watch_makers)
         poller.start()
         try:
             result = super().fit()
@@ -115,6 +115,23 @@ class PPOTrainer(TorchTrainer):
         if not result.metrics and self.history:
             result.metrics = dict(self.history[-1])
         return result
+
+    def _watch_makers(self) -> None:
+        """A maker loop that ended with an error (a dead maker out of restarts, or a raised
+        exception) is reported to the coordinator, whose next pull ends the run with it."""
+        done, _ = ray.wait(list(self._loops), num_returns=len(self._loops), timeout=0)
+        for ref in done:
+            maker_id = self._loops.pop(ref)
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                self.coordinator.maker_failed.remote(maker_id, f"maker_{maker_id} died and was not restarted "
+                                                               f"(maker.max_restarts={self.ppo_config.maker.max_restarts}): "
+                                                               f"{str(e).splitlines()[0]}")
+            except ray.exceptions.RayTaskError:
+                pass  # the maker reported its own exception to the coordinator
+            else:
+                self._finished_loops.append(ref)
 
     def _on_metrics(self, metrics: dict) -> None:
         self.history.append(metrics)
@@ -143,7 +160,7 @@ class PPOTrainer(TorchTrainer):
             prompt_batch_size=cfg.maker.batch_size, shuffle=cfg.data.shuffle, seed=cfg.seed,
             initial_version=self.resume_state["policy_version"] if self.resume_state else 0,
             data_start=self.resume_state.get("data") if self.resume_state else None)
-        maker_cls = maker_actor_class(cfg.maker.num_cpus, cfg.maker.num_gpus)
+        maker_cls = maker_actor_class(cfg.maker.num_cpus, cfg.maker.num_gpus, cfg.maker.max_restarts)
         self.makers = {
             i: maker_cls.options(name=f"maker_{i}", namespace=self.namespace, lifetime="detached",
                                  scheduling_strategy=OUTSIDE_CALLER_PLACEMENT_GROUP).remote(
@@ -155,13 +172,15 @@ class PPOTrainer(TorchTrainer):
         except Exception:
             self._kill_actors()
             raise
-        self._loops = [m.run.remote() for m in self.makers.values()] + [m.send_loop.remote() for m in self.makers.values()]
+        self._finished_loops: list = []
+        self._loops = {m.run.remote(): i for i, m in self.makers.items()}
+        self._loops.update({m.send_loop.remote(): i for i, m in self.makers.items()})
 
     def _finish_actors(self) -> None:
         """Tell the coordinator the run is over, let makers drain, keep their summaries."""
         self.final_status = ray.get(self.coordinator.finish.remote(), timeout=SHUTDOWN_TIMEOUT_S)
-        ready, _ = ray.wait(self._loops, num_returns=len(self._loops), timeout=SHUTDOWN_TIMEOUT_S)
-        self.maker_summaries = [ray.get(r) for r in ready]
+        ready, _ = ray.wait(list(self._loops), num_returns=len(self._loops), timeout=SHUTDOWN_TIMEOUT_S)
+        self.maker_summaries = [ray.get(r) for r in [*self._finished_loops, *ready]]
         self.final_status = ray.get(self.coordinator.status.remote(), timeout=SHUTDOWN_TIMEOUT_S)
 
     def _kill_actors(self) -> None:
@@ -174,8 +193,8 @@ class PPOTrainer(TorchTrainer):
 class _MetricsPoller:
     """Driver thread relaying per-step metrics from the coordinator to callbacks, in order."""
 
-    def __init__(self, coordinator: Any, callback: MetricsCallback):
-        self.coordinator, self.callback = coordinator, callback
+    def __init__(self, coordinator: Any, callback: MetricsCallback, watch: Callable[[], None]):
+        self.coordinator, self.callback, self.watch = coordinator, callback, watch
         self.seen = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ray_ppo-metrics", daemon=True)
@@ -192,6 +211,7 @@ class _MetricsPoller:
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
             self._drain()
+            self.watch()
 
     def _drain(self) -> None:
         try:

@@ -147,6 +147,8 @@ class MakerConfig:
     """torch.set_num_threads in each maker actor."""
     wait_for_weights: bool = False
     """Wait for the first full weight push from the trainer before generating."""
+    max_restarts: int = 3
+    """Times Ray restarts a maker whose process died; it then resyncs weights and resumes (0 = a dead maker ends the run)."""
 
 
 @dataclass
@@ -694,6 +696,7 @@ _RULES: tuple[_Rule, ...] = (
     _positive("toy.num_prompts"),
     _positive("toy.prompt_len"),
     _positive("logging.report_every"),
+    _non_negative("maker.max_restarts"),
     _non_negative("trainer.max_nonfinite_updates"),
 )
 

@@ -37,6 +37,7 @@ class Counters:
     produced: int = 0          # items makers handed to ``send``
     consumed: int = 0          # items returned to trainer ranks by ``pull``
     discarded: int = 0         # items dropped because they exceeded ``max_staleness``
+    lost: int = 0              # prompts handed to a maker that died before sending their items
     in_flight: int = 0         # items buffered or waiting for buffer space
     prompts_served: int = 0    # prompts handed to makers
     blank_prompts: int = 0     # prompts skipped because they were empty
@@ -59,6 +60,8 @@ class MakerState:
     generate_s: float = 0.0
     idle_s: float = 0.0
     tokens: int = 0
+    reserved: int = 0   # prompts handed out whose items have not come back
+    restarts: int = 0
 
 
 @dataclass
@@ -93,6 +96,7 @@ class Coordinator:
         self.push_log: list[tuple[int, int]] = []  # (version, bytes) of every push
         self.push_tasks: set[asyncio.Task] = set()
         self.metrics: list[dict] = []
+        self.rank_pids: dict[int, int | None] = {}  # process of each trainer rank, for diagnostics
         self.finished = False
         self.last_item_at = time.monotonic()
         self._rr = 0
@@ -112,12 +116,16 @@ class Coordinator:
             await self.changed.wait_for(lambda: self.finished or self._admitted(maker_id))
             if self.finished:
                 return None
-            self.reserved += self.prompt_batch_size  # before any await, so admission sees it
+            self._reserve(maker_id, self.prompt_batch_size)  # before any await, so admission sees it
         batch = await self._prompts.next()
-        self.reserved += len(batch.texts) - self.prompt_batch_size
+        self._reserve(maker_id, len(batch.texts) - self.prompt_batch_size)
         self.counters.prompts_served += len(batch.texts)
         self.counters.epochs = self._prompts.epoch + 1
         return batch
+
+    def _reserve(self, maker_id: int, n: int) -> None:
+        self.reserved += n
+        self.maker_state[maker_id].reserved += n
 
     def _admitted(self, maker_id: int) -> bool:
         """Admission control: hand out a batch only if its items can still be trained on within
@@ -137,7 +145,7 @@ class Coordinator:
         (all of them, unless the run finished while waiting: the rest are counted in flight)."""
         self.counters.produced += len(items)
         self.counters.in_flight += len(items)
-        self.reserved -= stats.get("num_prompts", 0)
+        self._reserve(maker_id, -stats.get("num_prompts", 0))
         self._record_maker_stats(maker_id, stats)
         targets = receivers(self.routing, maker_id, self.num_makers, self.num_ranks)
         accepted = 0
@@ -169,13 +177,15 @@ class Coordinator:
         self.counters.blank_prompts += stats.get("blank", 0)
         self.counters.truncated_prompts += stats.get("truncated", 0)
 
-    async def pull(self, rank: int, n: int, trainer_version: int, timeout_s: float) -> list[ExperienceItem]:
+    async def pull(self, rank: int, n: int, trainer_version: int, timeout_s: float,
+                   pid: int | None = None) -> list[ExperienceItem]:
         """``n`` items for ``rank``, none older than ``trainer_version - max_staleness``.
 
         Raises ``RuntimeError`` if a maker failed, ``TimeoutError`` (with what was seen) when
         nothing arrives for ``timeout_s``.
         """
         self._set_trainer_version(trainer_version)
+        self.rank_pids[rank] = pid
         out: list[ExperienceItem] = []
         deadline = time.monotonic() + timeout_s
         async with self.changed:
@@ -244,6 +254,21 @@ class Coordinator:
         results = await asyncio.gather(*(ping(i) for i in self.makers))
         return dict(zip(self.makers, results))
 
+    async def maker_restarted(self, maker_id: int) -> None:
+        """A maker's process was restarted: what it held is lost (counted), its weights are back
+        to the initial ones, so it gets the latest push again before it may generate."""
+        state = self.maker_state[maker_id]
+        self.counters.lost += state.reserved
+        self.reserved -= state.reserved
+        state.reserved, state.version = 0, 0
+        state.restarts += 1
+        if self.latest_push is not None and maker_id in self.makers:
+            task = asyncio.get_running_loop().create_task(self._push_to(maker_id, self.makers[maker_id], self.latest_push))
+            self.push_tasks.add(task)
+            task.add_done_callback(self.push_tasks.discard)
+        async with self.changed:
+            self.changed.notify_all()
+
     def maker_failed(self, maker_id: int, error: str) -> None:
         """Called by a maker whose loop raised; the next ``pull`` surfaces the error."""
         self.maker_state[maker_id].failed = error
@@ -309,12 +334,13 @@ class Coordinator:
         if self._prompts is None:
             return {"epoch": 0, "position": 0}
         pending = self.counters.in_flight + self.reserved
-        return {"epoch": max(self._prompts.epoch, 0), "position": max(0, self._prompts.position - pending)}
+        return {"epoch": max(self._prompts.epoch, 0), "position": max(0, self._prompts.position - pending),
+                "first_prompt": self._prompts.first_prompt}
 
     def status(self) -> dict:
         """Counters, versions and maker states, for metrics and tests."""
         return {"counters": asdict(self.counters), "trainer_version": self.trainer_version,
-                "data": self.data_state(),
+                "data": self.data_state(), "rank_pids": dict(self.rank_pids),
                 "buffered": [len(b) for b in self.buffers],
                 "makers": {i: asdict(s) for i, s in self.maker_state.items()},
                 "pushes": list(self.push_log)}
@@ -339,6 +365,7 @@ class PromptFeed:
         self.epoch = start["epoch"] - 1 if start else -1
         self.start_position = start["position"] if start else 0  # prompts to skip in the first epoch
         self.position = 0  # prompts served in the current epoch (skipped ones included)
+        self.first_prompt: str | None = None  # the first prompt this feed served (where a resume restarted)
         self._iter = None
         self._lock = asyncio.Lock()
 
@@ -360,6 +387,8 @@ class PromptFeed:
                     self.position += 1
             batch = list(itertools.islice(self._iter, self.batch_size))
             if batch:
+                if self.first_prompt is None:
+                    self.first_prompt = batch[0]
                 self.position += len(batch)
                 return batch
             self._iter = None

@@ -62,6 +62,10 @@ class MakerWorker:
         self.sent = 0
         self.pause_s = 0.0
         self.pushes_loaded = 0
+        if coordinator is not None and ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed:
+            # A restarted process: the coordinator counts what died with the old one and resends
+            # the latest weights; admission keeps this maker idle until they are loaded.
+            ray.get(coordinator.maker_restarted.remote(maker_id))
         self._unreported_idle_s = 0.0
 
     def ping(self) -> int:
@@ -181,6 +185,13 @@ def _check_keys(model: torch.nn.Module, state: dict[str, torch.Tensor], partial:
         raise ValueError(f"{what} push does not match the maker's model: unknown {unknown[:5]}, missing {missing[:5]}")
 
 
-def maker_actor_class(num_cpus: float, num_gpus: float):
-    """``MakerWorker`` as a Ray actor class with its concurrency groups."""
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, concurrency_groups=CONCURRENCY_GROUPS)(MakerWorker)
+def maker_actor_class(num_cpus: float, num_gpus: float, max_restarts: int = 0):
+    """``MakerWorker`` as a Ray actor class with its concurrency groups.
+
+    With ``max_restarts`` a dead maker process is restarted and its interrupted ``run`` and
+    ``send_loop`` calls are retried on the new process (``max_task_retries=-1``): both only
+    ask the coordinator for more work, so retrying them is safe. Exceptions raised by the code
+    are not retried: they end the run.
+    """
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, concurrency_groups=CONCURRENCY_GROUPS,
+                      max_restarts=max_restarts, max_task_retries=-1 if max_restarts else 0)(MakerWorker)

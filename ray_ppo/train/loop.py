@@ -5,6 +5,7 @@ Each step reads top to bottom: pull -> PPO epochs -> publish weights -> report.
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -128,14 +129,14 @@ def split_state(state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     return actor, critic
 
 
-def _restore_point() -> tuple[dict, dict, dict, dict] | None:
-    """The state to resume from: Ray Train's checkpoint (a FailureConfig restart, or
-    ``resume_from_checkpoint``), validated; None for a fresh run."""
+def _restore_point(resume_from: str | None) -> tuple[dict, dict, dict, dict] | None:
+    """The state to resume from, validated: this run's latest checkpoint if Ray Train restarted
+    the worker group (``FailureConfig``), else the ``resume_from`` directory; None for a fresh run."""
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return None
-    with checkpoint.as_directory() as directory:
-        return load_trainer_state(directory)
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            return load_trainer_state(directory)
+    return load_trainer_state(resume_from) if resume_from else None
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
@@ -149,7 +150,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     device = ray.train.torch.get_device() if cfg.trainer.use_gpu else torch.device("cpu")
     coordinator = ray.get_actor(handles.coordinator_name, namespace=handles.namespace)
 
-    restored = _restore_point()
+    restored = _restore_point(loop_config.get("resume_from"))
     actor, critic = build_actor(cfg), build_critic(cfg)
     if restored:
         actor.load_state_dict(restored[0])
@@ -225,7 +226,12 @@ def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float) -
     """Items from the coordinator; its errors (maker failure, stall) are re-raised as themselves,
     so the run's error message is the coordinator's one-line diagnosis."""
     try:
-        return ray.get(coordinator.pull.remote(rank, n, version, timeout_s))
+        return ray.get(coordinator.pull.remote(rank, n, version, timeout_s, os.getpid()))
+    except ray.exceptions.RayActorError as e:
+        raise RuntimeError(
+            "the coordinator actor died, and with it the experience buffers and the run's counters; "
+            "the run cannot continue. Resume from the last checkpoint (ray-ppo train --resume RUN_DIR or "
+            f"PPOTrainer(..., resume_from=...)). Cause: {str(e).splitlines()[0]}") from None
     except ray.exceptions.RayTaskError as e:
         raise e.as_instanceof_cause() from None
 

@@ -168,7 +168,11 @@ class FSDPStrategy(LocalStrategy):
 
 
 def make_strategy(name: str, device: str | torch.device = "cpu") -> Strategy:
-    """Strategy by its ``trainer.strategy`` name."""
+    """Strategy by its ``trainer.strategy`` name; ``colossalai_*`` names import colossalai here, and only here."""
+    if name.startswith("colossalai_"):
+        from ray_ppo.train.colossalai_strategy import ColossalAIStrategy
+
+        return ColossalAIStrategy(name, device)
     strategies = {"local": LocalStrategy, "ddp": DDPStrategy, "fsdp": FSDPStrategy}
     if name not in strategies:
         raise ValueError(f"unknown trainer.strategy {name!r}; choose one of {sorted(strategies)} ")

@@ -81,7 +81,7 @@ def test_tree_names_and_defaults_are_the_public_contract():
                  "chat_template": False, "shuffle": True},
         "maker": {"num_makers": 1, "batch_size": 16, "max_new_tokens": 8, "temperature": 1.0, "top_k": 0,
                   "top_p": 1.0, "quantization": None, "num_cpus": 0.5, "num_gpus": 0.0, "torch_threads": 1,
-                  "wait_for_weights": False},
+                  "wait_for_weights": False, "max_restarts": 3},
         "trainer": {"strategy": "ddp", "num_workers": 1, "use_gpu": False, "cpus_per_worker": 1.0,
                     "total_steps": 50, "update_steps": 1, "train_batch_size": 32, "mini_batch_size": 16,
                     "ppo_epochs": 1, "actor_lr": 1e-5, "critic_lr": 1e-5, "weight_decay": 0.0,
@@ -281,6 +281,7 @@ NON_NEGATIVE = [
     "model.lora.rank", "maker.top_k", "maker.num_cpus", "maker.num_gpus", "trainer.weight_decay",
     "trainer.warmup_steps", "trainer.max_grad_norm", "trainer.checkpoint_every", "ppo.kl_coef",
     "ppo.entropy_coef", "ppo.max_staleness", "topology.buffer_size", "trainer.max_nonfinite_updates",
+    "maker.max_restarts",
 ]
 
 

@@ -1,0 +1,104 @@
+"""Checkpoint files: round trip, corrupt or truncated files, no unpickling, interrupted saves."""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from ray_ppo.checkpoint import (
+    CheckpointError,
+    load_trainer_state,
+    publish_checkpoint,
+    validate_checkpoint,
+    write_trainer_state,
+)
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    directory = tmp_path / "ckpt"
+    actor = {"w": torch.randn(4, 3), "b": torch.zeros(3, dtype=torch.bfloat16)}
+    critic = {"v": torch.randn(5)}
+    optim = {"actor": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+             "generator": torch.Generator().manual_seed(1).get_state()}
+    write_trainer_state(directory, actor, critic, optim, {"step": 7, "policy_version": 7, "data": {"epoch": 0, "position": 96}})
+    return directory, actor, critic, optim
+
+
+def test_round_trip(checkpoint):
+    directory, actor, critic, optim = checkpoint
+    assert validate_checkpoint(directory)["step"] == 7
+    a, c, o, state = load_trainer_state(directory)
+    assert a.keys() == actor.keys() and all(torch.equal(a[k], actor[k]) and a[k].dtype == actor[k].dtype for k in a)
+    assert torch.equal(c["v"], critic["v"])
+    assert torch.equal(o["actor"]["state"][0]["exp_avg"], torch.ones(2)) and torch.equal(o["generator"], optim["generator"])
+    assert state["data"] == {"epoch": 0, "position": 96} and state["policy_version"] == 7
+
+
+@pytest.mark.parametrize("name", ["trainer/actor.safetensors", "trainer/critic.safetensors", "trainer/optimizer.pt"])
+def test_truncated_file_is_a_clear_error(checkpoint, name):
+    directory = checkpoint[0]
+    path = directory / name
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=f"{path}.*corrupt or truncated"):
+        validate_checkpoint(directory)
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_trainer_state(directory)
+
+
+def test_missing_file_and_bad_state(checkpoint):
+    directory = checkpoint[0]
+    (directory / "trainer" / "critic.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="incomplete: missing trainer/critic.safetensors"):
+        validate_checkpoint(directory)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        validate_checkpoint(directory / "nope")
+
+
+def test_corrupt_state_json(checkpoint):
+    directory = checkpoint[0]
+    (directory / "state.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="state.json is corrupt"):
+        validate_checkpoint(directory)
+
+
+class Payload:
+    """An arbitrary object: unpickling it would run code chosen by whoever wrote the file."""
+
+
+def test_optimizer_file_is_never_unpickled(checkpoint):
+    directory = checkpoint[0]
+    torch.save({"actor": Payload()}, directory / "trainer" / "optimizer.pt")
+    with pytest.raises(CheckpointError, match="optimizer.pt"):
+        validate_checkpoint(directory)
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(checkpoint, tmp_path, monkeypatch):
+    directory = checkpoint[0]
+    run = tmp_path / "run"
+    publish_checkpoint(directory, run, step=7)
+    assert validate_checkpoint(run / "checkpoint")["step"] == 7
+
+    real_copy2 = shutil.copy2
+    copied = []
+
+    def crash_midway(src, dst, *args, **kwargs):  # the process dies after copying one file
+        if copied:
+            raise OSError("simulated crash while copying")
+        copied.append(src)
+        return real_copy2(src, dst, *args, **kwargs)
+
+    real_copytree = shutil.copytree
+
+    def copytree(src, dst, *args, **kwargs):
+        return real_copytree(src, dst, copy_function=crash_midway, dirs_exist_ok=kwargs.get("dirs_exist_ok", False))
+
+    monkeypatch.setattr(shutil, "copytree", copytree)
+    with pytest.raises(OSError, match="simulated crash"):
+        publish_checkpoint(directory, run, step=8)
+    monkeypatch.undo()
+    assert validate_checkpoint(run / "checkpoint")["step"] == 7  # still the previous complete one
+    assert os.readlink(run / "checkpoint") == os.path.join("checkpoints", "step_00000007")
+    publish_checkpoint(directory, run, step=9)  # a later save succeeds and replaces it
+    assert os.readlink(run / "checkpoint") == os.path.join("checkpoints", "step_00000009")
