@@ -5,6 +5,7 @@ Each step reads top to bottom: pull -> PPO epochs -> publish weights -> report.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -141,6 +142,11 @@ def _restore_point(resume_from: str | None) -> tuple[dict, dict, dict, dict] | N
 
 def train_loop_per_worker(loop_config: dict) -> None:
     """Pull experience, train, publish weights, report: ``trainer.total_steps`` times."""
+    with coordinator_death_is_fatal():
+        _train_loop(loop_config)
+
+
+def _train_loop(loop_config: dict) -> None:
     cfg = Config.from_dict(loop_config["config"])
     handles = RunHandles(**loop_config["handles"])
     ctx = ray.train.get_context()
@@ -227,13 +233,27 @@ def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float) -
     so the run's error message is the coordinator's one-line diagnosis."""
     try:
         return ray.get(coordinator.pull.remote(rank, n, version, timeout_s, os.getpid()))
+    except ray.exceptions.RayTaskError as e:
+        raise e.as_instanceof_cause() from None
+
+
+@contextlib.contextmanager
+def coordinator_death_is_fatal():
+    """Turn the death of the coordinator, seen by any call to it, into one clear error.
+
+    Decision (see README, Failure handling): the coordinator holds the experience buffers,
+    the counters and the prompt position, so it is not restarted; the run ends and is resumed
+    from its last checkpoint.
+    """
+    try:
+        yield
     except ray.exceptions.RayActorError as e:
+        if "Coordinator" not in str(e):
+            raise
         raise RuntimeError(
             "the coordinator actor died, and with it the experience buffers and the run's counters; "
             "the run cannot continue. Resume from the last checkpoint (ray-ppo train --resume RUN_DIR or "
             f"PPOTrainer(..., resume_from=...)). Cause: {str(e).splitlines()[0]}") from None
-    except ray.exceptions.RayTaskError as e:
-        raise e.as_instanceof_cause() from None
 
 
 class MakerMonitor:
