@@ -91,12 +91,22 @@ class BoostedOptimizer(torch.optim.Optimizer):
         super().__init__(inner.param_groups, inner.defaults)
         self.param_groups, self.state = inner.param_groups, inner.state
         self.boosted = boosted
+        self.pending = False
+        """True between a backward and the step that applies its gradients."""
 
     def step(self, closure=None):
+        self.pending = False
         return self.boosted.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.boosted.zero_grad(set_to_none=set_to_none)
+        """Drop the gradients. Dropping those of a backward that no step applied (the learner skips
+        non-finite updates) also resets ZeRO's and Gemini's reduced-gradient state: their step's own
+        overflow branch does that (Gemini's also restores the bf16 chunks the gradients were written into)."""
+        if self.pending and isinstance(self.boosted, (LowLevelZeroOptimizer, GeminiOptimizer)):
+            _skipped_step(self.boosted)
+        else:
+            self.boosted.zero_grad(set_to_none=set_to_none)
+        self.pending = False
 
 
 class ColossalAIStrategy:
@@ -146,6 +156,7 @@ class ColossalAIStrategy:
 
     def backward(self, loss: torch.Tensor, model: BoostedModule, optimizer: BoostedOptimizer) -> None:
         model.booster.backward(loss, optimizer.boosted)
+        optimizer.pending = True
 
     def clip_grad_norm(self, model: BoostedModule, optimizer: BoostedOptimizer, max_norm: float) -> float:
         if max_norm != self.max_grad_norm:
@@ -196,6 +207,17 @@ def _check_cuda(name: str, device: torch.device) -> None:
         raise ValueError(f"trainer.strategy={name!r} trains in bf16, which this GPU does not support; "
                          f"use trainer.strategy=fsdp or ddp")
     torch.cuda.set_device(device)  # the plugins place everything on ColossalAI's current device
+
+
+def _skipped_step(optimizer: LowLevelZeroOptimizer | GeminiOptimizer) -> None:
+    """The optimizer's step through its overflow branch, which drops the gradients and updates nothing."""
+    mixin = (optimizer.mixed_precision_mixin if isinstance(optimizer, LowLevelZeroOptimizer)
+             else optimizer.mix_precision_mixin)
+    mixin.should_skip_step = lambda: True  # shadows the method on this instance only
+    try:
+        optimizer.step()
+    finally:
+        del mixin.should_skip_step
 
 
 def _grad_norm(optimizer: OptimizerWrapper, max_norm: float) -> float:

@@ -173,12 +173,14 @@ def _train_loop(loop_config: dict) -> None:
         optim_state, run_state = restored[2], restored[3]
         learner.load_state(optim_state)
         kl_ctl.load_state_dict(run_state["kl_ctl"])
-        first_step = run_state["step"] + 1
-        # Versions never go backwards for makers: if pushes were made after this checkpoint
-        # (a worker-group restart), the restored weights get a new, higher version.
-        latest = ray.get(coordinator.status.remote())["trainer_version"]
-        version = run_state["policy_version"] if latest <= run_state["policy_version"] else latest + 1
-    if restored or cfg.maker.wait_for_weights:  # makers start from these weights
+        first_step, version = run_state["step"] + 1, run_state["policy_version"]
+    # Versions never go backwards for makers: after a worker-group restart the coordinator may
+    # already hold later pushes (made after the checkpoint, or with no checkpoint at all); the
+    # weights this group starts from then get a new, higher version.
+    latest = ray.get(coordinator.status.remote())["trainer_version"]
+    behind = latest > version
+    version = latest + 1 if behind else version
+    if restored or behind or cfg.maker.wait_for_weights:  # makers start from these weights
         state = publisher.gather()
         if rank == 0:
             publisher.publish(state, version, {"kl_coef": kl_ctl.value})
