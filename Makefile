@@ -27,7 +27,8 @@ clean:
 
 # ColossalAI pins old releases (torch<=2.5.1, transformers==4.51.3, peft<=0.13.2), so its tests run in a
 # separate environment. torch 2.5.1 on PyPI is a CUDA build (~3 GB with its nvidia-* wheels); on a CPU
-# machine it runs the CPU code paths, which is all tests/colossalai needs.
+# machine it runs the CPU code paths, which is all tests/colossalai_pinned needs (a
+# directory not named colossalai: pytest puts tests/ on sys.path, where it would shadow the package).
 CAI_VENV  := .venv-colossalai
 CAI_PY    := $(CAI_VENV)/bin/python
 CAI_STAMP := $(CAI_VENV)/.installed
@@ -43,4 +44,4 @@ $(CAI_STAMP): pyproject.toml
 	touch $(CAI_STAMP)
 
 test-colossalai: $(CAI_STAMP)
-	$(CAI_PY) -m pytest -q -ra -m colossalai tests/colossalai
+	$(CAI_PY) -m pytest -q -ra -m colossalai tests/colossalai_pinned

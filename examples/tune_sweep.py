@@ -20,11 +20,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--output", default="runs/tune_sweep")
     parser.add_argument("--max-concurrent", type=int, default=2)
+    parser.add_argument("--kl-coefs", default="0.001,0.1", help="comma-separated ppo.kl_coef values")
+    parser.add_argument("--eps-clips", default="0.1,0.2", help="comma-separated ppo.eps_clip values")
     args = parser.parse_args()
 
     ray.init(num_cpus=8, include_dashboard=False)
     base = load_config(REPO / "configs" / "tiny.yaml", [f"trainer.total_steps={args.steps}"])
-    outcome = sweep(base, {"ppo.kl_coef": tune.grid_search([0.001, 0.1]), "ppo.eps_clip": tune.grid_search([0.1, 0.2])},
+    space = {"ppo.kl_coef": tune.grid_search([float(v) for v in args.kl_coefs.split(",")]),
+             "ppo.eps_clip": tune.grid_search([float(v) for v in args.eps_clips.split(",")])}
+    outcome = sweep(base, space,
                     metric="reward_mean", mode="max", max_concurrent_trials=args.max_concurrent,
                     output_dir=args.output)
     for trial in outcome.trials:

@@ -1,9 +1,7 @@
 """A 2 x 2 sweep through `ray-ppo tune`, the tracking files, and the examples as users run them."""
 
 import csv
-import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -52,31 +50,17 @@ def test_ray_ppo_tune_2x2(tmp_path):
         assert_png(run_dir / "curves.png")
 
 
-def test_train_writes_tensorboard_and_curves(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out = tmp_path / "run"
-    run([sys.executable, "-m", "ray_ppo.cli", "train", "--config", "configs/tiny.yaml", "--output", str(out), *SMALL])
-    events = EventAccumulator(str(out / "tensorboard"))
-    events.Reload()
-    tags = set(events.Tags()["scalars"])
-    assert {"reward_mean", "kl", "policy_loss", "value_loss", "samples_per_s", "policy_version"} <= tags
-    assert [e.step for e in events.Scalars("reward_mean")] == [1, 2, 3]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [e.value for e in events.Scalars("reward_mean")] == pytest.approx([r["reward_mean"] for r in rows])
-    assert_png(out / "curves.png")
-
-
 def test_example_fit_from_script(tmp_path):
     proc = run([sys.executable, "examples/fit_from_script.py", "--steps", "3", "--output", str(tmp_path / "fit")])
     assert "steps=3 reward" in proc.stdout
 
 
 def test_example_tune_sweep(tmp_path):
-    proc = run([sys.executable, "examples/tune_sweep.py", "--steps", "2", "--max-concurrent", "2",
-                "--output", str(tmp_path / "sweep")], timeout=900)
+    # one kl_coef x two eps_clip: the 2 x 2 grid itself is exercised by test_ray_ppo_tune_2x2
+    proc = run([sys.executable, "examples/tune_sweep.py", "--steps", "2", "--kl-coefs", "0.001",
+                "--eps-clips", "0.1,0.2", "--output", str(tmp_path / "sweep")], timeout=900)
     trials = [line for line in proc.stdout.splitlines() if line.startswith("trial ")]
-    assert len(trials) == 4 and all(line.endswith("TERMINATED") for line in trials)
+    assert len(trials) == 2 and all(line.endswith("TERMINATED") for line in trials)
     assert "best {'ppo.kl_coef'" in proc.stdout
 
 

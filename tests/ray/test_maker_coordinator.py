@@ -94,7 +94,10 @@ def test_slow_trainer_makes_makers_wait_and_loses_nothing(ray_session, cfg):
     prompts = ray.data.from_items([{"prompt": "1 2 3"}] * 64)
     coordinator, maker = start(cfg, buffer_size=8, prompts=prompts)
     loops = [maker.run.remote(), maker.send_loop.remote()]
-    time.sleep(8)  # the "trainer" pulls nothing: the buffer fills, then the maker blocks
+    deadline = time.monotonic() + 120  # the "trainer" pulls nothing: the buffer fills, then the maker blocks
+    while ray.get(coordinator.status.remote())["buffered"] != [8] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(3)  # let the maker run into the full buffer
     status = ray.get(coordinator.status.remote())
     assert status["buffered"] == [8]
     # Blocked: at most one send waiting in the coordinator and SEND_QUEUE_BATCHES queued in the maker.

@@ -70,25 +70,21 @@ def test_fit_accounts_for_every_item(ray_session, tmp_path, strategy, num_makers
     assert len(trainer.maker_summaries) == 2 * num_makers
     assert sum(s.get("made", 0) for s in trainer.maker_summaries) == counters["produced"]
 
-    ckpt = Path(result.checkpoint.path)
-    assert (ckpt / "actor" / "model.safetensors").exists() and (ckpt / "critic" / "value_head.safetensors").exists()
     assert trainer.namespace not in run_namespaces()  # fit() removed the actors it started
+    assert_checkpoint_loads(Path(result.checkpoint.path))
 
 
-def test_checkpoint_loads_with_from_pretrained(ray_session, tmp_path):
+def assert_checkpoint_loads(directory: Path) -> None:
+    """The checkpoint's actor and critic load with the ordinary from_pretrained(path)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ray_ppo.models import Critic
 
-    trainer = PPOTrainer(small_config(tmp_path, "trainer.total_steps=2"))
-    result = trainer.fit()
-    with result.checkpoint.as_directory() as directory:
-        actor = AutoModelForCausalLM.from_pretrained(Path(directory) / "actor")
-        AutoTokenizer.from_pretrained(Path(directory) / "actor")
-        critic = Critic.from_pretrained(str(Path(directory) / "critic"))
-        state = (Path(directory) / "state.json").read_text()
+    actor = AutoModelForCausalLM.from_pretrained(directory / "actor")
+    AutoTokenizer.from_pretrained(directory / "actor")
+    critic = Critic.from_pretrained(str(directory / "critic"))
     assert actor.config.n_layer == 2 and critic.value_head.out_features == 1
-    assert '"policy_version": 2' in state
+    assert f'"policy_version": {STEPS}' in (directory / "state.json").read_text()
 
 
 def test_missing_column_names_the_columns(ray_session, tmp_path):

@@ -1,6 +1,6 @@
 """The ColossalAI strategies on a machine without CUDA or without colossalai: clear one-line errors,
 and no colossalai import unless such a strategy is chosen. (The Booster path itself is tested in
-tests/colossalai, in the pinned environment of ``make test-colossalai``.)"""
+tests/colossalai_pinned, in the pinned environment of ``make test-colossalai``.)"""
 
 from __future__ import annotations
 
