@@ -30,6 +30,15 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
+def dtype_kwargs(dtype: str) -> dict:
+    """``from_pretrained`` keyword for the weights' dtype: ``dtype`` since transformers 4.56,
+    ``torch_dtype`` before (ColossalAI pins transformers 4.51.3)."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch_dtype(dtype)}
+
+
 def quiet_transformers() -> None:
     """Silence per-load progress bars and info logs (one line per step is ours to print)."""
     from transformers.utils import logging
@@ -54,7 +63,7 @@ def load_actor(path: str, dtype: str = "float32") -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
-    return AutoModelForCausalLM.from_pretrained(resolve_pretrained(path), dtype=torch_dtype(dtype))
+    return AutoModelForCausalLM.from_pretrained(resolve_pretrained(path), **dtype_kwargs(dtype))
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:
@@ -126,7 +135,7 @@ class Critic(nn.Module):
 
         quiet_transformers()
         path = resolve_pretrained(path)
-        critic = cls(AutoModel.from_pretrained(path, dtype=torch_dtype(dtype)))
+        critic = cls(AutoModel.from_pretrained(path, **dtype_kwargs(dtype)))
         head_file = Path(path) / VALUE_HEAD_FILE
         if head_file.exists():
             critic.value_head.load_state_dict(load_file(str(head_file)))
@@ -171,7 +180,7 @@ class RewardModel(nn.Module):
         from transformers import AutoModelForSequenceClassification
 
         quiet_transformers()
-        model = AutoModelForSequenceClassification.from_pretrained(resolve_pretrained(path), dtype=torch_dtype(dtype))
+        model = AutoModelForSequenceClassification.from_pretrained(resolve_pretrained(path), **dtype_kwargs(dtype))
         if model.config.num_labels != 1:
             raise ValueError(f"reward model {path!r} has num_labels={model.config.num_labels}; it needs exactly 1")
         return cls(model)

@@ -11,6 +11,8 @@ design's ``get_strategy_from_args`` ("cuda" and "cpu" Gemini placements are ``st
 This module imports colossalai; ``train.strategies.make_strategy`` imports it only when such a
 strategy is chosen. Written against ColossalAI 0.5.0 (its pins: torch<=2.5.1,
 transformers==4.51.3, peft<=0.13.2); ``make test-colossalai`` tests it in that environment.
+HybridAdam builds its CPU and CUDA kernels on first use unless colossalai was installed with
+``BUILD_EXT=1``: either way the CUDA toolkit (``CUDA_HOME``, an nvcc matching torch's CUDA) is needed.
 """
 
 from __future__ import annotations
@@ -119,7 +121,8 @@ class ColossalAIStrategy:
       - ``backward`` is ``booster.backward``;
       - ``clip_grad_norm`` returns the pre-clip gradient norm; ZeRO and Gemini clip inside their
         own step at the ``max_grad_norm`` the plugin was built with, so a different ``max_norm`` is
-        an error;
+        an error; a skipped update (``zero_grad`` instead of ``step``) goes through the plugin's
+        own overflow branch;
       - full state dicts (rank 0, CPU, the user's dtypes; values of the bf16 working weights, as
         ColossalAI's own checkpoints hold them) and full optimizer states, both collectives.
     """

@@ -167,13 +167,17 @@ class FSDPStrategy(LocalStrategy):
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
-def make_strategy(name: str, device: str | torch.device = "cpu") -> Strategy:
-    """Strategy by its ``trainer.strategy`` name; ``colossalai_*`` names import colossalai here, and only here."""
+def make_strategy(name: str, device: str | torch.device = "cpu", max_grad_norm: float = 1.0) -> Strategy:
+    """Strategy by its ``trainer.strategy`` name; ``colossalai_*`` names import colossalai here, and only here.
+
+    ``max_grad_norm`` matters only to ColossalAI's ZeRO/Gemini plugins, which clip inside their
+    own step at a threshold fixed when the plugin is built.
+    """
     if name.startswith("colossalai_"):
         from ray_ppo.train.colossalai_strategy import ColossalAIStrategy
 
-        return ColossalAIStrategy(name, device)
+        return ColossalAIStrategy(name, device, max_grad_norm)
     strategies = {"local": LocalStrategy, "ddp": DDPStrategy, "fsdp": FSDPStrategy}
     if name not in strategies:
-        raise ValueError(f"unknown trainer.strategy {name!r}; choose one of {sorted(strategies)} ")
+        raise ValueError(f"unknown trainer.strategy {name!r}; choose one of {sorted(strategies)}")
     return strategies[name](device)

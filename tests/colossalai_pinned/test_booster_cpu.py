@@ -32,6 +32,7 @@ from ray_ppo.algo import ExperienceBatch  # noqa: E402
 from ray_ppo.makers.experience import AdvantageParams, ExperienceMaker  # noqa: E402
 from ray_ppo.models import Critic, SamplingParams, load_tokenizer  # noqa: E402
 from ray_ppo.models.hf import disable_dropout  # noqa: E402
+from ray_ppo.models.lora import apply_lora, trainable_names  # noqa: E402
 from ray_ppo.models.tiny import build_tiny_model  # noqa: E402
 from ray_ppo.tasks import toy  # noqa: E402
 from ray_ppo.train.colossalai_strategy import ColossalAIStrategy, Recipe  # noqa: E402
@@ -211,7 +212,7 @@ class StandInCuda(CpuAccelerator):
         pass
 
 
-def zero2_learner(model_path: str, max_grad_norm: float = 1.0) -> PPOLearner:
+def zero2_learner(model_path: str, max_grad_norm: float = 1.0, lora: bool = False) -> PPOLearner:
     set_accelerator(StandInCuda())
     # colossalai_zero2's plugin without overlapping communication (which records CUDA streams),
     # and AdamW for HybridAdam (whose kernels are CUDA extensions)
@@ -219,7 +220,8 @@ def zero2_learner(model_path: str, max_grad_norm: float = 1.0) -> PPOLearner:
         stage=2, precision=precision, max_norm=max_norm, overlap_communication=False), torch.optim.AdamW)
     strategy = ColossalAIStrategy("colossalai_zero2", "cpu", max_grad_norm, recipe)
     params = LearnerParams(**{**PARAMS.__dict__, "max_grad_norm": max_grad_norm})
-    return PPOLearner(*load_models(model_path), strategy, params, seed=0)
+    actor, critic = load_models(model_path)
+    return PPOLearner(apply_lora(actor, rank=4, alpha=8.0) if lora else actor, critic, strategy, params, seed=0)
 
 
 def test_zero2_trains_in_bf16_and_pushes_in_the_models_dtypes(model_path, experience):
@@ -235,6 +237,16 @@ def test_zero2_trains_in_bf16_and_pushes_in_the_models_dtypes(model_path, experi
     assert all(v.dtype == before[k].dtype == torch.float32 for k, v in state.items() if v.is_floating_point())
     assert_same_tensors(state, {k: v.float() if v.is_floating_point() else v for k, v in working.items()})
     assert not torch.equal(state["transformer.h.0.attn.c_attn.weight"], before["transformer.h.0.attn.c_attn.weight"])
+
+
+def test_zero2_trains_a_lora_actor_s_adapters_only(model_path, experience):
+    ppo = zero2_learner(model_path, lora=True)
+    before = ppo.strategy.full_state_dict(ppo.actor)
+    ppo.train_step(experience)
+    after = ppo.strategy.full_state_dict(ppo.actor)
+    changed = {k for k in after if not torch.equal(after[k], before[k])}
+    assert changed == trainable_names(ppo.strategy.unwrap(ppo.actor)) and changed
+    assert all("lora_" in k for k in changed)
 
 
 def test_zero2_norm_is_the_one_its_step_clips_with(model_path, experience):
