@@ -86,8 +86,11 @@ class PPOTrainer(TorchTrainer):
         t = self.ppo_config.trainer
         scaling_config = scaling_config or ScalingConfig(
             num_workers=t.num_workers, use_gpu=t.use_gpu, resources_per_worker={"CPU": t.cpus_per_worker})
+        # A run name of its own: Ray Train v2 resumes any earlier run stored under the same
+        # (storage_path, name), and a fresh fit() must not pick up an old run by accident;
+        # resuming is explicit (resume_from).
         run_config = run_config or RunConfig(
-            name=config.name, storage_path=str(Path(self.ppo_config.output_dir).resolve() / "ray_train"),
+            name=f"{config.name}-{self.namespace.rsplit('.', 1)[-1]}", storage_path=str(Path(self.ppo_config.output_dir).resolve() / "ray_train"),
             failure_config=FailureConfig(max_failures=0, controller_failure_limit=0))
         super().__init__(
             train_loop_per_worker,

@@ -33,20 +33,20 @@ def test_ray_ppo_tune_2x2(tmp_path):
     out = tmp_path / "sweep"
     proc = run([sys.executable, "-m", "ray_ppo.cli", "tune", "--config", "configs/tiny.yaml",
                 "--grid", "ppo.kl_coef=0.02,0.1", "--grid", "ppo.eps_clip=0.1,0.2", "--max-concurrent", "2",
-                "--output", str(out), *SMALL], timeout=900)
+                "--output", str(out), *SMALL, "trainer.total_steps=2", "maker.num_makers=1"], timeout=900)
     with open(out / "trials.csv") as f:
         trials = list(csv.DictReader(f))
     assert len(trials) == 4 and {t["status"] for t in trials} == {"TERMINATED"}
     assert {(t["ppo.kl_coef"], t["ppo.eps_clip"]) for t in trials} == {
         ("0.02", "0.1"), ("0.02", "0.2"), ("0.1", "0.1"), ("0.1", "0.2")}
-    assert all(t["step"] in ("3", "3.0") for t in trials)
+    assert all(t["step"] in ("2", "2.0") for t in trials)
     best_line = [line for line in proc.stdout.splitlines() if line.startswith("best: ")]
     assert len(best_line) == 1 and "reward_mean=" in best_line[0] and "checkpoint" in best_line[0]
     assert "rank" in proc.stdout  # the ranking table
     assert_png(out / "sweep.png")
     for trial in trials:  # each trial has its own run directory with curves and metrics
         run_dir = Path(trial["run_dir"])
-        assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+        assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
         assert_png(run_dir / "curves.png")
 
 
@@ -56,11 +56,11 @@ def test_example_fit_from_script(tmp_path):
 
 
 def test_example_tune_sweep(tmp_path):
-    # one kl_coef x two eps_clip: the 2 x 2 grid itself is exercised by test_ray_ppo_tune_2x2
+    # a 1 x 1 grid keeps CI short: the 2 x 2 grid itself is exercised by test_ray_ppo_tune_2x2
     proc = run([sys.executable, "examples/tune_sweep.py", "--steps", "2", "--kl-coefs", "0.001",
-                "--eps-clips", "0.1,0.2", "--output", str(tmp_path / "sweep")], timeout=900)
+                "--eps-clips", "0.2", "--output", str(tmp_path / "sweep")], timeout=900)
     trials = [line for line in proc.stdout.splitlines() if line.startswith("trial ")]
-    assert len(trials) == 2 and all(line.endswith("TERMINATED") for line in trials)
+    assert len(trials) == 1 and all(line.endswith("TERMINATED") for line in trials)
     assert "best {'ppo.kl_coef'" in proc.stdout
 
 
