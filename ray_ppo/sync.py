@@ -70,6 +70,13 @@ def _pack(state: Mapping[str, torch.Tensor], names: list[str]) -> Bucket:
     return metas, buffer
 
 
+def tied_aliases(model: torch.nn.Module) -> set[str]:
+    """State-dict names that are second names of a tied tensor (GPT-2's ``lm_head.weight`` is
+    ``transformer.wte.weight``): pushing them would send the same bytes twice."""
+    canonical = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    return set(model.state_dict()) - canonical
+
+
 def make_buckets(state: Mapping[str, torch.Tensor], bucket_mb: float) -> Iterable[Bucket]:
     """Yield the buckets of ``state`` one at a time (so a caller can ``ray.put`` and free each)."""
     for names in _plan(state, max(1, int(bucket_mb * 2**20))):

@@ -26,7 +26,7 @@ import torch
 from ray_ppo.config import Config
 from ray_ppo.data import PromptEncoder
 from ray_ppo.models.quantize import quantize_for_generation
-from ray_ppo.sync import fingerprint, unpack_bucket
+from ray_ppo.sync import fingerprint, tied_aliases, unpack_bucket
 
 CONCURRENCY_GROUPS = {"compute": 1, "experience_io": 1, "model_io": 1}
 SEND_QUEUE_BATCHES = 2
@@ -158,8 +158,8 @@ class MakerWorker:
         _check_keys(self.maker.critic, critic_state, partial, "critic")
         start = time.perf_counter()
         with self.model_lock:
-            self.float_actor.load_state_dict(actor_state, strict=not partial)
-            self.maker.critic.load_state_dict(critic_state, strict=not partial)
+            self.float_actor.load_state_dict(actor_state, strict=False)  # keys were checked above
+            self.maker.critic.load_state_dict(critic_state, strict=False)
             if self.cfg.maker.quantization:
                 self.maker.actor = quantize_for_generation(self.float_actor, self.cfg.maker.quantization)
             if "kl_coef" in staged["meta"]:
@@ -178,9 +178,10 @@ class MakerWorker:
 
 
 def _check_keys(model: torch.nn.Module, state: dict[str, torch.Tensor], partial: bool, what: str) -> None:
-    """A push may never bring tensors the model lacks; only a partial (LoRA-only) push may omit some."""
+    """A push may never bring tensors the model lacks; it omits tied aliases (loaded through
+    their canonical name), and only a partial (LoRA-only) push may omit anything else."""
     expected = set(model.state_dict())
-    unknown, missing = sorted(set(state) - expected), sorted(expected - set(state))
+    unknown, missing = sorted(set(state) - expected), sorted(expected - set(state) - tied_aliases(model))
     if unknown or (missing and not partial):
         raise ValueError(f"{what} push does not match the maker's model: unknown {unknown[:5]}, missing {missing[:5]}")
 

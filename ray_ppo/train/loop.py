@@ -23,7 +23,7 @@ from ray_ppo.build import build_actor, build_critic, learner_params, tokenizer_p
 from ray_ppo.config import Config
 from ray_ppo.models import load_tokenizer
 from ray_ppo.models.lora import trainable_names
-from ray_ppo.sync import bucket_nbytes, fingerprint, make_buckets
+from ray_ppo.sync import bucket_nbytes, fingerprint, make_buckets, tied_aliases
 from ray_ppo.train.learner import PPOLearner
 from ray_ppo.train.strategies import make_strategy
 
@@ -78,6 +78,8 @@ class WeightPublisher:
         unwrap = learner.strategy.unwrap
         self.trainable = {f"actor.{n}" for n in trainable_names(unwrap(learner.actor))}
         self.trainable |= {f"critic.{n}" for n in trainable_names(unwrap(learner.critic))}
+        self.aliases = {f"actor.{n}" for n in tied_aliases(unwrap(learner.actor))}
+        self.aliases |= {f"critic.{n}" for n in tied_aliases(unwrap(learner.critic))}
 
     def gather(self) -> dict[str, torch.Tensor]:
         """Full actor and critic state dicts, keys prefixed ``actor.`` / ``critic.``."""
@@ -86,9 +88,11 @@ class WeightPublisher:
         state.update({f"critic.{k}": v for k, v in strategy.full_state_dict(self.learner.critic).items()})
         return state
 
-    def trainable_only(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The LoRA-only push (``sync.lora_only``): adapters and other trainable tensors (value head)."""
-        return {k: v for k, v in state.items() if k in self.trainable}
+    def to_push(self, state: dict[str, torch.Tensor], lora_only: bool) -> dict[str, torch.Tensor]:
+        """What a push carries: every tensor once (tied aliases dropped; makers re-tie them), or
+        with ``sync.lora_only`` only the adapters and other trainable tensors (value head)."""
+        keep = self.trainable if lora_only else set(state) - self.aliases
+        return {k: v for k, v in state.items() if k in keep}
 
     def publish(self, state: dict[str, torch.Tensor], version: int, meta: dict) -> tuple[float, int]:
         """Put the buckets and start the relay; returns (seconds, bytes). Rank 0 only."""
@@ -206,9 +210,8 @@ def _train_loop(loop_config: dict) -> None:
         if push_due:
             version += 1
             if rank == 0:
-                pushed = publisher.trainable_only(state) if cfg.sync.lora_only else state
-                push_s, push_bytes = publisher.publish(pushed, version, {"kl_coef": kl_ctl.value,
-                                                                         "partial": cfg.sync.lora_only})
+                push_s, push_bytes = publisher.publish(publisher.to_push(state, cfg.sync.lora_only), version,
+                                                       {"kl_coef": kl_ctl.value, "partial": cfg.sync.lora_only})
 
         step_s = time.perf_counter() - step_start
         metrics.update(train_s=train_s, trainer_idle_ratio=wait_s / step_s, push_s=push_s, push_bytes=float(push_bytes))

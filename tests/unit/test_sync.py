@@ -152,3 +152,19 @@ def test_fingerprint_is_equal_iff_bit_identical():
 
     # 0.0 == -0.0 as numbers, but the bits differ
     assert fingerprint({"z": torch.tensor([0.0])}) != fingerprint({"z": torch.tensor([-0.0])})
+
+
+def test_tied_aliases_of_gpt2_are_sent_once(tiny_path):
+    from ray_ppo.models import load_actor
+    from ray_ppo.sync import tied_aliases
+
+    actor = load_actor(tiny_path)
+    assert tied_aliases(actor) == {"lm_head.weight"}
+    # loading a push without the alias re-ties it: the maker ends up bit-identical
+    donor = load_actor(tiny_path)
+    with torch.no_grad():
+        donor.transformer.wte.weight.add_(1.0)
+    pushed = {k: v for k, v in donor.state_dict().items() if k != "lm_head.weight"}
+    actor.load_state_dict(pushed, strict=False)
+    assert torch.equal(actor.lm_head.weight, donor.lm_head.weight)
+    assert fingerprint(actor.state_dict()) == fingerprint(donor.state_dict())
