@@ -84,8 +84,9 @@ class PPOTrainer(TorchTrainer):
         self.metrics_callbacks = list(metrics_callbacks)
         self.history: list[dict] = []
         t = self.ppo_config.trainer
+        worker_resources = {"CPU": t.cpus_per_worker, **({t.node_resource: 1} if t.node_resource else {})}
         scaling_config = scaling_config or ScalingConfig(
-            num_workers=t.num_workers, use_gpu=t.use_gpu, resources_per_worker={"CPU": t.cpus_per_worker})
+            num_workers=t.num_workers, use_gpu=t.use_gpu, resources_per_worker=worker_resources)
         # A run name of its own: Ray Train v2 resumes any earlier run stored under the same
         # (storage_path, name), and a fresh fit() must not pick up an old run by accident;
         # resuming is explicit (resume_from).
@@ -163,7 +164,8 @@ class PPOTrainer(TorchTrainer):
             prompt_batch_size=cfg.maker.batch_size, shuffle=cfg.data.shuffle, seed=cfg.seed,
             initial_version=self.resume_state["policy_version"] if self.resume_state else 0,
             data_start=self.resume_state.get("data") if self.resume_state else None)
-        maker_cls = maker_actor_class(cfg.maker.num_cpus, cfg.maker.num_gpus, cfg.maker.max_restarts)
+        maker_cls = maker_actor_class(cfg.maker.num_cpus, cfg.maker.num_gpus, cfg.maker.max_restarts,
+                                      {cfg.maker.node_resource: 1} if cfg.maker.node_resource else None)
         self.makers = {
             i: maker_cls.options(name=f"maker_{i}", namespace=self.namespace, lifetime="detached",
                                  scheduling_strategy=OUTSIDE_CALLER_PLACEMENT_GROUP).remote(

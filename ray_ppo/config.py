@@ -143,6 +143,8 @@ class MakerConfig:
     """CPUs reserved by each maker actor."""
     num_gpus: float = 0.0
     """GPUs reserved by each maker actor (fractions share a GPU)."""
+    node_resource: Optional[str] = None
+    """Custom Ray resource each maker takes 1 unit of, to place makers on the nodes that advertise it."""
     torch_threads: int = 1
     """torch.set_num_threads in each maker actor."""
     wait_for_weights: bool = False
@@ -163,6 +165,8 @@ class TrainerConfig:
     """Give each training worker one GPU."""
     cpus_per_worker: float = 1.0
     """CPUs reserved by each training worker."""
+    node_resource: Optional[str] = None
+    """Custom Ray resource each training worker takes 1 unit of, to place workers on the nodes that advertise it."""
     total_steps: int = 50
     """Training steps; one step = one batch of train_batch_size items per rank, ppo_epochs passes."""
     update_steps: int = 1

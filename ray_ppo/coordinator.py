@@ -340,7 +340,7 @@ class Coordinator:
     def status(self) -> dict:
         """Counters, versions and maker states, for metrics and tests."""
         return {"counters": asdict(self.counters), "trainer_version": self.trainer_version,
-                "data": self.data_state(), "rank_pids": dict(self.rank_pids),
+                "data": self.data_state(), "rank_pids": dict(self.rank_pids), "node_id": _node_id(),
                 "buffered": [len(b) for b in self.buffers],
                 "makers": {i: asdict(s) for i, s in self.maker_state.items()},
                 "pushes": list(self.push_log)}
@@ -351,6 +351,12 @@ class Coordinator:
             self.finished = True
             self.changed.notify_all()
         return self.status()
+
+
+def _node_id() -> str | None:
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 class PromptFeed:

@@ -186,7 +186,7 @@ def _check_keys(model: torch.nn.Module, state: dict[str, torch.Tensor], partial:
         raise ValueError(f"{what} push does not match the maker's model: unknown {unknown[:5]}, missing {missing[:5]}")
 
 
-def maker_actor_class(num_cpus: float, num_gpus: float, max_restarts: int = 0):
+def maker_actor_class(num_cpus: float, num_gpus: float, max_restarts: int = 0, resources: dict | None = None):
     """``MakerWorker`` as a Ray actor class with its concurrency groups.
 
     With ``max_restarts`` a dead maker process is restarted and its interrupted ``run`` and
@@ -194,5 +194,5 @@ def maker_actor_class(num_cpus: float, num_gpus: float, max_restarts: int = 0):
     ask the coordinator for more work, so retrying them is safe. Exceptions raised by the code
     are not retried: they end the run.
     """
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, concurrency_groups=CONCURRENCY_GROUPS,
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, concurrency_groups=CONCURRENCY_GROUPS,
                       max_restarts=max_restarts, max_task_retries=-1 if max_restarts else 0)(MakerWorker)
