@@ -261,6 +261,12 @@ class LoggingConfig:
     """Also write TensorBoard event files to the run directory (needs the tensorboard package)."""
     report_every: int = 10
     """Call ray.train.report every this many steps, at checkpoints and at the last step (each report waits for Ray Train's controller poll)."""
+    wandb: bool = False
+    """Also log every metric to Weights & Biases (needs the wandb package; project = logging.project)."""
+    mlflow: bool = False
+    """Also log every metric to MLflow (needs the mlflow package; experiment = logging.project)."""
+    project: str = "ray_ppo"
+    """W&B project / MLflow experiment name."""
 
 
 @dataclass

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from ray_ppo.config import Config
+from ray_ppo.config import Config, ConfigError
 
 LIVE_KEYS = (("reward_mean", "reward", "{:.3f}"), ("kl", "kl", "{:.4f}"), ("policy_version", "v", "{:.0f}"),
              ("staleness_mean", "stale", "{:.2f}"), ("samples_per_s", "samples/s", "{:.1f}"))
@@ -50,11 +50,68 @@ class TensorBoardWriter:
         self._writer.close()
 
 
+def _numeric(metrics: dict) -> dict[str, float]:
+    """The finite numbers of a metrics row (what trackers can plot), ``step`` excluded."""
+    return {k: float(v) for k, v in metrics.items() if k != "step" and isinstance(v, (int, float))
+            and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def _import_tracker(module: str, flag: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"logging.{flag}=true needs the {module} package: pip install {module}, "
+                          f"or set logging.{flag}=false") from None
+
+
+class WandbWriter:
+    """Every metrics row to a Weights & Biases run (``logging.wandb``)."""
+
+    def __init__(self, cfg: Config, directory: Path):
+        wandb = _import_tracker("wandb", "wandb")
+        self._run = wandb.init(project=cfg.logging.project, name=cfg.name, config=cfg.to_dict(), dir=str(directory))
+
+    def __call__(self, metrics: dict) -> None:
+        self._run.log(_numeric(metrics), step=int(metrics["step"]))
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MlflowWriter:
+    """Every metrics row to an MLflow run (``logging.mlflow``); the config as flattened params."""
+
+    def __init__(self, cfg: Config, directory: Path):
+        self._mlflow = _import_tracker("mlflow", "mlflow")
+        self._mlflow.set_experiment(cfg.logging.project)
+        self._mlflow.start_run(run_name=cfg.name)
+        self._mlflow.log_params(_flatten(cfg.to_dict()))
+
+    def __call__(self, metrics: dict) -> None:
+        self._mlflow.log_metrics(_numeric(metrics), step=int(metrics["step"]))
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = str(value)
+    return out
+
+
 class RunDirectory:
     """Writes ``config.yaml`` once and appends one JSON object per step to ``metrics.jsonl``.
 
     With ``tensorboard=True`` it also writes each row to TensorBoard event files in ``tensorboard/``.
     With ``resume_after_step=N`` (a resumed run) it keeps the rows of steps <= N and appends.
+    With ``logging.wandb`` / ``logging.mlflow`` set in the config it also logs to those trackers.
     """
 
     def __init__(self, directory: str | Path, cfg: Config, tensorboard: bool = False,
@@ -62,6 +119,8 @@ class RunDirectory:
         self.path = Path(directory)
         self.path.mkdir(parents=True, exist_ok=True)
         self._tensorboard = TensorBoardWriter(self.path / "tensorboard") if tensorboard else None
+        self._trackers = [cls(cfg, self.path) for flag, cls in (("wandb", WandbWriter), ("mlflow", MlflowWriter))
+                          if getattr(cfg.logging, flag)]
         (self.path / "config.yaml").write_text(cfg.to_yaml())
         kept = []
         if resume_after_step is not None and (self.path / "metrics.jsonl").exists():
@@ -75,11 +134,15 @@ class RunDirectory:
         self._metrics.flush()
         if self._tensorboard is not None:
             self._tensorboard(metrics)
+        for tracker in self._trackers:
+            tracker(metrics)
 
     def close(self) -> None:
         self._metrics.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        for tracker in self._trackers:
+            tracker.close()
 
 
 class LiveLine:

@@ -92,7 +92,8 @@ def test_tree_names_and_defaults_are_the_public_contract():
                 "whiten_advantages": True, "max_staleness": 1},
         "sync": {"bucket_mb": 64.0, "lora_only": False},
         "topology": {"routing": "round_robin", "buffer_size": 0},
-        "logging": {"output_dir": None, "progress": True, "tensorboard": True, "report_every": 10},
+        "logging": {"output_dir": None, "progress": True, "tensorboard": True, "report_every": 10,
+                    "wandb": False, "mlflow": False, "project": "ray_ppo"},
         "toy": {"num_prompts": 512, "prompt_len": 6, "seed": 0},
     }
 
