@@ -20,7 +20,7 @@ def main() -> None:
     parser.add_argument("--output", default="runs/fit_from_script")
     args = parser.parse_args()
 
-    ray.init(num_cpus=8, include_dashboard=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False)  # a new local cluster, never an existing one
     prompts = ray.data.read_csv(args.prompts)  # any Ray Data source works: read_parquet, read_json, ...
     cfg = load_config(REPO / "configs" / "tiny.yaml",
                       [f"trainer.total_steps={args.steps}", f"logging.output_dir={args.output}"])

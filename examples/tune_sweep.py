@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--eps-clips", default="0.1,0.2", help="comma-separated ppo.eps_clip values")
     args = parser.parse_args()
 
-    ray.init(num_cpus=8, include_dashboard=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False)  # a new local cluster, never an existing one
     base = load_config(REPO / "configs" / "tiny.yaml", [f"trainer.total_steps={args.steps}"])
     space = {"ppo.kl_coef": tune.grid_search([float(v) for v in args.kl_coefs.split(",")]),
              "ppo.eps_clip": tune.grid_search([float(v) for v in args.eps_clips.split(",")])}

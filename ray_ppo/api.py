@@ -35,6 +35,8 @@ ACTOR_READY_TIMEOUT_S = 300.0
 SHUTDOWN_TIMEOUT_S = 30.0
 """How long makers get to finish their loops after the last step before they are killed."""
 POLL_S = 0.5
+KILL_WAIT_S = 10.0
+"""How long fit() waits for killed actors to disappear from Ray's list of named actors."""
 OUTSIDE_CALLER_PLACEMENT_GROUP = "DEFAULT"
 """Scheduling strategy of the run's actors: never captured by the caller's placement group (a
 Tune trial's driver holds one sized for itself alone)."""
@@ -189,10 +191,15 @@ class PPOTrainer(TorchTrainer):
         self.final_status = ray.get(self.coordinator.status.remote(), timeout=SHUTDOWN_TIMEOUT_S)
 
     def _kill_actors(self) -> None:
+        """Kill the run's detached actors and wait (briefly) until Ray no longer lists them."""
         for handle in [*self.makers.values(), self.coordinator]:
             if handle is not None:
                 ray.kill(handle, no_restart=True)
         self.makers, self.coordinator = {}, None
+        deadline = time.monotonic() + KILL_WAIT_S
+        while time.monotonic() < deadline and any(
+                a["namespace"] == self.namespace for a in ray.util.list_named_actors(all_namespaces=True)):
+            time.sleep(0.1)
 
 
 class _MetricsPoller:

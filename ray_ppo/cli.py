@@ -128,7 +128,10 @@ def _init_ray(args) -> None:
     # waits for that poll; a faster poll keeps reports cheap on a local cluster.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     # Worker logs stay in the Ray session directory; errors reach the driver as exceptions.
-    ray.init(num_cpus=args.num_cpus or max(8, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    # address="local": always a new local cluster, even if another one runs on this machine
+    # (a plain ray.init() would attach to it); use --address to attach on purpose.
+    ray.init(address="local", num_cpus=args.num_cpus or max(8, os.cpu_count() or 1), include_dashboard=False,
+             log_to_driver=False)
 
 
 def cmd_train(args) -> int:

@@ -13,7 +13,7 @@ def ray_session(tmp_path_factory):
     import ray
 
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-    ray.init(num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
              _temp_dir=str(tmp_path_factory.mktemp("ray")))
     yield ray
     ray.shutdown()
