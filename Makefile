@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,14 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .cache
+
+# Performance benchmarks (issue 7): each script prints one markdown table; see benchmarks/README.md.
+bench: $(STAMP)
+	$(PY) benchmarks/overlap.py
+	$(PY) benchmarks/weight_sync.py
+	$(PY) benchmarks/coordinator_scale.py
+	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/lora_int8.py
 
 # ColossalAI pins old releases (torch<=2.5.1, transformers==4.51.3, peft<=0.13.2), so its tests run in a
 # separate environment. torch 2.5.1 on PyPI is a CUDA build (~3 GB with its nvidia-* wheels); on a CPU

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -75,7 +76,8 @@ def toy_reward(model, tokenizer, texts, params) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trained", default=None, help="a trained tiny actor directory (save_pretrained)")
+    parser.add_argument("--trained", default="runs/demo/checkpoint/actor" if Path("runs/demo/checkpoint/actor").exists()
+                        else None, help="a trained tiny actor directory (default: make demo's, if it ran)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)

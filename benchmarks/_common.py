@@ -1,0 +1,59 @@
+"""Shared helpers of the benchmarks: medians, markdown tables, a quiet local Ray."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            if v != v:
+                return "n/a"
+            a = abs(v)
+            return f"{v:.3g}" if a < 100 else f"{v:,.0f}"
+        return str(v)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def init_ray(num_cpus: int = 8, object_store_gb: float | None = None):
+    import ray
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    kwargs = {"num_cpus": num_cpus, "include_dashboard": False, "log_to_driver": False}
+    if object_store_gb:
+        kwargs["object_store_memory"] = int(object_store_gb * 2**30)
+    ray.init(address="local", runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, **kwargs)
+    return ray
+
+
+def rss_mb(pid: int | None = None) -> float:
+    """Current resident set size in MiB (Linux /proc)."""
+    with open(f"/proc/{pid or 'self'}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def hwm_mb(pid: int | None = None) -> float:
+    """Peak resident set size in MiB (VmHWM)."""
+    with open(f"/proc/{pid or 'self'}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")

@@ -1,0 +1,218 @@
+"""Weight sync: trainer state dict -> buckets -> ray.put -> Coordinator.publish_weights -> makers.
+
+    python benchmarks/weight_sync.py [--repeats 3] [--sizes 100M,1G] [--makers 1,2,4]
+
+The driver plays rank 0 (``WeightPublisher.publish``: ``make_buckets`` + one ``ray.put`` per
+bucket + ``Coordinator.publish_weights``). The real ``Coordinator`` actor relays the refs with
+``_push_to`` (weights_start, one weights_chunk per bucket with the ref nested, weights_end).
+The receivers are small actors with the same concurrency groups and the same
+staging-then-``load_state_dict``-under-a-lock code as ``MakerWorker`` (copied from
+ray_ppo/makers/actor.py), holding a ``GPT2LMHeadModel`` of the pushed shape: a real
+``MakerWorker`` builds its models from a Config, which would add a reference model, critic and
+tokenizer the sync path does not touch. Models: random weights in GPT-2 shapes from
+``GPT2Config`` (no training): ~100 MB = 4 layers x 256 wide, ~1 GB = 16 layers x 1024 wide
+(vocab 50257, tied embeddings: the tied matrix is in the state dict twice, as in the pipeline).
+
+End to end = from the state dict in the trainer to ``Coordinator.wait_for_version`` seeing every
+receiver loaded. Per-receiver = bytes / (receiver's weights_start .. weights_end done).
+Pause = time inside ``load_state_dict`` under the model lock. Baselines in the same run: a local
+``load_state_dict`` of the same state, NumPy ``copyto`` of the same bytes (memcpy), and a naive
+push with one RPC per parameter (the tensor passed by value, copied into the model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import threading
+import time
+
+import _common  # noqa: F401
+from _common import init_ray, median, table
+
+import numpy as np
+import ray
+import torch
+
+from ray_ppo.coordinator import Coordinator
+from ray_ppo.sync import bucket_nbytes, make_buckets, unpack_bucket
+
+SHAPES = {"100M": dict(n_layer=4, n_embd=256, n_head=4), "1G": dict(n_layer=16, n_embd=1024, n_head=16),
+          "500M": dict(n_layer=8, n_embd=1024, n_head=16)}
+BUCKET_MB = 64.0  # sync.bucket_mb default
+
+
+def build_model(size: str):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    try:
+        from transformers.modeling_utils import no_init_weights
+    except ImportError:  # pragma: no cover
+        import contextlib
+        no_init_weights = contextlib.nullcontext
+    cfg = GPT2Config(vocab_size=50257, n_positions=1024, **SHAPES[size])
+    with no_init_weights():
+        model = GPT2LMHeadModel(cfg)
+    return model.eval()
+
+
+@ray.remote(num_cpus=0, concurrency_groups={"compute": 1, "experience_io": 1, "model_io": 1})
+class Receiver:
+    """The model_io side of MakerWorker, same logic, one model."""
+
+    def __init__(self, size: str):
+        torch.set_num_threads(1)
+        self.model = build_model(size)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.zero_()
+        self.model_lock = threading.Lock()
+        self.staging = None
+        self.version = 0
+        self.log = {}
+
+    @ray.method(concurrency_group="model_io")
+    def weights_start(self, version: int, num_chunks: int, meta: dict) -> None:
+        self.log[version] = {"start": time.time()}
+        self.staging = {"version": version, "num_chunks": num_chunks, "meta": meta, "tensors": {}, "seen": set()}
+
+    @ray.method(concurrency_group="model_io")
+    def weights_chunk(self, version: int, index: int, bucket_ref: list) -> None:
+        if self.staging is None or self.staging["version"] != version:
+            return
+        self.staging["tensors"].update(unpack_bucket(ray.get(bucket_ref[0])))
+        self.staging["seen"].add(index)
+
+    @ray.method(concurrency_group="model_io")
+    def weights_end(self, version: int) -> bool:
+        staged, self.staging = self.staging, None
+        if staged is None or staged["version"] != version or len(staged["seen"]) != staged["num_chunks"]:
+            return False
+        state = {k.removeprefix("actor."): v for k, v in staged["tensors"].items() if k.startswith("actor.")}
+        start = time.perf_counter()
+        with self.model_lock:
+            self.model.load_state_dict(state, strict=True)
+            self.version = version
+        self.log[version].update(pause_s=time.perf_counter() - start, end=time.time())
+        return True
+
+    @ray.method(concurrency_group="model_io")
+    def set_param(self, name: str, tensor: torch.Tensor) -> None:
+        """The naive push: one call per parameter, the tensor passed by value."""
+        with self.model_lock, torch.no_grad():
+            self.model.get_parameter(name).copy_(tensor)
+
+    def result(self, version: int) -> dict:
+        return self.log[version]
+
+    def checksum(self) -> float:
+        with self.model_lock, torch.no_grad():
+            return float(sum(p.double().sum() for p in self.model.parameters()))
+
+
+def push(coordinator, state: dict, version: int) -> tuple[float, int, float]:
+    """WeightPublisher.publish, then wait until every receiver loaded it."""
+    start = time.perf_counter()
+    refs, nbytes = [], 0
+    for bucket in make_buckets(state, BUCKET_MB):
+        refs.append(ray.put(bucket))
+        nbytes += bucket_nbytes(bucket)
+    put_s = time.perf_counter() - start
+    ray.get(coordinator.publish_weights.remote(version, refs, nbytes, {}))
+    versions = ray.get(coordinator.wait_for_version.remote(version, 600.0))
+    elapsed = time.perf_counter() - start
+    assert all(v >= version for v in versions.values()), versions
+    return elapsed, nbytes, put_s
+
+
+def naive_push(receivers, model) -> float:
+    start = time.perf_counter()
+    for name, p in model.named_parameters():
+        ray.get([r.set_param.remote(name, p.detach()) for r in receivers])
+    return time.perf_counter() - start
+
+
+def memcpy_s(nbytes: int, reps: int = 3) -> float:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t)
+    del src, dst
+    return median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sizes", default="100M,1G")
+    ap.add_argument("--makers", default="1,2,4")
+    ap.add_argument("--naive-max-makers", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    makers = [int(x) for x in args.makers.split(",")]
+    init_ray(num_cpus=8, object_store_gb=4)
+    rows = []
+    for size in args.sizes.split(","):
+        trainer = build_model(size)
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.normal_(0, 0.02)
+        state = {f"actor.{k}": v for k, v in trainer.state_dict().items()}
+        plain = trainer.state_dict()
+        local = build_model(size)
+        nbytes_model = sum(v.numel() * v.element_size() for v in plain.values())
+        receivers = [Receiver.remote(size) for _ in range(max(makers))]
+        ray.get([r.__ray_ready__.remote() for r in receivers])
+        expected = float(sum(p.detach().double().sum() for p in trainer.parameters()))
+        version = 0
+        res = collections.defaultdict(list)
+        for rep in range(args.repeats + 1):  # first round is the warm-up
+            for n in makers:  # interleaved: every maker count (and baseline) once per round
+                coord = ray.remote(num_cpus=0)(Coordinator).remote(
+                    num_ranks=1, num_makers=n, buffer_size=1, max_staleness=1, items_per_version=1)
+                ray.get(coord.register_makers.remote({i: receivers[i] for i in range(n)}))
+                version += 1
+                elapsed, nbytes, put_s = push(coord, state, version)
+                logs = ray.get([r.result.remote(version) for r in receivers[:n]])
+                ray.kill(coord)
+                if rep:
+                    res[(n, "e2e")].append(elapsed)
+                    res[(n, "put")].append(put_s)
+                    res[(n, "per")].append(median([nbytes / (l["end"] - l["start"]) for l in logs]))
+                    res[(n, "pause")].append(max(l["pause_s"] for l in logs))
+                    res["nbytes"] = [nbytes]
+                if n <= args.naive_max_makers and rep:
+                    res[(n, "naive")].append(naive_push(receivers[:n], trainer))
+            t = time.perf_counter()
+            local.load_state_dict(plain)
+            if rep:
+                res["local"].append(time.perf_counter() - t)
+                res["memcpy"].append(memcpy_s(res["nbytes"][0], 1))
+        ok = all(abs(c - expected) < 1e-3 * max(1.0, abs(expected)) for c in ray.get([r.checksum.remote() for r in receivers]))
+        nbytes = res["nbytes"][0]
+        memcpy_gbs = nbytes / median(res["memcpy"]) / 1e9
+        local_s = median(res["local"])
+        for n in makers:
+            e2e = median(res[(n, "e2e")])
+            naive = median(res[(n, "naive")]) if res[(n, "naive")] else float("nan")
+            rows.append([size, f"{nbytes / 1e6:,.0f}", n, nbytes * n / e2e / 1e9, nbytes / e2e / 1e9,
+                         median(res[(n, "per")]) / 1e9, memcpy_gbs, nbytes / e2e / 1e9 / memcpy_gbs,
+                         1e3 * median(res[(n, "put")]), 1e3 * median(res[(n, "pause")]), 1e3 * local_s, median(res[(n, "pause")]) / local_s,
+                         nbytes * n / naive / 1e9 if naive == naive else naive, "yes" if ok else "NO"])
+        for r in receivers:
+            ray.kill(r)
+        del trainer, local, state, plain
+        print(".", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    print(f"Weight sync: {BUCKET_MB:g} MiB buckets, median of {args.repeats} interleaved pushes after a warm-up\n")
+    print(table(["model", "MB pushed", "makers", "e2e GB/s (all makers' bytes)", "e2e GB/s (bytes once)",
+                 "per-maker GB/s", "memcpy GB/s", "e2e / memcpy", "pack+put ms", "pause ms (max)", "local load_state_dict ms",
+                 "pause / local", "naive per-param GB/s", "weights equal"], rows))
+
+
+if __name__ == "__main__":
+    main()
