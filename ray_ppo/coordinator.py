@@ -150,12 +150,13 @@ class Coordinator:
         targets = receivers(self.routing, maker_id, self.num_makers, self.num_ranks)
         accepted = 0
         async with self.changed:
-            for item in items:
+            while accepted < len(items):
                 await self.changed.wait_for(lambda: self.finished or self._has_space(targets))
                 if self.finished:
                     break
-                self.buffers[self._pick(targets)].append(item)
-                accepted += 1
+                while accepted < len(items) and self._has_space(targets):  # as many as fit, then one wake-up
+                    self.buffers[self._pick(targets)].append(items[accepted])
+                    accepted += 1
                 self.changed.notify_all()
         self.last_item_at = time.monotonic()
         return accepted
