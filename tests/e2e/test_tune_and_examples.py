@@ -64,12 +64,30 @@ def test_example_tune_sweep(tmp_path):
     assert "best {'ppo.kl_coef'" in proc.stdout
 
 
+def stop_cluster(temp_dir: str) -> None:
+    """Stop the processes of one cluster only (those whose command line names its temp dir):
+    `ray stop` would stop every Ray cluster on the machine, a developer's own included."""
+    import psutil
+
+    mine = [p for p in psutil.process_iter(["pid", "cmdline"])
+            if p.pid != os.getpid() and any(temp_dir in arg for arg in (p.info["cmdline"] or []))]
+    for process in mine:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(mine, timeout=30)
+
+
 @pytest.fixture
-def head_node(tmp_path):
+def head_node():
     """A one-node Ray cluster started with `ray start --head` on loopback, stopped afterwards."""
+    import tempfile
+
     ray_bin = Path(sys.executable).parent / "ray"
     port, dashboard = "6390", "8275"
-    start = [str(ray_bin), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+    temp_dir = tempfile.mkdtemp(prefix="rp_head_", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
+    start = [str(ray_bin), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}",
              "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=8", "--disable-usage-stats"]
     # The job's entrypoint runs `python` from the head's PATH: put this venv first, as a cluster
     # image would have its Python with ray_ppo installed.
@@ -78,7 +96,7 @@ def head_node(tmp_path):
     try:
         yield f"http://127.0.0.1:{dashboard}"
     finally:
-        subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True, timeout=120)
+        stop_cluster(temp_dir)
 
 
 def test_example_submit_job(head_node):
