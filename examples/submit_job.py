@@ -29,6 +29,19 @@ REPO = Path(__file__).resolve().parents[1]
 TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
 
 
+def submit(client: JobSubmissionClient, entrypoint: str, ready_timeout_s: float = 120) -> str:
+    """Submit, retrying while a freshly started head's job agent is not up yet."""
+    deadline = time.monotonic() + ready_timeout_s
+    while True:
+        try:
+            return client.submit_job(entrypoint=entrypoint, runtime_env={
+                "working_dir": str(REPO), "excludes": [".venv", ".venv-colossalai", "runs", ".git", "*.egg-info", "tests"]})
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--address", default="http://127.0.0.1:8265", help="the cluster's dashboard address")
@@ -37,11 +50,8 @@ def main() -> int:
     args = parser.parse_args()
 
     client = JobSubmissionClient(args.address)
-    job_id = client.submit_job(
-        entrypoint=f"python -m ray_ppo.cli train --config configs/tiny.yaml --address auto "
-                   f"--output /tmp/ray_ppo_job trainer.total_steps={args.steps}",
-        runtime_env={"working_dir": str(REPO), "excludes": [".venv", "runs", ".git", "*.egg-info", "tests"]},
-    )
+    job_id = submit(client, entrypoint=f"python -m ray_ppo.cli train --config configs/tiny.yaml --address auto "
+                                       f"--output /tmp/ray_ppo_job trainer.total_steps={args.steps}")
     print(f"submitted {job_id}")
     deadline = time.monotonic() + args.timeout_s
     while (status := client.get_job_status(job_id)) not in TERMINAL:
