@@ -165,8 +165,8 @@ def _train_loop(loop_config: dict) -> None:
     if restored:
         actor.load_state_dict(restored[0])
         critic.load_state_dict(restored[1])
-    learner = PPOLearner(actor, critic, make_strategy(cfg.trainer.strategy, device, cfg.trainer.max_grad_norm), learner_params(cfg),
-                         seed=cfg.seed + rank)
+    strategy = make_strategy(cfg.trainer.strategy, device, cfg.trainer.max_grad_norm)
+    learner = PPOLearner(actor, critic, strategy, learner_params(cfg), seed=cfg.seed + rank)
     kl_ctl = make_kl_controller(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
     publisher = WeightPublisher(learner, coordinator, cfg.sync.bucket_mb, rank)
     checkpoints = CheckpointWriter(cfg) if rank == 0 else None
