@@ -70,6 +70,18 @@ def _pack(state: Mapping[str, torch.Tensor], names: list[str]) -> Bucket:
     return metas, buffer
 
 
+def join_state(actor: Mapping[str, torch.Tensor], critic: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One push/checkpoint state dict: keys prefixed ``actor.`` and ``critic.``."""
+    return {**{f"actor.{k}": v for k, v in actor.items()}, **{f"critic.{k}": v for k, v in critic.items()}}
+
+
+def split_state(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Inverse of ``join_state``: the actor's and the critic's tensors, prefixes removed."""
+    actor = {k.removeprefix("actor."): v for k, v in state.items() if k.startswith("actor.")}
+    critic = {k.removeprefix("critic."): v for k, v in state.items() if k.startswith("critic.")}
+    return actor, critic
+
+
 def tied_aliases(model: torch.nn.Module) -> set[str]:
     """State-dict names that are second names of a tied tensor (GPT-2's ``lm_head.weight`` is
     ``transformer.wte.weight``): pushing them would send the same bytes twice."""

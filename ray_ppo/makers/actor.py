@@ -26,7 +26,7 @@ import torch
 from ray_ppo.config import Config
 from ray_ppo.data import PromptEncoder
 from ray_ppo.models.quantize import quantize_for_generation
-from ray_ppo.sync import fingerprint, tied_aliases, unpack_bucket
+from ray_ppo.sync import fingerprint, join_state, split_state, tied_aliases, unpack_bucket
 
 CONCURRENCY_GROUPS = {"compute": 1, "experience_io": 1, "model_io": 1}
 SEND_QUEUE_BATCHES = 2
@@ -150,9 +150,7 @@ class MakerWorker:
         staged, self.staging = self.staging, None
         if staged is None or staged["version"] != version or len(staged["seen"]) != staged["num_chunks"]:
             return False
-        tensors = staged["tensors"]
-        actor_state = {k.removeprefix("actor."): v for k, v in tensors.items() if k.startswith("actor.")}
-        critic_state = {k.removeprefix("critic."): v for k, v in tensors.items() if k.startswith("critic.")}
+        actor_state, critic_state = split_state(staged["tensors"])
         partial = bool(staged["meta"].get("partial"))  # LoRA-only: adapters and value head
         _check_keys(self.float_actor, actor_state, partial, "actor")  # before touching any weight
         _check_keys(self.maker.critic, critic_state, partial, "critic")
@@ -172,9 +170,7 @@ class MakerWorker:
     def weights_fingerprint(self) -> tuple[int, str]:
         """(version, fingerprint of the actor and critic weights) for consistency checks."""
         with self.model_lock:
-            state = {f"actor.{k}": v for k, v in self.float_actor.state_dict().items()}
-            state.update({f"critic.{k}": v for k, v in self.maker.critic.state_dict().items()})
-            return self.version, fingerprint(state)
+            return self.version, fingerprint(join_state(self.float_actor.state_dict(), self.maker.critic.state_dict()))
 
 
 def _check_keys(model: torch.nn.Module, state: dict[str, torch.Tensor], partial: bool, what: str) -> None:

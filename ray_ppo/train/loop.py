@@ -23,7 +23,7 @@ from ray_ppo.build import build_actor, build_critic, learner_params, tokenizer_p
 from ray_ppo.config import Config
 from ray_ppo.models import load_tokenizer
 from ray_ppo.models.lora import trainable_names
-from ray_ppo.sync import bucket_nbytes, fingerprint, make_buckets, tied_aliases
+from ray_ppo.sync import bucket_nbytes, fingerprint, join_state, make_buckets, split_state, tied_aliases
 from ray_ppo.train.learner import PPOLearner
 from ray_ppo.train.strategies import make_strategy
 
@@ -84,9 +84,7 @@ class WeightPublisher:
     def gather(self) -> dict[str, torch.Tensor]:
         """Full actor and critic state dicts, keys prefixed ``actor.`` / ``critic.``."""
         strategy = self.learner.strategy
-        state = {f"actor.{k}": v for k, v in strategy.full_state_dict(self.learner.actor).items()}
-        state.update({f"critic.{k}": v for k, v in strategy.full_state_dict(self.learner.critic).items()})
-        return state
+        return join_state(strategy.full_state_dict(self.learner.actor), strategy.full_state_dict(self.learner.critic))
 
     def to_push(self, state: dict[str, torch.Tensor], lora_only: bool) -> dict[str, torch.Tensor]:
         """What a push carries: every tensor once (tied aliases dropped; makers re-tie them), or
@@ -125,13 +123,6 @@ class CheckpointWriter:
         self._critic.save_pretrained(directory / "critic")
         write_trainer_state(directory, actor_state, critic_state, optim_state, run_state)
         return ray.train.Checkpoint.from_directory(str(directory))
-
-
-def split_state(state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
-    """``actor.*`` / ``critic.*`` keys of a gathered state dict, prefixes removed."""
-    actor = {k.removeprefix("actor."): v for k, v in state.items() if k.startswith("actor.")}
-    critic = {k.removeprefix("critic."): v for k, v in state.items() if k.startswith("critic.")}
-    return actor, critic
 
 
 def _restore_point(resume_from: str | None) -> tuple[dict, dict, dict, dict] | None:
