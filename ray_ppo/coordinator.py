@@ -4,7 +4,9 @@ Responsibilities:
   - hand out prompt batches to makers from the run's prompt dataset (so a dead maker never
     stalls the others, unlike ``streaming_split``'s per-epoch barrier);
   - admit makers only while their policy version is within ``max_staleness`` of the trainer's;
-  - route items into bounded per-rank buffers (back-pressure: a send waits for space);
+  - route experience chunks (refs to packed item batches, ``ray_ppo.transport``) into bounded
+    per-rank buffers, counting items (back-pressure: a send waits for space); the payload goes
+    from the maker's ``ray.put`` straight to the rank that pulls it;
   - drop, and count, items that became too stale while buffered;
   - relay weight pushes to makers as ObjectRefs (never tensors) and track each maker's version;
   - keep the run's counters, per-step metrics and maker failures.
@@ -23,8 +25,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ray_ppo.algo import ExperienceItem
 from ray_ppo.routing import receivers
+from ray_ppo.transport import ExperienceChunk
 
 HEALTH_CHECK_S = 5.0
 """How long a maker has to answer a ping when the coordinator diagnoses a stall."""
@@ -32,12 +34,13 @@ HEALTH_CHECK_S = 5.0
 
 @dataclass
 class Counters:
-    """Item accounting. At any time: produced = consumed + in_flight + discarded."""
+    """Item accounting. At any time: produced = consumed + in_flight + discarded + lost_in_transit."""
 
     produced: int = 0          # items makers handed to ``send``
     consumed: int = 0          # items returned to trainer ranks by ``pull``
     discarded: int = 0         # items dropped because they exceeded ``max_staleness``
     lost: int = 0              # prompts handed to a maker that died before sending their items
+    lost_in_transit: int = 0   # items sent by a maker that died before a rank fetched them
     in_flight: int = 0         # items buffered or waiting for buffer space
     prompts_served: int = 0    # prompts handed to makers
     blank_prompts: int = 0     # prompts skipped because they were empty
@@ -82,7 +85,8 @@ class Coordinator:
                  initial_version: int = 0, data_start: dict | None = None):
         self.num_ranks, self.num_makers = num_ranks, num_makers
         self.buffer_size, self.max_staleness, self.routing = buffer_size, max_staleness, routing
-        self.buffers: list[collections.deque[ExperienceItem]] = [collections.deque() for _ in range(num_ranks)]
+        self.buffers: list[collections.deque[ExperienceChunk]] = [collections.deque() for _ in range(num_ranks)]
+        self.buffered = [0] * num_ranks  # items in each rank's buffer
         self.changed = asyncio.Condition()
         self.counters = Counters()
         self.makers: dict[int, Any] = {}
@@ -140,35 +144,49 @@ class Coordinator:
         return self.counters.in_flight + self.reserved + self.prompt_batch_size <= capacity
 
     # -- experience -----------------------------------------------------------------------------
-    async def send(self, maker_id: int, items: list[ExperienceItem], stats: dict) -> int:
-        """Buffer ``items`` for the trainer ranks, waiting for space. Returns how many were accepted
-        (all of them, unless the run finished while waiting: the rest are counted in flight)."""
-        self.counters.produced += len(items)
-        self.counters.in_flight += len(items)
+    async def send(self, maker_id: int, chunk: ExperienceChunk, stats: dict) -> int:
+        """Buffer the chunk's items for the trainer ranks, waiting for space. Returns how many
+        were accepted (all, unless the run finished while waiting: the rest are counted in flight)."""
+        self.counters.produced += chunk.count
+        self.counters.in_flight += chunk.count
         self._reserve(maker_id, -stats.get("num_prompts", 0))
         self._record_maker_stats(maker_id, stats)
         targets = receivers(self.routing, maker_id, self.num_makers, self.num_ranks)
-        accepted = 0
+        rest = chunk
         async with self.changed:
-            while accepted < len(items):
+            while rest.count:
                 await self.changed.wait_for(lambda: self.finished or self._has_space(targets))
                 if self.finished:
                     break
-                while accepted < len(items) and self._has_space(targets):  # as many as fit, then one wake-up
-                    self.buffers[self._pick(targets)].append(items[accepted])
-                    accepted += 1
-                self.changed.notify_all()
+                rest = self._route(rest, targets)
+                self.changed.notify_all()  # once per pass, not per item
         self.last_item_at = time.monotonic()
-        return accepted
+        return chunk.count - rest.count
 
-    def _has_space(self, targets: list[int]) -> bool:
-        return any(len(self.buffers[r]) < self.buffer_size for r in targets)
+    def _route(self, chunk: ExperienceChunk, targets: list[int]) -> ExperienceChunk:
+        """Place as many of the chunk's items as fit, each on the target rank with the most free
+        space (ties round-robin), as one slice per rank; returns the slice that did not fit."""
+        shares = dict.fromkeys(targets, 0)
+        for _ in range(chunk.count):
+            if not self._has_space(targets, shares):
+                break
+            shares[self._pick(targets, shares)] += 1
+        for rank, n in shares.items():
+            if n:
+                head, chunk = chunk.split(n)
+                self.buffers[rank].append(head)
+                self.buffered[rank] += n
+        return chunk
 
-    def _pick(self, targets: list[int]) -> int:
+    def _has_space(self, targets: list[int], pending: dict[int, int] | None = None) -> bool:
+        pending = pending or {}
+        return any(self.buffered[r] + pending.get(r, 0) < self.buffer_size for r in targets)
+
+    def _pick(self, targets: list[int], pending: dict[int, int]) -> int:
         """The target rank with the most free space; ties go round-robin."""
         self._rr += 1
         order = targets[self._rr % len(targets):] + targets[:self._rr % len(targets)]
-        return min(order, key=lambda r: len(self.buffers[r]))
+        return min(order, key=lambda r: self.buffered[r] + pending[r])
 
     def _record_maker_stats(self, maker_id: int, stats: dict) -> None:
         state = self.maker_state[maker_id]
@@ -179,39 +197,62 @@ class Coordinator:
         self.counters.truncated_prompts += stats.get("truncated", 0)
 
     async def pull(self, rank: int, n: int, trainer_version: int, timeout_s: float,
-                   pid: int | None = None) -> list[ExperienceItem]:
-        """``n`` items for ``rank``, none older than ``trainer_version - max_staleness``.
+                   pid: int | None = None) -> list[ExperienceChunk]:
+        """Chunks holding ``n`` items for ``rank``, none older than ``trainer_version - max_staleness``
+        (``ray_ppo.transport.resolve`` fetches their items).
 
         Raises ``RuntimeError`` if a maker failed, ``TimeoutError`` (with what was seen) when
         nothing arrives for ``timeout_s``.
         """
         self._set_trainer_version(trainer_version)
         self.rank_pids[rank] = pid
-        out: list[ExperienceItem] = []
+        out: list[ExperienceChunk] = []
+        got = 0
         deadline = time.monotonic() + timeout_s
         async with self.changed:
             self.changed.notify_all()  # admission may have changed with the version
-            while len(out) < n:
+            while got < n:
                 self._raise_on_failure()
                 self._drop_stale(rank)
-                while self.buffers[rank] and len(out) < n:
-                    out.append(self.buffers[rank].popleft())
-                if len(out) == n:
+                got += self._take(rank, n - got, out)
+                if got == n:
                     break
                 self.changed.notify_all()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     self.buffers[rank].extendleft(reversed(out))
-                    raise TimeoutError(await self._stall_report(rank, n, len(out), timeout_s))
+                    self.buffered[rank] += got
+                    raise TimeoutError(await self._stall_report(rank, n, got, timeout_s))
                 try:
                     await asyncio.wait_for(self.changed.wait(), timeout=min(remaining, 1.0))
                 except asyncio.TimeoutError:
                     pass
-            self.counters.consumed += len(out)
-            self.counters.in_flight -= len(out)
-            self.consumed_at_version += len(out)
+            self.counters.consumed += got
+            self.counters.in_flight -= got
+            self.consumed_at_version += got
             self.changed.notify_all()
         return out
+
+    def _take(self, rank: int, n: int, out: list[ExperienceChunk]) -> int:
+        """Move up to ``n`` items from the head of ``rank``'s buffer to ``out`` (splitting a chunk if needed)."""
+        buffer, taken = self.buffers[rank], 0
+        while buffer and taken < n:
+            chunk = buffer.popleft()
+            if chunk.count > n - taken:
+                chunk, rest = chunk.split(n - taken)
+                buffer.appendleft(rest)
+            out.append(chunk)
+            taken += chunk.count
+        self.buffered[rank] -= taken
+        return taken
+
+    async def lost_in_transit(self, rank: int, n: int) -> None:
+        """Rank ``rank`` pulled ``n`` items whose payload died with their maker: not consumed after all."""
+        self.counters.consumed -= n
+        self.consumed_at_version = max(0, self.consumed_at_version - n)
+        self.counters.lost_in_transit += n
+        async with self.changed:
+            self.changed.notify_all()  # admission has room again
 
     def _set_trainer_version(self, version: int) -> None:
         if version > self.trainer_version:
@@ -221,11 +262,12 @@ class Coordinator:
     def _drop_stale(self, rank: int) -> None:
         oldest_allowed = self.trainer_version - self.max_staleness
         buffer = self.buffers[rank]
-        fresh = [item for item in buffer if item.policy_version >= oldest_allowed]
-        dropped = len(buffer) - len(fresh)
+        fresh = [chunk for chunk in buffer if chunk.policy_version >= oldest_allowed]
+        dropped = self.buffered[rank] - sum(chunk.count for chunk in fresh)
         if dropped:
             buffer.clear()
             buffer.extend(fresh)
+            self.buffered[rank] -= dropped
             self.counters.discarded += dropped
             self.counters.in_flight -= dropped
 
@@ -342,7 +384,7 @@ class Coordinator:
         """Counters, versions and maker states, for metrics and tests."""
         return {"counters": asdict(self.counters), "trainer_version": self.trainer_version,
                 "data": self.data_state(), "rank_pids": dict(self.rank_pids), "node_id": _node_id(),
-                "buffered": [len(b) for b in self.buffers],
+                "buffered": list(self.buffered),
                 "makers": {i: asdict(s) for i, s in self.maker_state.items()},
                 "pushes": list(self.push_log)}
 

@@ -4,7 +4,7 @@ Imports torch and the standard library only (no Ray, no transformers), so everyt
 unit-testable in-process.
 """
 
-from ray_ppo.algo.experience import PER_TOKEN_FIELDS, ExperienceBatch, ExperienceItem
+from ray_ppo.algo.experience import PER_TOKEN_FIELDS, ExperienceBatch, ExperienceItem, PackedItems
 from ray_ppo.algo.functional import (
     KL_ESTIMATORS,
     compute_gae,
@@ -30,6 +30,7 @@ __all__ = [
     "PER_TOKEN_FIELDS",
     "ExperienceBatch",
     "ExperienceItem",
+    "PackedItems",
     "KL_ESTIMATORS",
     "compute_gae",
     "compute_gae_reference",

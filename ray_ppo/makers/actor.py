@@ -27,6 +27,7 @@ from ray_ppo.config import Config
 from ray_ppo.data import PromptEncoder
 from ray_ppo.models.quantize import quantize_for_generation
 from ray_ppo.sync import fingerprint, join_state, split_state, tied_aliases, unpack_bucket
+from ray_ppo.transport import ExperienceChunk
 
 CONCURRENCY_GROUPS = {"compute": 1, "experience_io": 1, "model_io": 1}
 SEND_QUEUE_BATCHES = 2
@@ -121,11 +122,14 @@ class MakerWorker:
     # -- experience_io --------------------------------------------------------------------------
     @ray.method(concurrency_group="experience_io")
     def send_loop(self) -> dict:
-        """Forward made batches to the coordinator, waiting on back-pressure; returns counts."""
+        """Forward made batches to the coordinator, waiting on back-pressure; returns counts.
+        Each batch is put in the object store once; the coordinator relays its ref and the
+        rank that pulls it reads it (``ray_ppo.transport``)."""
         unsent = 0
         while (entry := self.outbox.get()) is not None:
             items, stats = entry
-            accepted = ray.get(self.coordinator.send.remote(self.maker_id, items, stats))
+            chunk = ExperienceChunk.put(items)
+            accepted = ray.get(self.coordinator.send.remote(self.maker_id, chunk, stats))
             self.sent += accepted
             unsent += len(items) - accepted
         return {"sent": self.sent, "unsent": unsent}

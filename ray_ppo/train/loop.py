@@ -26,6 +26,7 @@ from ray_ppo.models.lora import trainable_names
 from ray_ppo.sync import bucket_nbytes, fingerprint, join_state, make_buckets, split_state, tied_aliases
 from ray_ppo.train.learner import PPOLearner
 from ray_ppo.train.strategies import make_strategy
+from ray_ppo.transport import resolve
 
 VERIFY_TIMEOUT_S = 60.0
 """How long the last step waits for every maker to load the final push before comparing weights."""
@@ -225,12 +226,20 @@ def _train_loop(loop_config: dict) -> None:
 
 
 def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float) -> list[ExperienceItem]:
-    """Items from the coordinator; its errors (maker failure, stall) are re-raised as themselves,
-    so the run's error message is the coordinator's one-line diagnosis."""
-    try:
-        return ray.get(coordinator.pull.remote(rank, n, version, timeout_s, os.getpid()))
-    except ray.exceptions.RayTaskError as e:
-        raise e.as_instanceof_cause() from None
+    """``n`` items from the coordinator. Items lost with a dead maker are reported and replaced.
+    The coordinator's errors (maker failure, stall) are re-raised as themselves, so the run's
+    error message is the coordinator's one-line diagnosis."""
+    items: list[ExperienceItem] = []
+    while len(items) < n:
+        try:
+            chunks = ray.get(coordinator.pull.remote(rank, n - len(items), version, timeout_s, os.getpid()))
+        except ray.exceptions.RayTaskError as e:
+            raise e.as_instanceof_cause() from None
+        fetched = resolve(chunks)
+        if fetched.lost:
+            ray.get(coordinator.lost_in_transit.remote(rank, fetched.lost))
+        items += fetched.items
+    return items
 
 
 @contextlib.contextmanager
@@ -270,7 +279,8 @@ class MakerMonitor:
         return {"generated_tokens_per_s": delta["tokens"] / step_s, "maker_generate_s": delta["generate_s"] / n,
                 "maker_idle_ratio": min(1.0, delta["idle_s"] / (n * step_s)),
                 "items_produced": float(counters["produced"]), "items_consumed": float(counters["consumed"]),
-                "items_discarded": float(counters["discarded"]), "items_in_flight": float(counters["in_flight"])}
+                "items_discarded": float(counters["discarded"]), "items_in_flight": float(counters["in_flight"]),
+                "items_lost_in_transit": float(counters["lost_in_transit"])}
 
 
 def _verify_makers(coordinator: Any, version: int, expected: str) -> float:

@@ -41,7 +41,7 @@ def when_step(trainer: PPOTrainer, step: int, action, timeout_s: float = 240) ->
 
 def accounted(status: dict) -> bool:
     c = status["counters"]
-    return c["produced"] == c["consumed"] + c["in_flight"] + c["discarded"]
+    return c["produced"] == c["consumed"] + c["in_flight"] + c["discarded"] + c["lost_in_transit"]
 
 
 def test_resume_continues_step_version_and_prompt_position(ray_session, tmp_path):

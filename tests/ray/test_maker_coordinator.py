@@ -13,6 +13,8 @@ from ray_ppo.coordinator import Coordinator
 from ray_ppo.makers.actor import maker_actor_class
 from ray_ppo.models import Critic, load_actor
 from ray_ppo.sync import fingerprint, make_buckets
+from ray_ppo.train.loop import _pull
+from ray_ppo.transport import ExperienceChunk, resolve
 
 pytestmark = pytest.mark.ray
 REPO = Path(__file__).parents[2]
@@ -108,13 +110,50 @@ def test_slow_trainer_makes_makers_wait_and_loses_nothing(ray_session, cfg):
 
     pulled = []
     for _ in range(4):
-        pulled += ray.get(coordinator.pull.remote(0, 8, 0, 30))
+        pulled += resolve(ray.get(coordinator.pull.remote(0, 8, 0, 30))).items
     final = ray.get(coordinator.finish.remote())
     summaries = ray.get(loops, timeout=30)
     counters = ray.get(coordinator.status.remote())["counters"]
     assert len(pulled) == 32 == counters["consumed"]
     assert len({item.uid for item in pulled}) == 32  # no duplicates
-    assert counters["produced"] == counters["consumed"] + counters["in_flight"] + counters["discarded"]
+    assert counters["produced"] == (counters["consumed"] + counters["in_flight"] + counters["discarded"]
+                                    + counters["lost_in_transit"])
     assert counters["discarded"] == 0
     assert summaries[0]["made"] == counters["produced"]
     assert final["makers"][0]["idle_s"] > 1.0  # back-pressure time is reported as maker idle time
+
+
+@ray.remote(num_cpus=0)
+class Sender:
+    """Sends batches the way ``MakerWorker.send_loop`` does: put once, send the chunk."""
+
+    def send(self, coordinator, items) -> int:
+        return ray.get(coordinator.send.remote(0, ExperienceChunk.put(items), {}))
+
+
+def test_items_lost_with_their_maker_are_counted_and_replaced(ray_session):
+    """A batch lives in the object store of the maker that put it. Sent by a maker that dies
+    before a rank fetched it, it is gone: the rank counts it as lost in transit and pulls more;
+    the coordinator never deserialized it."""
+    coordinator = ray.remote(num_cpus=0)(Coordinator).remote(
+        num_ranks=1, num_makers=1, buffer_size=16, max_staleness=1, items_per_version=10_000)
+    doomed, alive = Sender.remote(), Sender.remote()
+    assert ray.get(doomed.send.remote(coordinator, [_item(f"d-{i}") for i in range(4)])) == 4
+    ray.kill(doomed)
+    made = [_item(f"a-{i}") for i in range(4)]
+    assert ray.get(alive.send.remote(coordinator, made)) == 4
+
+    got = _pull(coordinator, rank=0, n=4, version=0, timeout_s=30)
+    assert [it.uid for it in got] == [it.uid for it in made]
+    assert all(torch.equal(a.values, b.values) for a, b in zip(got, made))
+    counters = ray.get(coordinator.status.remote())["counters"]
+    assert (counters["produced"], counters["consumed"], counters["lost_in_transit"], counters["in_flight"]) == (8, 4, 4, 0)
+
+
+def _item(uid: str):
+    from ray_ppo.algo import ExperienceItem
+
+    n = 2 + int(uid.split("-")[1])  # items of different lengths
+    return ExperienceItem(prompt_ids=torch.arange(3), response_ids=torch.arange(n), action_log_probs=torch.randn(n),
+                          ref_log_probs=torch.randn(n), values=torch.randn(n), rewards=torch.randn(n),
+                          advantages=torch.randn(n), returns=torch.randn(n), reward=0.5, policy_version=0, uid=uid)

@@ -14,6 +14,7 @@ import torch
 
 from ray_ppo.algo import ExperienceItem
 from ray_ppo.coordinator import Coordinator
+from ray_ppo.transport import ExperienceChunk, resolve
 
 SHORT_S = 0.1  # long enough for any runnable task to run; the blocked ones stay blocked
 
@@ -25,12 +26,13 @@ def item(version: int, uid: str) -> ExperienceItem:
                           advantages=zeros, returns=zeros, reward=0.5, policy_version=version, uid=uid)
 
 
-def items(n: int, version: int = 0, prefix: str = "m0") -> list[ExperienceItem]:
-    return [item(version, f"{prefix}-{i}") for i in range(n)]
+def items(n: int, version: int = 0, prefix: str = "m0") -> ExperienceChunk:
+    """A chunk of ``n`` items carried inline (what a maker sends, minus the object store)."""
+    return ExperienceChunk.inline([item(version, f"{prefix}-{i}") for i in range(n)], version)
 
 
-def uids(batch: list[ExperienceItem]) -> list[str]:
-    return [it.uid for it in batch]
+def uids(chunks: list[ExperienceChunk]) -> list[str]:
+    return [it.uid for it in resolve(chunks).items]
 
 
 def coordinator(**kwargs) -> Coordinator:
@@ -39,9 +41,9 @@ def coordinator(**kwargs) -> Coordinator:
 
 
 def counters(coord: Coordinator) -> dict:
-    """The coordinator's counters, after checking produced = consumed + in_flight + discarded."""
+    """The coordinator's counters, after checking the accounting identity."""
     c = coord.status()["counters"]
-    assert c["produced"] == c["consumed"] + c["in_flight"] + c["discarded"], c
+    assert c["produced"] == c["consumed"] + c["in_flight"] + c["discarded"] + c["lost_in_transit"], c
     return c
 
 
@@ -141,8 +143,9 @@ def test_pull_waits_for_items_to_arrive():
 def test_items_older_than_max_staleness_are_discarded_on_pull():
     async def main():
         coord = coordinator(max_staleness=1)
-        batch = [item(0, "v0"), item(1, "v1"), item(2, "v2a"), item(2, "v2b")]
-        assert await coord.send(0, batch, {}) == 4
+        for version, names in ((0, ["v0"]), (1, ["v1"]), (2, ["v2a", "v2b"])):  # one chunk per version
+            chunk = ExperienceChunk.inline([item(version, name) for name in names])
+            assert await coord.send(0, chunk, {}) == len(names)
         # trainer at version 2, max_staleness 1: the oldest usable version is 1, so "v0" goes
         got = await coord.pull(0, 2, trainer_version=2, timeout_s=1.0)
         assert uids(got) == ["v1", "v2a"]
@@ -255,6 +258,23 @@ def test_round_robin_balances_items_between_ranks():
         await coord.send(0, items(3, prefix="b"), {})  # the emptier rank fills first
         assert coord.status()["buffered"] == [3, 3]
         assert uids(await coord.pull(0, 3, trainer_version=0, timeout_s=1.0)) == ["b-0", "b-1", "b-2"]
+
+    asyncio.run(main())
+
+
+def test_a_chunk_is_sliced_across_ranks_and_pulls_without_copying_items():
+    async def main():
+        coord = coordinator(num_ranks=2, buffer_size=8)
+        chunk = items(5)
+        await coord.send(0, chunk, {})
+        assert sorted(coord.status()["buffered"]) == [2, 3]
+        first = await coord.pull(0, 2, trainer_version=0, timeout_s=1.0)
+        second = await coord.pull(1, 2, trainer_version=0, timeout_s=1.0)
+        assert all(c.payload is chunk.payload for c in first + second)  # slices of the one payload
+        rest = await coord.pull(max((0, 1), key=lambda r: coord.status()["buffered"][r]), 1, 0, timeout_s=1.0)
+        assert sorted(uids(first) + uids(second) + uids(rest)) == [f"m0-{i}" for i in range(5)]
+        c = counters(coord)
+        assert (c["produced"], c["consumed"], c["in_flight"]) == (5, 5, 0)
 
     asyncio.run(main())
 

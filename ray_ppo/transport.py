@@ -1,0 +1,99 @@
+"""How experience travels from a maker to a trainer rank without the coordinator touching it.
+
+A maker packs each batch it makes (``PackedItems``) and ``ray.put``s it once. It sends the
+coordinator an ``ExperienceChunk``: the object's ref (nested in a list, so Ray does not fetch
+it), the item count and the policy version. The coordinator buffers, slices and routes chunks
+by count and version only; the rank that pulls a chunk fetches the payload from the object
+store directly. The coordinator's cost per item is therefore its cost per call divided by the
+batch size, whatever the items hold.
+
+The maker owns the object (Ray 2.56 removed ``ray.put(_owner=...)``), so a batch sent by a
+maker that dies before a rank fetched it is gone: ``resolve`` counts such items as lost, the
+rank reports them (``Coordinator.lost_in_transit``) and pulls replacements.
+
+A chunk may also carry its ``PackedItems`` inline (the in-process tests do; nothing else needs Ray).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Sequence
+
+from ray_ppo.algo import ExperienceItem, PackedItems
+
+
+@dataclass(frozen=True)
+class ExperienceChunk:
+    """Items ``start:stop`` of one packed batch, all made at ``policy_version``."""
+
+    payload: Any
+    """``[ObjectRef]`` of a ``PackedItems`` (nested, so it is not fetched in transit), or a
+    ``PackedItems`` inline."""
+    policy_version: int
+    start: int
+    stop: int
+
+    @property
+    def count(self) -> int:
+        return self.stop - self.start
+
+    def split(self, n: int) -> tuple[ExperienceChunk, ExperienceChunk]:
+        """The first ``n`` items and the rest, as two chunks of the same payload."""
+        cut = self.start + n
+        return dataclasses.replace(self, stop=cut), dataclasses.replace(self, start=cut)
+
+    @classmethod
+    def inline(cls, items: Sequence[ExperienceItem], policy_version: int | None = None) -> ExperienceChunk:
+        return cls(PackedItems.pack(items), _version(items, policy_version), 0, len(items))
+
+    @classmethod
+    def put(cls, items: Sequence[ExperienceItem]) -> ExperienceChunk:
+        """Pack ``items`` into the object store (owned by the calling process)."""
+        import ray
+
+        return cls([ray.put(PackedItems.pack(items))], _version(items, None), 0, len(items))
+
+
+def _version(items: Sequence[ExperienceItem], version: int | None) -> int:
+    versions = {it.policy_version for it in items}
+    if len(versions) > 1:
+        raise ValueError(f"a chunk holds items of one policy version; got versions {sorted(versions)}")
+    return version if version is not None else (versions.pop() if versions else 0)
+
+
+class Fetched(NamedTuple):
+    items: list[ExperienceItem]
+    lost: int
+    """Items whose payload died with the maker that owned it."""
+
+
+def resolve(chunks: Sequence[ExperienceChunk]) -> Fetched:
+    """The items of ``chunks``, in order; remote payloads are fetched in one ``ray.get``."""
+    refs = list(dict.fromkeys(c.payload[0] for c in chunks if isinstance(c.payload, list)))  # ObjectRefs hash by id
+    fetched = _fetch(refs) if refs else {}
+    items: list[ExperienceItem] = []
+    lost = 0
+    for chunk in chunks:
+        packed = fetched[chunk.payload[0]] if isinstance(chunk.payload, list) else chunk.payload
+        if packed is None:
+            lost += chunk.count
+        else:
+            items += packed.unpack(chunk.start, chunk.stop)
+    return Fetched(items, lost)
+
+
+def _fetch(refs: list) -> dict:
+    """ref -> ``PackedItems``, or None where the object was lost with its owner."""
+    import ray
+
+    try:
+        return dict(zip(refs, ray.get(refs)))
+    except ray.exceptions.ObjectLostError:  # OwnerDiedError is one; find which, one by one
+        out = {}
+        for ref in refs:
+            try:
+                out[ref] = ray.get(ref)
+            except ray.exceptions.ObjectLostError:
+                out[ref] = None
+        return out

@@ -1,0 +1,33 @@
+"""Unit tests of ray_ppo.transport: experience chunks, in-process (inline payloads, no Ray)."""
+
+import pytest
+import torch
+
+from ray_ppo.algo import ExperienceItem
+from ray_ppo.transport import ExperienceChunk, resolve
+
+
+def item(uid: str, version: int = 3, n: int = 2) -> ExperienceItem:
+    return ExperienceItem(prompt_ids=torch.tensor([1, 2]), response_ids=torch.arange(n), action_log_probs=torch.ones(n),
+                          ref_log_probs=torch.zeros(n), values=torch.zeros(n), rewards=torch.zeros(n),
+                          advantages=torch.zeros(n), returns=torch.zeros(n), reward=0.1, policy_version=version, uid=uid)
+
+
+def test_split_chunks_resolve_to_the_original_items_in_order():
+    chunk = ExperienceChunk.inline([item(f"u{i}", n=i + 1) for i in range(5)])
+    assert (chunk.count, chunk.policy_version) == (5, 3)
+    head, rest = chunk.split(2)
+    first, last = rest.split(1)
+    assert (head.count, first.count, last.count) == (2, 1, 2)
+    got, lost = resolve([head, first, last])
+    assert lost == 0
+    assert [it.uid for it in got] == ["u0", "u1", "u2", "u3", "u4"]
+    assert [it.response_length for it in got] == [1, 2, 3, 4, 5]
+    assert got[0].reward == 0.1  # exact: rewards travel as float64
+    assert [it.uid for it in resolve([last, head]).items] == ["u3", "u4", "u0", "u1"]
+
+
+def test_a_chunk_holds_one_policy_version():
+    with pytest.raises(ValueError, match=r"one policy version; got versions \[1, 2\]"):
+        ExperienceChunk.inline([item("a", version=1), item("b", version=2)])
+    assert ExperienceChunk.inline([]).count == 0
