@@ -1,10 +1,11 @@
-"""Weight pushes: cut a state dict into byte buckets, and rebuild it on the other side.
+"""Weight pushes: cut a state dict into buckets of bytes, and rebuild it on the other side.
 
-A bucket is ``(metas, buffer)``: a flat ``uint8`` NumPy buffer holding the raw bytes of several
-tensors, and one ``TensorMeta`` per tensor saying where it lies. NumPy buffers put with
-``ray.put`` are read zero-copy by every process on a node, so a bucket is stored once however
-many makers read it. Dtypes travel as names and bytes are copied verbatim: bf16 stays bf16
-(NumPy has no bf16; the bytes do not care). Torch and NumPy only: no Ray import.
+A bucket is ``(metas, arrays)``: one flat ``uint8`` NumPy array per tensor, *viewing* the
+tensor's memory (no copy here), and one ``TensorMeta`` per tensor saying what it is. ``ray.put``
+of a bucket then makes the only copy, straight into the object store (NumPy arrays pickle as
+out-of-band buffers), and every process on a node reads the arrays back zero-copy, so a bucket
+is stored once however many makers read it. Dtypes travel as names and bytes verbatim: bf16
+stays bf16 (NumPy has no bf16; the bytes do not care). Torch and NumPy only: no Ray import.
 """
 
 from __future__ import annotations
@@ -17,30 +18,22 @@ from typing import Iterable, Mapping
 import numpy as np
 import torch
 
-ALIGN_BYTES = 64
-"""Every tensor starts at a multiple of this offset, so its view is aligned for any dtype."""
-
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """Where one tensor lies in a bucket's buffer."""
+    """What one array of a bucket holds."""
 
     name: str
     dtype: str      # torch dtype name without the "torch." prefix, e.g. "bfloat16"
     shape: tuple[int, ...]
-    offset: int     # byte offset in the buffer
     nbytes: int
 
 
-Bucket = tuple[list[TensorMeta], np.ndarray]
+Bucket = tuple[list[TensorMeta], list[np.ndarray]]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
 def _plan(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
@@ -48,7 +41,7 @@ def _plan(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[str
     groups: list[list[str]] = [[]]
     used = 0
     for name, tensor in state.items():
-        size = _aligned(tensor.numel() * tensor.element_size())
+        size = tensor.numel() * tensor.element_size()
         if groups[-1] and used + size > bucket_bytes:
             groups.append([])
             used = 0
@@ -57,17 +50,18 @@ def _plan(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[str
     return [g for g in groups if g]
 
 
+def _bytes_view(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes as a flat uint8 array: a view of a contiguous CPU tensor, else of a copy."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return flat.view(torch.uint8).numpy()
+
+
 def _pack(state: Mapping[str, torch.Tensor], names: list[str]) -> Bucket:
-    metas, offset = [], 0
-    for name in names:
-        t = state[name]
-        metas.append(TensorMeta(name, _dtype_name(t.dtype), tuple(t.shape), offset, t.numel() * t.element_size()))
-        offset += _aligned(metas[-1].nbytes)
-    buffer = np.empty(offset, dtype=np.uint8)
-    for meta in metas:
-        src = state[meta.name].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        buffer[meta.offset:meta.offset + meta.nbytes] = src.numpy()
-    return metas, buffer
+    metas = [TensorMeta(n, _dtype_name(state[n].dtype), tuple(state[n].shape), state[n].numel() * state[n].element_size())
+             for n in names]
+    return metas, [_bytes_view(state[n]) for n in names]
 
 
 def join_state(actor: Mapping[str, torch.Tensor], critic: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -96,23 +90,22 @@ def make_buckets(state: Mapping[str, torch.Tensor], bucket_mb: float) -> Iterabl
 
 
 def unpack_bucket(bucket: Bucket) -> dict[str, torch.Tensor]:
-    """Tensors viewing the bucket's buffer (no copy; read-only if the buffer is)."""
-    metas, buffer = bucket
+    """Tensors viewing the bucket's arrays (no copy; read-only if the arrays are)."""
+    metas, arrays = bucket
     out = {}
     with warnings.catch_warnings():  # Ray hands out read-only buffers; we never write to them
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        for meta in metas:
+        for meta, array in zip(metas, arrays):
             dtype = getattr(torch, meta.dtype)
             if meta.nbytes == 0:  # a 0-byte view cannot be reinterpreted; nothing to share anyway
                 out[meta.name] = torch.empty(meta.shape, dtype=dtype)
                 continue
-            raw = torch.from_numpy(buffer[meta.offset:meta.offset + meta.nbytes])
-            out[meta.name] = raw.view(dtype).reshape(meta.shape)
+            out[meta.name] = torch.from_numpy(array).view(dtype).reshape(meta.shape)
     return out
 
 
 def bucket_nbytes(bucket: Bucket) -> int:
-    return int(bucket[1].nbytes)
+    return sum(int(a.nbytes) for a in bucket[1])
 
 
 def fingerprint(state: Mapping[str, torch.Tensor]) -> str:

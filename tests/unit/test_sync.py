@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ray_ppo.sync import ALIGN_BYTES, TensorMeta, bucket_nbytes, fingerprint, make_buckets, unpack_bucket
+from ray_ppo.sync import TensorMeta, bucket_nbytes, fingerprint, make_buckets, unpack_bucket
 
 MIB = 2**20
 
@@ -54,7 +54,8 @@ def test_round_trip_is_exact(bucket_bytes):
     if bucket_bytes == 64 * MIB:
         assert len(buckets) == 1
     if bucket_bytes == 64:
-        # every tensor alone, except the 0-byte one, which opens a bucket that "scalar" (64 B) then fills
+        # f32 80 B, bf16 66, f16_odd 42, i64 88, empty 0, scalar 4, big 1200: every tensor alone,
+        # except the 0-byte one, which opens a bucket that "scalar" then joins
         assert [[m.name for m in metas] for metas, _ in buckets] == [
             ["f32"], ["bf16"], ["f16_odd"], ["i64"], ["empty", "scalar"], ["big"]]
 
@@ -77,50 +78,56 @@ def test_bf16_stays_bf16_bit_for_bit():
     assert torch.equal(rebuilt["w"].view(torch.int16), values.view(torch.int16))
 
 
-def test_every_offset_is_aligned():
-    for bucket in make_buckets(mixed_state(), mb(1000)):
-        metas, buffer = bucket
-        assert buffer.dtype == np.uint8 and buffer.ndim == 1
-        assert bucket_nbytes(bucket) == buffer.nbytes
-        for meta in metas:
-            assert meta.offset % ALIGN_BYTES == 0
-            assert meta.offset + meta.nbytes <= buffer.nbytes
+def test_buckets_view_the_tensors_instead_of_copying_them():
+    state = mixed_state()
+    for metas, arrays in make_buckets(state, mb(1000)):
+        for meta, array in zip(metas, arrays):
+            assert array.dtype == np.uint8 and array.ndim == 1 and array.nbytes == meta.nbytes
+            if meta.nbytes:
+                assert array.ctypes.data == state[meta.name].data_ptr(), meta.name  # ray.put makes the one copy
+
+
+def test_a_non_contiguous_tensor_is_copied_contiguous():
+    state = {"t": torch.arange(12, dtype=torch.float32).reshape(3, 4).t()}
+    _, rebuilt = round_trip(state, mb(1024))
+    assert torch.equal(rebuilt["t"], state["t"])
 
 
 def test_hand_computed_plan():
     state = {
-        "a": torch.zeros(10),                       # 40 B  -> 64 aligned
-        "b": torch.zeros(20),                       # 80 B  -> 128
-        "c": torch.zeros(30, dtype=torch.bfloat16), # 60 B  -> 64
-        "d": torch.zeros(8, dtype=torch.int64),     # 64 B  -> 64
-        "e": torch.zeros(7, 3, dtype=torch.float16),  # 42 B -> 64
+        "a": torch.zeros(10),                         # 40 B
+        "b": torch.zeros(20),                         # 80 B
+        "c": torch.zeros(30, dtype=torch.bfloat16),   # 60 B
+        "d": torch.zeros(8, dtype=torch.int64),       # 64 B
+        "e": torch.zeros(7, 3, dtype=torch.float16),  # 42 B
     }
-    # 192-byte buckets: a + b = 192 fits exactly; c would make 256, so c, d, e = 192 start the next
-    buckets = list(make_buckets(state, mb(192)))
-    assert [[m.name for m in metas] for metas, _ in buckets] == [["a", "b"], ["c", "d", "e"]]
-    assert [[m.offset for m in metas] for metas, _ in buckets] == [[0, 64], [0, 64, 128]]
-    assert [bucket_nbytes(b) for b in buckets] == [192, 192]
-    assert buckets[1][0][2] == TensorMeta("e", "float16", (7, 3), 128, 42)
-    # one byte less: b (128) no longer fits beside a (64), nor c beside b, nor e beside c + d
-    assert [[m.name for m in metas] for metas, _ in make_buckets(state, mb(191))] == [["a"], ["b"], ["c", "d"], ["e"]]
+    # 124-byte buckets: a + b = 120 fits; c would make 180, so c starts the next; c + d = 124 fits; e does not
+    buckets = list(make_buckets(state, mb(124)))
+    assert [[m.name for m in metas] for metas, _ in buckets] == [["a", "b"], ["c", "d"], ["e"]]
+    assert [bucket_nbytes(b) for b in buckets] == [120, 124, 42]
+    assert buckets[2][0][0] == TensorMeta("e", "float16", (7, 3), 42)
+    # one byte less: d no longer fits beside c, and e (42) now fits beside d (64)
+    assert [[m.name for m in metas] for metas, _ in make_buckets(state, mb(123))] == [["a", "b"], ["c"], ["d", "e"]]
 
 
 def test_a_tensor_bigger_than_a_bucket_gets_a_bucket_of_its_own():
-    state = {"small1": torch.ones(4), "big": torch.ones(100), "small2": torch.ones(4)}  # 64, 448, 64 aligned
+    state = {"small1": torch.ones(4), "big": torch.ones(100), "small2": torch.ones(4)}  # 16, 400, 16 B
     buckets = list(make_buckets(state, mb(256)))
     assert [[m.name for m in metas] for metas, _ in buckets] == [["small1"], ["big"], ["small2"]]
-    assert bucket_nbytes(buckets[1]) == 448 > 256
+    assert bucket_nbytes(buckets[1]) == 400 > 256
 
 
-def test_unpack_reads_a_read_only_buffer_without_copy_or_warning():
+def test_unpack_reads_read_only_arrays_without_copy_or_warning():
     state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
-    (metas, buffer), = make_buckets(state, mb(1024))
-    buffer.flags.writeable = False
+    (metas, arrays), = make_buckets(state, mb(1024))
+    arrays = [a.copy() for a in arrays]  # as Ray hands them out: read-only buffers of their own
+    for a in arrays:
+        a.flags.writeable = False
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        out = unpack_bucket((metas, buffer))
+        out = unpack_bucket((metas, arrays))
     assert torch.equal(out["w"], state["w"])
-    assert out["w"].data_ptr() == buffer.ctypes.data  # a view of the buffer, not a copy
+    assert out["w"].data_ptr() == arrays[0].ctypes.data  # a view of the array, not a copy
 
 
 def test_round_trip_of_the_tiny_model(tiny_path):
