@@ -1,21 +1,23 @@
 """Coordinator scale: the real ``Coordinator`` actor, fake makers and fake trainer ranks.
 
-    python benchmarks/coordinator_scale.py [--repeats 3] [--items 4096] [--profile]
+    python benchmarks/coordinator_scale.py [--repeats 3] [--items 8192] [--profile]
 
 Makers are simulated by async "maker group" actors (at most 8 processes; each runs its share of
-the logical makers as concurrent coroutines, every one calling ``Coordinator.send`` with its own
-maker id, one batch of 32 items at a time and waiting for the answer, as ``MakerWorker.send_loop``
-does). Ranks are actors calling ``Coordinator.pull(rank, 32, ...)`` in a loop, as the train loop
-does. Items are realistic ``ExperienceItem``s of about 1 KB of tensor data (16 prompt tokens, 24
-response tokens, six float32 per-token fields), built before the clock starts.
+the logical makers as concurrent coroutines, every one sending one batch of 32 items at a time
+with its own maker id and waiting for the answer, as ``MakerWorker.send_loop`` does). Ranks are
+actors that pull 32 items at a time and turn what they get into ``ExperienceItem``s, as the
+train loop's ``_pull`` does. Items are realistic ``ExperienceItem``s with torch tensors, about
+1 KB of tensor data each (16 prompt tokens, 24 response tokens, six float32 per-token fields),
+built before the clock starts; packing them is the makers' work and is inside the clock.
 
-Variants (all through the unmodified ``Coordinator``):
-  torch   ExperienceItem with torch tensors (what makers send today)
-  numpy   the same items with NumPy arrays instead of torch tensors
-  packed  one object per 32-item batch (NumPy arrays concatenated + offsets), sent and pulled
-          as a single "item": per-call batching without per-item Python work
-items/s counts real samples (32 per packed object). Every uid is checked at the end: none lost,
-none duplicated.
+Variants (the real ``Coordinator`` and ``ray_ppo.transport``):
+  ref     what makers and ranks do: the maker packs the batch and ``ray.put``s it
+          (``ExperienceChunk.put``), the coordinator routes the chunk (a ref, a count, a
+          version), the rank fetches and unpacks it (``resolve``)
+  inline  the same packed batch carried inside the call (``ExperienceChunk.inline``): the
+          coordinator deserializes it and serializes it again for the rank
+items/s counts items the ranks hold as ``ExperienceItem``s. Every uid is checked at the end:
+none lost, none duplicated.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import io
 import pstats
 import sys
 import time
-from dataclasses import dataclass, replace
 
 import _common  # noqa: F401  (sys.path)
 from _common import init_ray, median, table
@@ -37,49 +38,22 @@ import numpy as np
 import ray
 
 from ray_ppo.coordinator import Coordinator
+from ray_ppo.transport import ExperienceChunk, resolve
 
 BATCH = 32
 P_LEN, R_LEN = 16, 24
 FIELDS = ("action_log_probs", "ref_log_probs", "values", "rewards", "advantages", "returns")
 
 
-@dataclass
-class PackedItems:
-    """A maker batch as one object: flat arrays + offsets (the 'after' design)."""
-
-    prompt_ids: np.ndarray
-    prompt_offsets: np.ndarray
-    response_ids: np.ndarray
-    response_offsets: np.ndarray
-    per_token: np.ndarray      # (6, total_response_tokens) float32
-    reward: np.ndarray
-    uids: list
-    policy_version: int = 0
-
-    def __len__(self):
-        return len(self.uids)
-
-
-def make_items(variant: str, maker_id: int, batch_index: int):
+def make_items(maker_id: int, batch_index: int):
     import torch
     from ray_ppo.algo import ExperienceItem
 
-    uids = [f"{maker_id}-{batch_index}-{i}" for i in range(BATCH)]
     rng = np.random.default_rng(maker_id * 100003 + batch_index)
-    if variant == "packed":
-        return [PackedItems(
-            prompt_ids=rng.integers(0, 50000, BATCH * P_LEN), prompt_offsets=np.arange(0, BATCH * P_LEN + 1, P_LEN),
-            response_ids=rng.integers(0, 50000, BATCH * R_LEN), response_offsets=np.arange(0, BATCH * R_LEN + 1, R_LEN),
-            per_token=rng.standard_normal((len(FIELDS), BATCH * R_LEN), dtype=np.float32),
-            reward=rng.standard_normal(BATCH, dtype=np.float32), uids=uids)]
-    conv = torch.from_numpy if variant == "torch" else (lambda a: a)
-    items = []
-    for uid in uids:
-        items.append(ExperienceItem(
-            prompt_ids=conv(rng.integers(0, 50000, P_LEN)), response_ids=conv(rng.integers(0, 50000, R_LEN)),
-            **{f: conv(rng.standard_normal(R_LEN, dtype=np.float32)) for f in FIELDS},
-            reward=float(rng.standard_normal()), policy_version=0, uid=uid))
-    return items
+    return [ExperienceItem(
+        prompt_ids=torch.from_numpy(rng.integers(0, 50000, P_LEN)), response_ids=torch.from_numpy(rng.integers(0, 50000, R_LEN)),
+        **{f: torch.from_numpy(rng.standard_normal(R_LEN, dtype=np.float32)) for f in FIELDS},
+        reward=float(rng.standard_normal()), policy_version=0, uid=f"{maker_id}-{batch_index}-{i}") for i in range(BATCH)]
 
 
 def item_bytes() -> int:
@@ -110,17 +84,21 @@ class BenchCoordinator(Coordinator):
 
 @ray.remote(num_cpus=0)
 class MakerGroup:
-    def prepare(self, variant: str, maker_ids: list[int], batches: int) -> int:
-        self.batches = {m: [make_items(variant, m, b) for b in range(batches)] for m in maker_ids}
+    def prepare(self, maker_ids: list[int], batches: int) -> int:
+        self.batches = {m: [make_items(m, b) for b in range(batches)] for m in maker_ids}
         return sum(len(b) for bs in self.batches.values() for b in bs)
 
-    async def run(self, coordinator) -> float:
+    async def run(self, coordinator, variant: str) -> float:
         async def one(maker_id: int):
             for items in self.batches[maker_id]:
-                await coordinator.send.remote(maker_id, items, {"num_prompts": 0})
+                chunk = ExperienceChunk.put(items) if variant == "ref" else ExperienceChunk.inline(items)
+                await coordinator.send.remote(maker_id, chunk, {"num_prompts": 0})
         await asyncio.gather(*(one(m) for m in self.batches))
-        self.batches = {}
         return time.time()
+
+    def release(self) -> None:
+        """Drop the batches (and with them, for ``ref``, the makers' hold on the objects)."""
+        self.batches = {}
 
 
 @ray.remote(num_cpus=0)
@@ -141,37 +119,36 @@ class Rank:
         uids, last, calls = [], None, 0
         while True:
             try:
-                got = ray.get(coordinator.pull.remote(rank, n, 0, timeout_s))
+                chunks = ray.get(coordinator.pull.remote(rank, n, 0, timeout_s))
             except ray.exceptions.RayTaskError:  # no complete batch within timeout_s (items are put back)
                 if ray.get(done.get.remote()):
                     break  # the makers are done: what is left is drained by the driver
                 continue
+            items, lost = resolve(chunks)
+            assert lost == 0
             calls += 1
             last = time.time()
-            for it in got:
-                uids.extend(it.uids if isinstance(it, PackedItems) else [it.uid])
+            uids.extend(it.uid for it in items)
         return uids, last, calls
 
 
 def run_once(groups, ranks, done, variant: str, num_makers: int, num_ranks: int, total_items: int, profile: bool = False):
     batches = max(1, total_items // (BATCH * num_makers))
-    per_item = BATCH if variant == "packed" else 1
-    n_pull = BATCH // per_item  # 32 samples per pull
     coord = ray.remote(num_cpus=0)(BenchCoordinator).remote(
-        num_ranks=num_ranks, num_makers=num_makers, buffer_size=2 * BATCH // per_item, max_staleness=10**9,
+        num_ranks=num_ranks, num_makers=num_makers, buffer_size=2 * BATCH, max_staleness=10**9,
         items_per_version=10**12, routing="round_robin")
     ray.get([coord.ready.remote(), done.set.remote(False)])
     # logical makers spread over the maker-group processes
     share = collections.defaultdict(list)
     for m in range(num_makers):
         share[m % len(groups)].append(m)
-    expected = sum(ray.get([groups[g].prepare.remote(variant, ms, batches) for g, ms in share.items()])) * per_item
+    expected = sum(ray.get([groups[g].prepare.remote(ms, batches) for g, ms in share.items()]))
     before = ray.get(coord.probe.remote())
     if profile:
         ray.get(coord.profile_start.remote())
     t0 = time.time()
-    sent_refs = [groups[g].run.remote(coord) for g in share]
-    rank_refs = [ranks[r].run.remote(coord, r, n_pull, 0.5, done) for r in range(num_ranks)]
+    sent_refs = [groups[g].run.remote(coord, variant) for g in share]
+    rank_refs = [ranks[r].run.remote(coord, r, BATCH, 0.5, done) for r in range(num_ranks)]
     ray.get(sent_refs)
     ray.get(done.set.remote(True))
     results = ray.get(rank_refs)
@@ -182,8 +159,8 @@ def run_once(groups, ranks, done, variant: str, num_makers: int, num_ranks: int,
     leftover = []
     for r, k in enumerate(status["buffered"]):
         if k:
-            for it in ray.get(coord.pull.remote(r, k, 0, 5.0)):
-                leftover.extend(it.uids if isinstance(it, PackedItems) else [it.uid])
+            leftover.extend(it.uid for it in resolve(ray.get(coord.pull.remote(r, k, 0, 5.0))).items)
+    ray.get([groups[g].release.remote() for g in share])
     uids = [u for res in results for u in res[0]]
     t_end = max(res[1] for res in results if res[1] is not None)
     all_uids = uids + leftover
@@ -199,7 +176,7 @@ def run_once(groups, ranks, done, variant: str, num_makers: int, num_ranks: int,
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--items", type=int, default=4096, help="samples per run (half for the slow torch items)")
+    ap.add_argument("--items", type=int, default=8192, help="items per run")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the coordinator at 16 makers x 4 ranks")
     args = ap.parse_args()
     init_ray(num_cpus=8)
@@ -207,13 +184,13 @@ def main():
     ranks = [Rank.remote() for _ in range(8)]
     done = Flag.remote()
     ray.get([a.__ray_ready__.remote() for a in groups + ranks + [done]])
-    grid = [("torch", m, r) for m, r in [(1, 1), (4, 1), (16, 1), (64, 1), (4, 4), (16, 4), (64, 4), (16, 8), (64, 8)]]
-    grid += [("numpy", 16, 4), ("packed", 16, 4), ("packed", 64, 8)]
-    run_once(groups, ranks, done, "torch", 4, 2, 1024)  # warm-up
+    grid = [("ref", m, r) for m, r in [(1, 1), (4, 1), (16, 1), (64, 1), (4, 4), (16, 4), (64, 4), (16, 8), (64, 8)]]
+    grid += [("inline", 16, 4), ("inline", 64, 8)]
+    run_once(groups, ranks, done, "ref", 4, 2, 2048)  # warm-up
     runs = collections.defaultdict(list)
     for _ in range(args.repeats):  # interleaved: every configuration once per round
         for cfg in grid:
-            runs[cfg].append(run_once(groups, ranks, done, *cfg, args.items if cfg[0] != "torch" else args.items // 2))
+            runs[cfg].append(run_once(groups, ranks, done, *cfg, args.items))
             print(".", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     rows = []
@@ -223,26 +200,13 @@ def main():
                      median([r["us_per_item"] for r in rs]), median([r["coord_cpu_us"] for r in rs]),
                      max(r["rss_mb"] for r in rs), sum(r["expected"] for r in rs), sum(r["unique"] for r in rs),
                      sum(r["lost"] for r in rs), sum(r["dup"] for r in rs)])
-    print(f"Coordinator scale: {item_bytes()} B of tensor data per item, 32 items per send/pull, "
-          f"~{args.items} items per run, median of {args.repeats} interleaved runs after a warm-up\n")
-    print(table(["items", "makers", "ranks", "items/s", "MB/s", "wall us/item", "coordinator CPU us/item",
+    print(f"Coordinator scale: {item_bytes()} B of tensor data per item, {BATCH} items per send and per pull, "
+          f"{args.items} items per run, median of {args.repeats} interleaved runs after a warm-up\n")
+    print(table(["variant", "makers", "ranks", "items/s", "MB/s", "wall us/item", "coordinator CPU us/item",
                  "coordinator RSS MiB", "sent (all runs)", "received unique", "lost", "duplicated"], rows))
-    # where the per-item time goes: Ray's serializer on one 32-item batch, in this process
-    ser = {}
-    for variant in ("torch", "numpy", "packed"):
-        batch = make_items(variant, 0, 0)
-        times = []
-        for _ in range(7):
-            t = time.perf_counter()
-            ray.get(ray.put(batch))
-            times.append(time.perf_counter() - t)
-        ser[variant] = 1e6 * median(times[2:]) / BATCH
-    print("\nray.put + ray.get of one 32-item batch in one process (serialize + deserialize), us per item: "
-          + ", ".join(f"{k} {v:.0f}" for k, v in ser.items())
-          + ". An item crosses this 2x on its way (maker -> coordinator -> rank).")
     if args.profile:
-        print("\ncProfile of the coordinator (torch items, 16 makers x 4 ranks):\n", file=sys.stderr)
-        print(run_once(groups, ranks, done, "torch", 16, 4, args.items // 2, profile=True)["profile"], file=sys.stderr)
+        print("\ncProfile of the coordinator (ref, 16 makers x 4 ranks):\n", file=sys.stderr)
+        print(run_once(groups, ranks, done, "ref", 16, 4, args.items, profile=True)["profile"], file=sys.stderr)
 
 
 if __name__ == "__main__":
