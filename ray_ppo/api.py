@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import ray
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_ppo.checkpoint import validate_checkpoint
 from ray_ppo.config import Config
@@ -38,8 +39,20 @@ POLL_S = 0.5
 KILL_WAIT_S = 10.0
 """How long fit() waits for killed actors to disappear from Ray's list of named actors."""
 OUTSIDE_CALLER_PLACEMENT_GROUP = "DEFAULT"
-"""Scheduling strategy of the run's actors: never captured by the caller's placement group (a
+"""Scheduling strategy of the makers: never captured by the caller's placement group (a
 Tune trial's driver holds one sized for itself alone)."""
+
+
+def on_driver_node() -> NodeAffinitySchedulingStrategy:
+    """Where the coordinator runs: the node of the process that calls ``fit()``, never elsewhere.
+
+    The coordinator holds the run's buffers, counters and prompt position and is not restarted,
+    so it shares its node with the other parts whose loss ends the run anyway: the driver and
+    Ray Train's controller (which Ray pins to the driver's node the same way). Left to the
+    scheduler it could land on a maker node and die with it, although makers survive that.
+    Like the makers it is outside the caller's placement group."""
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
 
 MetricsCallback = Callable[[dict], None]
 
@@ -159,7 +172,7 @@ class PPOTrainer(TorchTrainer):
         dataset = self._dataset()
         self.coordinator = ray.remote(num_cpus=0)(Coordinator).options(
             name="coordinator", namespace=self.namespace, lifetime="detached",
-            scheduling_strategy=OUTSIDE_CALLER_PLACEMENT_GROUP).remote(
+            scheduling_strategy=on_driver_node()).remote(
             num_ranks=cfg.trainer.num_workers, num_makers=cfg.maker.num_makers, buffer_size=cfg.buffer_size,
             max_staleness=cfg.ppo.max_staleness, routing=cfg.topology.routing, prompts=dataset,
             items_per_version=cfg.trainer.update_steps * cfg.trainer.train_batch_size * cfg.trainer.num_workers,

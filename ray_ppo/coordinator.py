@@ -115,16 +115,23 @@ class Coordinator:
 
     # -- prompts --------------------------------------------------------------------------------
     async def next_prompts(self, maker_id: int) -> PromptBatch | None:
-        """Next prompt batch for ``maker_id``; waits while the maker is too stale; None once the run is over."""
+        """Next prompt batch for ``maker_id``; waits while the maker is too stale; None once the run
+        is over, or once the maker was restarted while this call waited (its caller died with the
+        old process, and a batch handed to it would be lost without being counted)."""
+        state = self.maker_state[maker_id]
+        restarts = state.restarts
         async with self.changed:
-            await self.changed.wait_for(lambda: self.finished or self._admitted(maker_id))
-            if self.finished:
+            await self.changed.wait_for(lambda: self.finished or state.restarts != restarts or self._admitted(maker_id))
+            if self.finished or state.restarts != restarts:
                 return None
             self._reserve(maker_id, self.prompt_batch_size)  # before any await, so admission sees it
         batch = await self._prompts.next()
-        self._reserve(maker_id, len(batch.texts) - self.prompt_batch_size)
         self.counters.prompts_served += len(batch.texts)
         self.counters.epochs = self._prompts.epoch + 1
+        if state.restarts != restarts:  # maker_restarted counted the reservation as lost: make it the batch
+            self.counters.lost += len(batch.texts) - self.prompt_batch_size
+            return None
+        self._reserve(maker_id, len(batch.texts) - self.prompt_batch_size)
         return batch
 
     def _reserve(self, maker_id: int, n: int) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ray_ppo.algo import ExperienceItem
-from ray_ppo.coordinator import Coordinator
+from ray_ppo.coordinator import Coordinator, PromptBatch
 from ray_ppo.transport import ExperienceChunk, resolve
 
 SHORT_S = 0.1  # long enough for any runnable task to run; the blocked ones stay blocked
@@ -343,6 +343,52 @@ def test_send_returns_the_reserved_prompts():
         coord.reserved = 8  # two batches of 4 prompts handed out
         await coord.send(0, items(3), {"num_prompts": 4})  # one prompt was blank: 3 items for 4 prompts
         assert coord.reserved == 4
+
+    asyncio.run(main())
+
+
+class HeldFeed:
+    """A prompt feed whose next batch is read only once ``release`` is set."""
+
+    epoch, position, first_prompt = 0, 0, None
+
+    def __init__(self, texts: list[str]):
+        self.texts, self.release = texts, asyncio.Event()
+
+    async def next(self) -> PromptBatch:
+        await self.release.wait()
+        return PromptBatch(self.texts, epoch=0)
+
+
+def test_a_restart_ends_the_dead_callers_waiting_next_prompts():
+    async def main():
+        coord = coordinator(prompt_batch_size=4)
+        coord.trainer_version = 5  # maker 0 at version 0 is far too stale: not admitted
+        waiting = asyncio.create_task(coord.next_prompts(0))
+        assert await is_blocked(waiting)
+        await coord.maker_restarted(0)  # the caller died while waiting: it gets nothing
+        assert await asyncio.wait_for(waiting, 1.0) is None
+        assert coord.reserved == 0 and counters(coord)["lost"] == 0
+
+    asyncio.run(main())
+
+
+def test_a_batch_read_for_a_maker_that_restarted_meanwhile_is_counted_lost():
+    async def main():
+        coord = coordinator(prompt_batch_size=4)
+        coord._prompts = HeldFeed(["a", "b", "c"])  # the epoch's last 3 prompts
+        reading = asyncio.create_task(coord.next_prompts(0))
+        assert await is_blocked(reading)
+        assert coord.maker_state[0].reserved == 4
+        await coord.maker_restarted(0)
+        coord._prompts.release.set()
+        assert await asyncio.wait_for(reading, 1.0) is None
+        c = counters(coord)
+        assert (c["prompts_served"], c["lost"], coord.reserved, coord.maker_state[0].reserved) == (3, 3, 0, 0)
+        coord._prompts = HeldFeed(["d"])
+        coord._prompts.release.set()
+        assert (await coord.next_prompts(0)).texts == ["d"]  # the restarted maker's own calls are served
+        assert coord.maker_state[0].reserved == 1
 
     asyncio.run(main())
 
