@@ -31,3 +31,23 @@ def test_a_chunk_holds_one_policy_version():
     with pytest.raises(ValueError, match=r"one policy version; got versions \[1, 2\]"):
         ExperienceChunk.inline([item("a", version=1), item("b", version=2)])
     assert ExperienceChunk.inline([]).count == 0
+
+
+def test_items_whose_payload_died_with_its_owner_are_counted_lost(monkeypatch):
+    """``resolve`` with remote payloads: one fetched, one whose owner (the maker) died."""
+    import ray
+
+    alive, dead = object(), object()  # stand-ins for two ObjectRefs
+    stored = {alive: ExperienceChunk.inline([item("a0"), item("a1")]).payload}
+
+    def fake_get(refs):
+        for ref in refs if isinstance(refs, list) else [refs]:
+            if ref is dead:
+                raise ray.exceptions.OwnerDiedError("ff" * 28, None, "maker.send_loop")
+        return [stored[r] for r in refs] if isinstance(refs, list) else stored[refs]
+
+    monkeypatch.setattr(ray, "get", fake_get)
+    chunks = [ExperienceChunk([dead], 3, 0, 4), ExperienceChunk([alive], 3, 0, 1), ExperienceChunk([alive], 3, 1, 2)]
+    got, lost = resolve(chunks)
+    assert [it.uid for it in got] == ["a0", "a1"]
+    assert lost == 4
