@@ -6,7 +6,9 @@ build exactly the same things from the same config.
 
 from __future__ import annotations
 
-from ray_ppo.config import Config
+import torch
+
+from ray_ppo.config import Config, ConfigError
 from ray_ppo.makers.experience import AdvantageParams, ExperienceMaker
 from ray_ppo.models.lora import apply_lora
 from ray_ppo.models.hf import disable_dropout
@@ -64,13 +66,30 @@ def build_critic(cfg: Config) -> Critic:
     return critic
 
 
-def build_experience_maker(cfg: Config, actor=None, critic=None, name: str = "maker") -> ExperienceMaker:
-    """An ``ExperienceMaker``; pass ``actor``/``critic`` to share models with a learner (local loop)."""
-    actor = actor if actor is not None else build_actor(cfg)
-    critic = critic if critic is not None else build_critic(cfg)
+def maker_device(cfg: Config) -> torch.device:
+    """Where a maker's models run: the first visible GPU when ``maker.num_gpus > 0``, else the CPU.
+
+    Ray sets ``CUDA_VISIBLE_DEVICES`` of an actor to the GPUs it reserved, so ``cuda:0`` is this
+    maker's own GPU (or its share of one); a maker with ``num_gpus > 1`` still uses one.
+    """
+    if cfg.maker.num_gpus <= 0:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"maker.num_gpus={cfg.maker.num_gpus:g} but this maker process sees no CUDA device "
+                          f"(torch {torch.__version__}); set maker.num_gpus=0 for CPU makers")
+    return torch.device("cuda", 0)
+
+
+def build_experience_maker(cfg: Config, actor=None, critic=None, name: str = "maker",
+                           device: torch.device | None = None) -> ExperienceMaker:
+    """An ``ExperienceMaker`` with every model on ``device`` (default ``maker_device(cfg)``);
+    pass ``actor``/``critic`` to share models with a learner (local loop: its device)."""
+    device = device if device is not None else maker_device(cfg)
+    actor = (actor if actor is not None else build_actor(cfg)).to(device)
+    critic = (critic if critic is not None else build_critic(cfg)).to(device)
     # With LoRA the reference is the actor with adapters disabled: no second copy of the weights.
-    ref = None if cfg.model.lora.rank > 0 else build_actor(cfg, with_lora=False).eval()
-    reward_model = RewardModel.from_pretrained(cfg.model.reward_pretrained, cfg.model.dtype).eval() \
+    ref = None if cfg.model.lora.rank > 0 else build_actor(cfg, with_lora=False).eval().to(device)
+    reward_model = RewardModel.from_pretrained(cfg.model.reward_pretrained, cfg.model.dtype).eval().to(device) \
         if cfg.model.reward_pretrained else None
     reward_fn = load_reward_fn(cfg.model.reward_fn) if reward_model is None else None
     return ExperienceMaker(actor, ref, critic, load_tokenizer(tokenizer_path(cfg)), sampling_params(cfg),

@@ -138,7 +138,7 @@ class MakerConfig:
     top_p: float = 1.0
     """Nucleus sampling: sample from the smallest token set with this total probability; 1 disables it."""
     quantization: Optional[str] = None
-    """Weight quantization of the maker's models: null (none) or "int8"."""
+    """Weight quantization of the maker's models: null (none) or "int8" (CPU makers only: maker.num_gpus=0)."""
     num_cpus: float = 0.5
     """CPUs reserved by each maker actor."""
     num_gpus: float = 0.0
@@ -768,8 +768,18 @@ def _check_strategy(cfg: Config) -> None:
         )
 
 
+def _check_maker_device(cfg: Config) -> None:
+    quantization, num_gpus = cfg.maker.quantization, cfg.maker.num_gpus
+    if quantization and num_gpus > 0:
+        raise ConfigError(
+            f"maker.quantization={quantization!r} is PyTorch dynamic quantization, which runs on CPU only, "
+            f"but maker.num_gpus={num_gpus:g} puts the makers on a GPU; set maker.quantization=null "
+            f"(and model.dtype=bfloat16 for lighter GPU makers) or maker.num_gpus=0"
+        )
+
+
 _CROSS_CHECKS: tuple[Callable[[Config], None], ...] = (
-    _check_reward, _check_batch_sizes, _check_lora_users, _check_buffer, _check_strategy,
+    _check_reward, _check_batch_sizes, _check_lora_users, _check_buffer, _check_strategy, _check_maker_device,
 )
 
 

@@ -51,7 +51,8 @@ def run_local(cfg: Config, prompts: Sequence[str | None] | None = None,
     elif prompts is None:
         prompts = make_prompts(cfg.toy.num_prompts, cfg.toy.prompt_len, cfg.toy.seed)
     learner = PPOLearner(build_actor(cfg), build_critic(cfg), LocalStrategy(), learner_params(cfg), seed=cfg.seed)
-    maker = build_experience_maker(cfg, actor=learner.actor, critic=learner.critic, name="local")
+    maker = build_experience_maker(cfg, actor=learner.actor, critic=learner.critic, name="local",
+                                   device=learner.device)
     encoder = PromptEncoder(maker.tokenizer, cfg.data.max_prompt_len, cfg.data.chat_template)
     kl_ctl = make_kl_controller(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
     batches = prompt_batches(prompts, cfg.maker.batch_size, cfg.data.shuffle, cfg.seed)

@@ -66,13 +66,14 @@ def versions() -> str:
     return f"{torch.cuda.get_device_name(0)}; " + ", ".join(found)
 
 
-def run_child(name: str, steps: int) -> dict:
-    """Run ``measure(name)`` in a fresh process; its row, or the error it ended with."""
+def run_child(name: str, steps: int, timeout_s: float = CHILD_TIMEOUT_S, env: dict | None = None) -> dict:
+    """Run ``measure(name)`` in a fresh process (environment ``env``, default this one's); its
+    row, or the error it ended with."""
     command = [sys.executable, __file__, "--child", name, "--steps", str(steps)]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
-        return {"strategy": name, "error": f"timed out after {CHILD_TIMEOUT_S} s"}
+        return {"strategy": name, "error": f"timed out after {timeout_s:.0f} s"}
     for line in done.stdout.splitlines():
         if line.startswith(RESULT_TAG):
             return json.loads(line[len(RESULT_TAG):])

@@ -40,13 +40,14 @@ class MakerWorker:
     the previous weights in place)."""
 
     def __init__(self, maker_id: int, config: dict, coordinator: Any):
-        from ray_ppo.build import build_experience_maker
+        from ray_ppo.build import build_experience_maker, maker_device
 
         self.cfg = Config.from_dict(config)
         torch.set_num_threads(self.cfg.maker.torch_threads)
         torch.manual_seed(self.cfg.seed + 1000 * (maker_id + 1))
         self.maker_id, self.coordinator = maker_id, coordinator
-        self.maker = build_experience_maker(self.cfg, name=f"maker_{maker_id}")
+        self.device = maker_device(self.cfg)  # cuda:0 (the GPU Ray gave this actor) if maker.num_gpus > 0
+        self.maker = build_experience_maker(self.cfg, name=f"maker_{maker_id}", device=self.device)
         self.maker.actor.eval()
         self.maker.critic.eval()
         self.float_actor = self.maker.actor  # receives pushes; generation may use a quantized copy
@@ -160,6 +161,8 @@ class MakerWorker:
         _check_keys(self.maker.critic, critic_state, partial, "critic")
         start = time.perf_counter()
         with self.model_lock:
+            # The staged tensors are CPU views of read-only shared memory; loading copies them
+            # into the models' own parameters, on the GPU for a GPU maker.
             self.float_actor.load_state_dict(actor_state, strict=False)  # keys were checked above
             self.maker.critic.load_state_dict(critic_state, strict=False)
             if self.cfg.maker.quantization:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ray_ppo.algo import ExperienceBatch, ExperienceItem, compute_gae, compute_kl, kl_penalized_rewards
-from ray_ppo.models import RewardFn, Rollout, SamplingParams, action_log_probs, action_values, generate
+from ray_ppo.models import RewardFn, Rollout, SamplingParams, action_log_probs, action_values, generate, model_device
 
 
 @dataclass
@@ -51,6 +51,10 @@ class ExperienceMaker:
     ``ref`` may be None when the actor is a peft model: the reference is then the actor with its
     adapters disabled. ``ref_disable_adapters`` says the same of a peft ``ref`` (a quantized
     maker generates with a merged copy and keeps the float peft model as reference).
+
+    The rollout runs on the actor's device (every model must be on it): prompts are padded and
+    moved there, generated, scored and shaped there, and the items come back on the CPU, ready
+    for the wire.
     """
 
     def __init__(self, actor: nn.Module, ref: nn.Module | None, critic: nn.Module, tokenizer,
@@ -75,7 +79,7 @@ class ExperienceMaker:
         stats.generate_s = time.perf_counter() - start
         start = time.perf_counter()
         reward = self._score(rollout)
-        batch = self._to_batch(rollout, reward, policy_version)
+        batch = self._to_batch(rollout, reward, policy_version).to("cpu")
         stats.score_s = time.perf_counter() - start
         stats.num_tokens = int(rollout.action_mask.sum())
         stats.rewards = reward.tolist()
@@ -87,17 +91,22 @@ class ExperienceMaker:
         self._counter += 1
         return items, stats
 
+    @property
+    def device(self) -> torch.device:
+        """Where rollouts are generated and scored: the actor's device."""
+        return model_device(self.actor)
+
     def _score(self, rollout: Rollout) -> torch.Tensor:
+        """One float32 score per sample (B,), on the rollout's device."""
         if self.reward_model is not None:
-            return self.reward_model(rollout.sequences, rollout.attention_mask).float().cpu()
-        prompt_part = rollout.sequences[:, :rollout.prompt_len]
-        response_part = rollout.sequences[:, rollout.prompt_len:]
-        prompts = self.tokenizer.batch_decode(prompt_part, skip_special_tokens=True)
-        responses = self.tokenizer.batch_decode(response_part, skip_special_tokens=True)
+            return self.reward_model(rollout.sequences, rollout.attention_mask).float()
+        sequences = rollout.sequences.cpu()  # decoding reads token ids one by one
+        prompts = self.tokenizer.batch_decode(sequences[:, :rollout.prompt_len], skip_special_tokens=True)
+        responses = self.tokenizer.batch_decode(sequences[:, rollout.prompt_len:], skip_special_tokens=True)
         scores = list(self.reward_fn(prompts, responses))
         if len(scores) != len(responses):
             raise ValueError(f"reward function returned {len(scores)} scores for {len(responses)} responses")
-        return torch.tensor(scores, dtype=torch.float32)
+        return torch.tensor(scores, dtype=torch.float32, device=rollout.sequences.device)
 
     def _ref_log_probs(self, rollout: Rollout) -> torch.Tensor:
         args = (rollout.sequences, rollout.attention_mask, rollout.num_actions, self.sampling.temperature)
@@ -120,6 +129,6 @@ class ExperienceMaker:
             sequences=rollout.sequences, attention_mask=rollout.attention_mask, action_mask=mask,
             action_log_probs=log_probs * mask, ref_log_probs=ref_log_probs * mask, values=values, rewards=rewards,
             advantages=advantages, returns=returns, reward=reward,
-            policy_version=torch.full((len(reward),), policy_version, dtype=torch.long),
+            policy_version=torch.full((len(reward),), policy_version, dtype=torch.long, device=reward.device),
             uids=[""] * len(reward), prompt_len=rollout.prompt_len, pad_token_id=self.tokenizer.pad_token_id,
         )

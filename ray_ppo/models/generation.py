@@ -24,7 +24,7 @@ class Rollout:
     """Generated sequences. P = prompt width (left-padded), R = response width (right-padded).
 
     sequences: (B, P+R) int64; attention_mask: (B, P+R); action_mask: (B, R) bool, True on
-    response tokens up to and including the first EOS.
+    response tokens up to and including the first EOS. All on the device of the model that sampled.
     """
 
     sequences: torch.Tensor
@@ -59,17 +59,23 @@ def response_mask(responses: torch.Tensor, eos_token_id: int | None) -> torch.Te
     return eos_before == 0
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter (a quantized model keeps its embeddings as parameters)."""
+    return next(model.parameters()).device
+
+
 @torch.no_grad()
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams,
              pad_token_id: int, eos_token_id: int | None) -> Rollout:
-    """Sample one response per prompt with ``model.generate``."""
+    """Sample one response per prompt with ``model.generate``; the rollout is on ``model``'s device."""
+    device = model_device(model)
     input_ids, prompt_mask = left_pad(prompts, pad_token_id)
-    device = next(model.parameters()).device
+    input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
     out = model.generate(
-        input_ids=input_ids.to(device), attention_mask=prompt_mask.to(device), do_sample=True,
+        input_ids=input_ids, attention_mask=prompt_mask, do_sample=True,
         max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
         top_p=params.top_p, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
-    ).cpu()
+    )
     prompt_len = input_ids.shape[1]
     action_mask = response_mask(out[:, prompt_len:], eos_token_id)
     attention_mask = torch.cat([prompt_mask, action_mask.long()], dim=1)

@@ -189,7 +189,7 @@ class RewardModel(nn.Module):
     def forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.model.base_model(input_ids=sequences, attention_mask=attention_mask,
                                        position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
-        last = hidden[torch.arange(hidden.shape[0]), last_token_index(attention_mask)]
+        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_token_index(attention_mask)]
         return self.head(last).squeeze(-1).float()
 
 

@@ -323,6 +323,9 @@ def test_non_negative_fields(key):
     ({"maker.top_p": 0}, ["maker.top_p=0.0", "(0, 1]", "maker.top_p=1.0"]),
     ({"maker.top_p": 1.5}, ["maker.top_p=1.5", "(0, 1]"]),
     ({"maker.quantization": "int4"}, ["maker.quantization='int4'", "one of int8", "maker.quantization=null"]),
+    ({"maker.quantization": "int8", "maker.num_gpus": 1}, ["maker.quantization='int8'", "runs on CPU only",
+                                                          "maker.num_gpus=1", "set maker.quantization=null",
+                                                          "or maker.num_gpus=0"]),
     ({"trainer.strategy": "deepspeed"}, ["trainer.strategy='deepspeed'", "ddp, fsdp, colossalai_zero2,",
                                          "colossalai_gemini_cpu", "trainer.strategy=ddp"]),
     ({"trainer.lr_schedule": "step"}, ["trainer.lr_schedule='step'", "constant, linear, cosine"]),
@@ -352,6 +355,7 @@ def test_value_rules_name_field_value_and_fix(overrides, fragments):
     {"model.lora.rank": 8, "sync.lora_only": True, "model.lora.critic": True},
     {"trainer.train_batch_size": 48, "trainer.mini_batch_size": 48, "topology.buffer_size": 48},
     {"ppo.dual_clip": 3.0, "ppo.kl_target": 6.0, "ppo.value_clip": None, "maker.quantization": "int8"},
+    {"maker.num_gpus": 0.5, "maker.quantization": None},
     {"maker.top_p": 1.0, "ppo.gamma": 0.0, "ppo.lam": 1.0, "model.lora.dropout": 0.0, "seed": 2**32 - 1},
 ])
 def test_valid_edge_values_pass(overrides):

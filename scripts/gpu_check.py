@@ -1,0 +1,260 @@
+"""GPU check of the makers (generation, scoring and weight loading on CUDA) and of a trainer step,
+without Ray (the lent GPU machine has none), printing one table at the end.
+
+Rows:
+  - ``maker MODEL DTYPE``: a ``MakerWorker`` with ``maker.num_gpus=1``, built by the maker's own
+    code (``maker_device`` -> ``build_experience_maker``), makes experience for one batch of toy
+    prompts: generation tokens/s, scoring seconds, peak GPU memory, and whether every item comes
+    back on the CPU with finite values. Then a push of perturbed weights goes the way a trainer
+    sends it (``sync.make_buckets``, read-only buffers as Ray hands them out, ``weights_start`` /
+    ``weights_chunk`` / ``weights_end``) and the maker's fingerprint must equal the trainer's.
+    Models: the built-in tiny model (with the tiny reward model, and with LoRA) and a
+    GPT-2-small-shaped actor (random weights from ``GPT2Config(n_layer=12, n_embd=768,
+    n_head=12)``, saved with ``save_pretrained`` and loaded from there: nothing is downloaded).
+  - ``trainer fsdp``: ``scripts/gpu_check_colossalai.py``'s child process for ``fsdp``:
+    ``PPOLearner`` train steps of a GPT-2-small actor and critic on CUDA, world size 1, nccl.
+  - ``trainer colossalai_zero2`` (only with ``--colossalai-site DIR``): the same child with DIR
+    (ColossalAI's source and its small needs) on its PYTHONPATH; it may fail, alone.
+
+``MakerWorker`` is the plain class behind the maker actor, but its module imports Ray for the
+actor decorators. This script puts a stand-in ``ray`` module in place before importing it
+(``ray.method`` returns the method unchanged, ``ray.get`` returns its argument, which is the
+bucket itself here), so the code under check is the maker's own, with no cluster.
+
+Usage: python scripts/gpu_check.py [--batch N] [--new-tokens N] [--steps N] [--colossalai-site DIR]
+Without CUDA it says so and exits 0; ``--device cpu`` runs the maker rows on the CPU (a dry run).
+
+Measured on the lent machine (one NVIDIA H200, torch 2.11.0+cu130, transformers 5.17.0), with
+``python scripts/gpu_check.py --colossalai-site .gpu/cai``: see benchmarks/README.md, "GPU check".
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import os
+import sys
+import tempfile
+import time
+import traceback
+import types
+from pathlib import Path
+
+PROMPT_LEN = 16
+"""Digits per toy prompt."""
+BUCKET_MB = 64.0
+COLOSSALAI_TIMEOUT_S = 180
+"""The ColossalAI row may compile HybridAdam's CUDA kernels on first use; it gets this long."""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64, help="prompts per make_experience batch")
+    parser.add_argument("--new-tokens", type=int, default=128, help="maker.max_new_tokens")
+    parser.add_argument("--steps", type=int, default=2, help="timed trainer steps, after one warm-up step")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: maker rows only, a dry run")
+    parser.add_argument("--colossalai-site", help="directory with ColossalAI's source: adds a colossalai_zero2 row")
+    args = parser.parse_args()
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"CUDA is missing (torch {torch.__version__}, no usable GPU): this check needs a CUDA machine; "
+              f"nothing was run.")
+        return 0
+    trainer_check = trainer_check_module()
+    if args.device == "cuda":
+        print(trainer_check.versions(), flush=True)
+    os.environ.setdefault("RAY_PPO_CACHE", tempfile.mkdtemp(prefix="ray_ppo_gpu_check_"))
+    rows = []
+    for label, overrides in maker_models(Path(os.environ["RAY_PPO_CACHE"])):
+        rows.append(guarded(f"maker {label}", maker_row, overrides, args.device, args.batch, args.new_tokens))
+    if args.device == "cuda":
+        rows.append(trainer_row(trainer_check, "fsdp", args.steps))
+        if args.colossalai_site:
+            rows.append(trainer_row(trainer_check, "colossalai_zero2", args.steps, args.colossalai_site))
+    print_table(rows)
+    return 0
+
+
+# -- makers ---------------------------------------------------------------------------------------
+
+
+def maker_models(cache: Path) -> list[tuple[str, dict]]:
+    """(row label, config overrides) of each maker row; builds the models into ``cache``."""
+    from ray_ppo.models import ensure_tiny_model
+
+    tiny, tiny_reward = str(ensure_tiny_model("lm")), str(ensure_tiny_model("reward"))
+    gpt2 = str(save_gpt2_small(cache / "gpt2-small-random"))
+    return [
+        ("tiny float32 +rm", {"model.pretrained": tiny, "model.reward_pretrained": tiny_reward}),
+        ("tiny float32 lora", {"model.pretrained": tiny, "model.lora.rank": 4, "model.lora.target_modules": ["c_attn"]}),
+        ("gpt2-small float32", {"model.pretrained": gpt2, "model.tokenizer": tiny}),
+        ("gpt2-small bfloat16", {"model.pretrained": gpt2, "model.tokenizer": tiny, "model.dtype": "bfloat16"}),
+    ]
+
+
+def save_gpt2_small(directory: Path) -> Path:
+    """GPT-2 small shape (124 M parameters, vocabulary 50257), random weights, the tiny tokenizer's
+    special ids (its tokenizer drops ids it does not know when decoding)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if not (directory / "config.json").exists():
+        torch.manual_seed(0)
+        config = GPT2Config(n_layer=12, n_embd=768, n_head=12, bos_token_id=1, eos_token_id=1, pad_token_id=0)
+        GPT2LMHeadModel(config).save_pretrained(directory)
+    return directory
+
+
+def maker_worker_class():
+    """``MakerWorker`` imported behind a stand-in ``ray`` module (see the module docstring)."""
+    stand_in = types.ModuleType("ray")
+    stand_in.method = lambda **_: (lambda fn: fn)
+    stand_in.get = lambda value: value
+    stand_in.is_initialized = lambda: False
+    sys.modules["ray"] = stand_in
+    from ray_ppo.makers.actor import MakerWorker
+
+    return MakerWorker
+
+
+def maker_row(overrides: dict, device: str, batch: int, new_tokens: int) -> dict:
+    """Make one timed batch on ``device``, push new weights, check the fingerprint; the row's details."""
+    import torch
+
+    from ray_ppo.config import Config
+    from ray_ppo.sync import fingerprint
+    from ray_ppo.tasks.toy import make_prompts
+
+    cfg = Config().with_overrides({**overrides, "maker.num_gpus": 1 if device == "cuda" else 0,
+                                   "maker.max_new_tokens": new_tokens, "maker.batch_size": batch})
+    worker = maker_worker_class()(0, cfg.to_dict(), coordinator=None)
+    maker = worker.maker
+    misplaced = [name for name, model in (("actor", maker.actor), ("ref", maker.ref), ("critic", maker.critic),
+                                          ("reward_model", maker.reward_model))
+                 if model is not None and {p.device.type for p in model.parameters()} != {worker.device.type}]
+    prompts = worker.encoder.encode(make_prompts(batch, PROMPT_LEN, seed=0)).ids
+    maker.make_experience(prompts[:4], policy_version=0)  # warm-up: CUDA context, kernels, allocator
+    synchronize(worker.device)
+    if worker.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(worker.device)
+    # The first batch of a new shape pays one-time costs (bf16 attention on cuDNN plans every
+    # (batch, length) it meets); the second, identical batch shows the steady rate.
+    first_items, first = maker.make_experience(prompts, policy_version=0)
+    items, made = maker.make_experience(prompts, policy_version=0)
+    peak_gib = torch.cuda.max_memory_allocated(worker.device) / 2**30 if worker.device.type == "cuda" else 0.0
+    bad_items = bad_item_fields(first_items + items)
+
+    full, push_bytes, loaded = push_new_weights(worker)
+    in_sync = worker.weights_fingerprint() == (1, fingerprint(full))
+    bad_items += bad_item_fields(maker.make_experience(prompts, policy_version=1)[0])
+    ok = not misplaced and not bad_items and loaded and in_sync
+    detail = (f"{made.num_tokens / made.generate_s:,.0f} tok/s ({len(items)} x {new_tokens} in {made.generate_s:.2f} s; "
+              f"first batch {first.generate_s:.2f} s), score {made.score_s:.2f} s, peak {peak_gib:.2f} GiB; "
+              f"items on CPU and finite: {not bad_items}; "
+              f"push {push_bytes / 2**20:.0f} MB loaded in {worker.pause_s:.3f} s, fingerprint match: {in_sync}")
+    if misplaced:
+        detail += f"; NOT on {worker.device}: {misplaced}"
+    if bad_items:
+        detail += f"; bad item fields: {sorted(set(bad_items))[:4]}"
+    return {"ok": ok, "detail": detail}
+
+
+def bad_item_fields(items) -> list[str]:
+    """Names of item tensors that are not on the CPU or not finite (empty when all is well)."""
+    import torch
+
+    return [name for item in items for name, t in vars(item).items()
+            if isinstance(t, torch.Tensor) and (t.device.type != "cpu" or not torch.isfinite(t.float()).all())]
+
+
+def push_new_weights(worker) -> tuple[dict, int, bool]:
+    """Push perturbed copies of the maker's weights as a trainer does; (the trainer's full state,
+    bytes pushed, whether ``weights_end`` loaded it)."""
+    import torch
+
+    from ray_ppo.sync import bucket_nbytes, join_state, make_buckets, tied_aliases
+
+    actor, critic = copy.deepcopy(worker.float_actor).cpu(), copy.deepcopy(worker.maker.critic).cpu()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in itertools.chain(actor.parameters(), critic.parameters()):
+            p.add_(0.01 * torch.randn_like(p))
+    full = join_state(actor.state_dict(), critic.state_dict())
+    aliases = join_state(dict.fromkeys(tied_aliases(actor)), dict.fromkeys(tied_aliases(critic)))
+    buckets = [stored(bucket) for bucket in make_buckets({k: v for k, v in full.items() if k not in aliases}, BUCKET_MB)]
+    worker.weights_start(1, len(buckets), {})
+    for index, bucket in enumerate(buckets):
+        worker.weights_chunk(1, index, [bucket])
+    return full, sum(bucket_nbytes(b) for b in buckets), worker.weights_end(1)
+
+
+def stored(bucket):
+    """A bucket as a maker gets it from the object store: its own copy of the bytes, read-only."""
+    metas, arrays = bucket
+    copies = [array.copy() for array in arrays]
+    for array in copies:
+        array.setflags(write=False)
+    return metas, copies
+
+
+def synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- trainer --------------------------------------------------------------------------------------
+
+
+def trainer_check_module():
+    """``scripts/gpu_check_colossalai.py``, imported as a module (its children do the trainer rows)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gpu_check_colossalai
+
+    return gpu_check_colossalai
+
+
+def trainer_row(trainer_check, strategy: str, steps: int, site: str | None = None) -> dict:
+    """One strategy's train steps in a child process; with ``site`` on that child's PYTHONPATH only."""
+    env, timeout_s = None, trainer_check.CHILD_TIMEOUT_S
+    if site:
+        path = [str(Path(site).resolve()), os.environ.get("PYTHONPATH", "")]
+        env, timeout_s = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}, COLOSSALAI_TIMEOUT_S
+    start = time.perf_counter()
+    result = trainer_check.run_child(strategy, steps, timeout_s=timeout_s, env=env)
+    check = f"trainer {strategy}"
+    if "error" in result:
+        return {"check": check, "ok": False, "detail": f"{result['error']} ({time.perf_counter() - start:.0f} s)"}
+    return {"check": check, "ok": result["actor_grad_norm"] == result["actor_grad_norm"],  # not NaN
+            "detail": f"step {result['step_s']:.3f} s, peak {result['peak_gib']:.2f} GiB, "
+                      f"gather {result['gather_s']:.2f} s, push {result['push_mb']:.0f} MB in {result['push_s']:.2f} s, "
+                      f"actor grad norm {result['actor_grad_norm']:.3g}"}
+
+
+# -- the table ------------------------------------------------------------------------------------
+
+
+def guarded(check: str, fn, *args) -> dict:
+    """``fn(*args)`` as a row; an exception becomes a failed row (traceback in the log), not the end."""
+    print(f"--- {check}", flush=True)
+    try:
+        return {"check": check, **fn(*args)}
+    except Exception as e:  # one row fails, the others are still measured
+        traceback.print_exc()
+        return {"check": check, "ok": False, "detail": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
+def print_table(rows: list[dict]) -> None:
+    header = f"{'check':<28}{'result':<8}detail"
+    print(header)
+    print("-" * 120)
+    for row in rows:
+        print(f"{row['check']:<28}{'ok' if row['ok'] else 'FAILED':<8}{row['detail']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

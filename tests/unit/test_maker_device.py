@@ -1,0 +1,135 @@
+"""Where makers run: the device follows ``maker.num_gpus``, every model goes there, items come back on CPU."""
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+from ray_ppo.build import build_experience_maker, maker_device
+from ray_ppo.config import Config, ConfigError
+from ray_ppo.makers.actor import MakerWorker
+from ray_ppo.sync import fingerprint, join_state, make_buckets, tied_aliases, unpack_bucket
+
+PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+
+
+@pytest.fixture
+def cfg(tiny_path):
+    return Config().with_overrides({"model.pretrained": tiny_path, "maker.max_new_tokens": 6})
+
+
+def maker_models(maker) -> dict[str, torch.nn.Module]:
+    models = {"actor": maker.actor, "ref": maker.ref, "critic": maker.critic, "reward_model": maker.reward_model}
+    return {name: model for name, model in models.items() if model is not None}
+
+
+def assert_cpu_and_finite(items) -> None:
+    for item in items:
+        for name, tensor in vars(item).items():
+            if isinstance(tensor, torch.Tensor):
+                assert tensor.device.type == "cpu", name
+                assert torch.isfinite(tensor.float()).all(), name
+
+
+def pushed(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` as a maker stages it: unpacked from copies of the buckets' arrays, read-only (as
+    ``ray.put`` stores them and Ray hands them out)."""
+    out = {}
+    for metas, arrays in make_buckets(state, bucket_mb=0.05):
+        stored = [array.copy() for array in arrays]
+        for array in stored:
+            array.setflags(write=False)
+        out.update(unpack_bucket((metas, stored)))
+    return out
+
+
+def new_weights(worker: MakerWorker) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the trainer's full state, the push it sends) for perturbed copies of ``worker``'s models:
+    CPU tensors, tied aliases left out of the push as the trainer's ``WeightPublisher`` does."""
+    actor, critic = copy.deepcopy(worker.float_actor).cpu(), copy.deepcopy(worker.maker.critic).cpu()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in itertools.chain(actor.parameters(), critic.parameters()):
+            p.add_(0.1 * torch.randn_like(p))
+    full = join_state(actor.state_dict(), critic.state_dict())
+    aliases = join_state(dict.fromkeys(tied_aliases(actor)), dict.fromkeys(tied_aliases(critic)))
+    return full, pushed({k: v for k, v in full.items() if k not in aliases})
+
+
+def load_push(worker: MakerWorker, version: int, state: dict[str, torch.Tensor]) -> bool:
+    worker.weights_start(version, 1, {})
+    worker.staging["tensors"].update(state)  # what weights_chunk stages from the object store
+    worker.staging["seen"].add(0)
+    return worker.weights_end(version)
+
+
+# -- device selection ----------------------------------------------------------------------------
+
+
+def test_makers_run_on_cpu_without_gpus():
+    assert maker_device(Config()) == torch.device("cpu")
+
+
+def test_makers_with_gpus_use_the_first_visible_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    # Ray sets CUDA_VISIBLE_DEVICES to the actor's own GPU: it is cuda:0 in the actor's process.
+    assert maker_device(Config().with_overrides({"maker.num_gpus": 0.5})) == torch.device("cuda", 0)
+
+
+def test_makers_with_gpus_but_no_cuda_fail_clearly(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"maker.num_gpus=1 but this maker process sees no CUDA device.*"
+                                          r"set maker.num_gpus=0"):
+        maker_device(Config().with_overrides({"maker.num_gpus": 1}))
+
+
+# -- placement and output ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lora_rank, expected", [(0, {"actor", "ref", "critic", "reward_model"}),
+                                                 (4, {"actor", "critic", "reward_model"})], ids=["full", "lora"])
+def test_every_model_goes_to_the_maker_device(cfg, tiny_reward_path, lora_rank, expected):
+    overrides = {"model.reward_pretrained": tiny_reward_path, "model.lora.rank": lora_rank}
+    # The meta device stands in for a GPU: a model left behind would still be on the CPU.
+    maker = build_experience_maker(cfg.with_overrides(overrides), device=torch.device("meta"))
+    models = maker_models(maker)
+    assert set(models) == expected  # with LoRA the reference is the actor with its adapters disabled
+    for name, model in models.items():
+        assert {p.device.type for p in model.parameters()} == {"meta"}, name
+    assert maker.device == torch.device("meta")
+
+
+def test_cpu_maker_items_are_on_cpu_and_finite(cfg, tiny_reward_path):
+    maker = build_experience_maker(cfg.with_overrides({"model.reward_pretrained": tiny_reward_path}))
+    torch.manual_seed(0)
+    items, stats = maker.make_experience(PROMPTS, policy_version=3)
+    assert maker.device == torch.device("cpu") and len(items) == stats.num_samples == 3
+    assert_cpu_and_finite(items)
+    assert all(item.policy_version == 3 for item in items)
+
+
+def test_read_only_push_loads_and_fingerprints_match(cfg):
+    worker = MakerWorker(0, cfg.to_dict(), coordinator=None)  # the plain class, no Ray needed here
+    assert worker.device == torch.device("cpu")
+    full, push = new_weights(worker)
+    assert load_push(worker, 1, push)
+    assert worker.weights_fingerprint() == (1, fingerprint(full))
+
+
+# -- on a GPU ------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_maker_generates_on_cuda_and_loads_pushes(cfg, dtype):
+    worker = MakerWorker(0, cfg.with_overrides({"maker.num_gpus": 1, "model.dtype": dtype}).to_dict(), None)
+    assert worker.device.type == "cuda"
+    for name, model in maker_models(worker.maker).items():
+        assert {p.device.type for p in model.parameters()} == {"cuda"}, name
+    assert_cpu_and_finite(worker.maker.make_experience(PROMPTS, policy_version=0)[0])
+    full, push = new_weights(worker)
+    assert load_push(worker, 1, push)
+    assert worker.weights_fingerprint() == (1, fingerprint(full))
+    assert_cpu_and_finite(worker.maker.make_experience(PROMPTS, policy_version=1)[0])
