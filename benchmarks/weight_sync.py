@@ -11,7 +11,7 @@ ray_ppo/makers/actor.py), holding a ``GPT2LMHeadModel`` of the pushed shape: a r
 ``MakerWorker`` builds its models from a Config, which would add a reference model, critic and
 tokenizer the sync path does not touch. Models: random weights in GPT-2 shapes from
 ``GPT2Config`` (no training): ~100 MB = 4 layers x 256 wide, ~1 GB = 16 layers x 1024 wide
-(vocab 50257, tied embeddings: the tied matrix is in the state dict twice, as in the pipeline).
+(vocab 50257; the tied ``lm_head.weight`` is not pushed, as in the pipeline: ``WeightPublisher.to_push``).
 
 End to end = from the state dict in the trainer to ``Coordinator.wait_for_version`` seeing every
 receiver loaded. Per-receiver = bytes / (receiver's weights_start .. weights_end done).
@@ -36,7 +36,7 @@ import ray
 import torch
 
 from ray_ppo.coordinator import Coordinator
-from ray_ppo.sync import bucket_nbytes, make_buckets, unpack_bucket
+from ray_ppo.sync import bucket_nbytes, make_buckets, tied_aliases, unpack_bucket
 
 SHAPES = {"100M": dict(n_layer=4, n_embd=256, n_head=4), "1G": dict(n_layer=16, n_embd=1024, n_head=16),
           "500M": dict(n_layer=8, n_embd=1024, n_head=16)}
@@ -91,7 +91,7 @@ class Receiver:
         state = {k.removeprefix("actor."): v for k, v in staged["tensors"].items() if k.startswith("actor.")}
         start = time.perf_counter()
         with self.model_lock:
-            self.model.load_state_dict(state, strict=True)
+            self.model.load_state_dict(state, strict=False)  # tied lm_head comes through wte, as in MakerWorker
             self.version = version
         self.log[version].update(pause_s=time.perf_counter() - start, end=time.time())
         return True
@@ -161,10 +161,10 @@ def main():
         with torch.no_grad():
             for p in trainer.parameters():
                 p.normal_(0, 0.02)
-        state = {f"actor.{k}": v for k, v in trainer.state_dict().items()}
-        plain = trainer.state_dict()
+        aliases = tied_aliases(trainer)
+        state = {f"actor.{k}": v for k, v in trainer.state_dict().items() if k not in aliases}
+        plain = {k: v for k, v in trainer.state_dict().items() if k not in aliases}  # the same weights, once
         local = build_model(size)
-        nbytes_model = sum(v.numel() * v.element_size() for v in plain.values())
         receivers = [Receiver.remote(size) for _ in range(max(makers))]
         ray.get([r.__ray_ready__.remote() for r in receivers])
         expected = float(sum(p.detach().double().sum() for p in trainer.parameters()))
@@ -188,7 +188,7 @@ def main():
                 if n <= args.naive_max_makers and rep:
                     res[(n, "naive")].append(naive_push(receivers[:n], trainer))
             t = time.perf_counter()
-            local.load_state_dict(plain)
+            local.load_state_dict(plain, strict=False)
             if rep:
                 res["local"].append(time.perf_counter() - t)
                 res["memcpy"].append(memcpy_s(res["nbytes"][0], 1))
