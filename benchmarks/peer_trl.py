@@ -23,7 +23,7 @@ sequences and returns the toy rule reward as a one-channel hidden state at every
 whose ``score`` is the identity, so TRL reads exactly ``toy.reward(prompt, response)``.
 
 Start-up is excluded: process start, imports and the Ray cluster happen once per process
-before a warm-up run; in each run model loading, trainer construction (and for the detached
+before a short warm-up run (all variants' warm-ups at once, unmeasured); in each run model loading, trainer construction (and for the detached
 run, the coordinator, maker and Ray Train worker start) come before the first update, and the
 clock runs from the end of update ``--skip`` to the end of the last update (TRL: a
 ``TrainerCallback.on_step_end``; sync: ``run_local``'s per-step callback; detached: the
@@ -260,8 +260,14 @@ class Worker:
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
 
     def run(self, **request) -> dict:
+        self.send(**request)
+        return self.receive()
+
+    def send(self, **request) -> None:
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
+
+    def receive(self) -> dict:
         line = self.proc.stdout.readline()
         if not line.startswith(RESULT_PREFIX):
             tail = self.log_path.read_text()[-3000:]
@@ -295,8 +301,10 @@ def parse_args():
 
 
 def run_rounds(workers: dict[str, Worker], args) -> dict[str, list[dict]]:
-    for w in workers.values():  # warm-up: lazy imports and first calls, the first Ray Train start
-        w.run(seed=0, samples=BATCH * (args.skip + 1), skip=args.skip, reward_updates=1)
+    for w in workers.values():  # warm-up, all variants at once (not measured): lazy imports, first calls
+        w.send(seed=0, samples=BATCH * (args.skip + 1), skip=args.skip, reward_updates=1)
+    for w in workers.values():
+        w.receive()
     runs: dict[str, list[dict]] = {v: [] for v in workers}
     for rep in range(args.repeats):  # interleaved: every variant once per round, same seed in a round
         for variant, w in workers.items():
@@ -307,7 +315,8 @@ def run_rounds(workers: dict[str, Worker], args) -> dict[str, list[dict]]:
 
 
 def report(runs: dict[str, list[dict]], args, wall_s: float) -> None:
-    base = median([r["samples_per_s"] for r in runs.get("trl", [])])
+    base_variant = next(iter(runs))
+    base = median([r["samples_per_s"] for r in runs[base_variant]])
     rows = []
     for variant, rs in runs.items():
         sps = median([r["samples_per_s"] for r in rs])
@@ -317,7 +326,7 @@ def report(runs: dict[str, list[dict]], args, wall_s: float) -> None:
     print(f"Peer: TRL 1.12.0 PPO vs ray_ppo, tiny GPT-2, toy task, batch {BATCH}, {RESPONSE_LEN} response tokens, "
           f"{args.samples} samples per run ({args.samples // BATCH} updates, first {args.skip} untimed), median of "
           f"{args.repeats} interleaved runs after a warm-up; script wall time {wall_s / 60:.1f} min\n")
-    print(table(["variant", "wall s per 1,000 samples", "samples/s", "speed vs trl", "reward, first 64 samples",
+    print(table(["variant", "wall s per 1,000 samples", "samples/s", f"speed vs {base_variant}", "reward, first 64 samples",
                  f"reward, last {args.reward_updates * BATCH} of {args.samples} samples", "gc share of wall",
                  "run wall s", "of which untimed s (start-up, first updates, shutdown)"], rows))
 
