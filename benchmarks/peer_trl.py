@@ -20,14 +20,15 @@ TRL needs a reward *model*: its ``get_reward`` runs ``getattr(model, model.base_
 on the padded query+response and reads ``model.score(hidden_states[-1])`` at the last non-pad
 token. ``ToyRewardModel`` below is an ``nn.Module`` of that shape whose "backbone" decodes the
 sequences and returns the toy rule reward as a one-channel hidden state at every position, and
-whose ``score`` is the identity, so TRL reads exactly ``toy.reward(prompt, response)``.
+whose ``score`` is the identity, so TRL reads exactly ``toy.reward(prompt, response)``; every
+TRL run first checks that through TRL's own ``get_reward`` (``check_reward_model``).
 
-Start-up is excluded: process start, imports and the Ray cluster happen once per process
-before a short warm-up run (all variants' warm-ups at once, unmeasured); in each run model loading, trainer construction (and for the detached
-run, the coordinator, maker and Ray Train worker start) come before the first update, and the
-clock runs from the end of update ``--skip`` to the end of the last update (TRL: a
-``TrainerCallback.on_step_end``; sync: ``run_local``'s per-step callback; detached: the
-trainer's per-step ``elapsed_s``). Reward: mean toy reward of the samples of the last
+Start-up is excluded: process start, imports and the Ray cluster happen once per process,
+before a short warm-up run (all variants' warm-ups at once, unmeasured); in each run, model
+loading and trainer construction (and for the detached run the coordinator, maker and Ray Train
+worker start) come before the first update, and the clock runs from the end of update
+``--skip`` to the end of the last update (TRL: a ``TrainerCallback.on_step_end``; sync:
+``run_local``'s per-step callback; detached: the trainer's per-step ``elapsed_s``). Reward: mean toy reward of the samples of the last
 ``--reward-updates`` updates of a run (the policy's own samples, temperature 1).
 """
 
@@ -84,7 +85,8 @@ def summarize(step_ends: list[float], rewards: list[float], skip: int, reward_up
     """Throughput from per-update end times (updates after ``skip``) and reward of the last updates."""
     window = step_ends[-1] - step_ends[skip - 1]
     samples = BATCH * (len(step_ends) - skip)
-    return {"samples_per_s": samples / window, "timed_s": window, "reward_end": sum(rewards[-reward_updates:]) / reward_updates,
+    return {"samples_per_s": samples / window, "timed_s": window,
+            "reward_end": sum(rewards[-reward_updates:]) / reward_updates,
             "reward_first": rewards[0], "updates": len(step_ends),
             "gc_share": None if gc_s is None else gc_s / window}
 
@@ -141,6 +143,28 @@ def trl_dataset(tokenizer):
     return Dataset.from_dict({"input_ids": ids}), widths.pop()
 
 
+def check_reward_model(reward_model, tokenizer, queries: list[list[int]], width: int) -> None:
+    """TRL's own ``get_reward`` on ``reward_model`` returns exactly ``toy.reward``, also for responses
+    that TRL truncated after an EOS and for perfect answers."""
+    import torch
+    from trl.experimental.ppo.ppo_trainer import truncate_response
+    from trl.experimental.utils import get_reward
+
+    from ray_ppo.tasks.toy import reward
+
+    query = torch.tensor(queries)
+    rng = torch.Generator().manual_seed(0)
+    response = torch.randint(0, len(tokenizer), (len(queries), RESPONSE_LEN), generator=rng)
+    response[::4] = query[::4, -1:]  # every 4th row repeats its prompt's last digit: reward 1
+    response = truncate_response(tokenizer.eos_token_id, tokenizer.pad_token_id, response)
+    _, score, _ = get_reward(reward_model, torch.cat([query, response], 1), tokenizer.pad_token_id, width)
+    expected = reward(tokenizer.batch_decode(query, skip_special_tokens=True),
+                      tokenizer.batch_decode(response, skip_special_tokens=True))
+    if not torch.equal(score, torch.tensor(expected)):
+        raise SystemExit(f"ToyRewardModel through TRL's get_reward != toy.reward: {score.tolist()} vs {expected}")
+    reward_model.batch_means.clear()
+
+
 def trl_run(seed: int, samples: int, skip: int, reward_updates: int, freeze: bool, gc_clock: GcClock) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
@@ -168,6 +192,7 @@ def trl_run(seed: int, samples: int, skip: int, reward_updates: int, freeze: boo
             cliprange_value=CLIP, gamma=1.0, lam=1.0, num_sample_generations=0, bf16=False,
             gradient_checkpointing=False, report_to="none", save_strategy="no", disable_tqdm=True)
         reward_model = toy_reward_model(tokenizer, width)
+        check_reward_model(reward_model, tokenizer, dataset["input_ids"][:BATCH], width)
         trainer = PPOTrainer(
             args=args, processing_class=tokenizer, model=AutoModelForCausalLM.from_pretrained(path),
             ref_model=AutoModelForCausalLM.from_pretrained(path), reward_model=reward_model,
@@ -326,7 +351,8 @@ def report(runs: dict[str, list[dict]], args, wall_s: float) -> None:
     print(f"Peer: TRL 1.12.0 PPO vs ray_ppo, tiny GPT-2, toy task, batch {BATCH}, {RESPONSE_LEN} response tokens, "
           f"{args.samples} samples per run ({args.samples // BATCH} updates, first {args.skip} untimed), median of "
           f"{args.repeats} interleaved runs after a warm-up; script wall time {wall_s / 60:.1f} min\n")
-    print(table(["variant", "wall s per 1,000 samples", "samples/s", f"speed vs {base_variant}", "reward, first 64 samples",
+    print(table(["variant", "wall s per 1,000 samples", "samples/s", f"speed vs {base_variant}",
+                 "reward, first 64 samples",
                  f"reward, last {args.reward_updates * BATCH} of {args.samples} samples", "gc share of wall",
                  "run wall s", "of which untimed s (start-up, first updates, shutdown)"], rows))
 
