@@ -28,8 +28,9 @@ before a short warm-up run (all variants' warm-ups at once, unmeasured); in each
 loading and trainer construction (and for the detached run the coordinator, maker and Ray Train
 worker start) come before the first update, and the clock runs from the end of update
 ``--skip`` to the end of the last update (TRL: a ``TrainerCallback.on_step_end``; sync:
-``run_local``'s per-step callback; detached: the trainer's per-step ``elapsed_s``). Reward: mean toy reward of the samples of the last
-``--reward-updates`` updates of a run (the policy's own samples, temperature 1).
+``run_local``'s per-step callback; detached: the trainer's per-step ``elapsed_s``).
+Reward: mean toy reward of the samples of the last ``--reward-updates`` updates of a run (the
+policy's own samples, temperature 1).
 """
 
 from __future__ import annotations
