@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install clean bench
+.PHONY: demo test install clean bench bench-peer
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,25 @@ bench: $(STAMP)
 	$(PY) benchmarks/coordinator_scale.py
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/lora_int8.py
+
+# Peer benchmark (benchmarks/peer_trl.py, ~5 min; not in `bench`, which already takes ~20): TRL's PPO
+# trainer in an environment of its own, since TRL is no project dependency. trl==1.12.0 is the last
+# release with PPO. The constraints are .venv's own versions (pip freeze), so TRL runs on the same
+# torch 2.13.0 CPU build and the same transformers as ours, and pip cannot pull a CUDA torch.
+TRL_VENV  := .venv-trl
+TRL_PY    := $(TRL_VENV)/bin/python
+TRL_STAMP := $(TRL_VENV)/.installed
+
+$(TRL_STAMP): $(STAMP)
+	test -x $(TRL_PY) || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip freeze --exclude-editable > $(TRL_VENV)/constraints.txt
+	echo torch==2.13.0 >> $(TRL_VENV)/constraints.txt
+	$(TRL_PY) -m pip install --quiet -c $(TRL_VENV)/constraints.txt trl==1.12.0 -e .
+	touch $(TRL_STAMP)
+
+bench-peer: $(STAMP) $(TRL_STAMP)
+	$(PY) benchmarks/peer_trl.py --trl-python $(TRL_PY)
 
 # ColossalAI pins old releases (torch<=2.5.1, transformers==4.51.3, peft<=0.13.2), so its tests run in a
 # separate environment. torch 2.5.1 on PyPI is a CUDA build (~3 GB with its nvidia-* wheels); on a CPU

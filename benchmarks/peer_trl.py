@@ -1,0 +1,380 @@
+"""Peer: TRL's PPOTrainer (trl 1.12.0, the last release with PPO) vs ours, synchronous and detached.
+
+    make bench-peer          # creates .venv-trl, then runs this script
+    python benchmarks/peer_trl.py [--repeats 3] [--samples 2048] [--skip 4] [--trl-python .venv-trl/bin/python]
+
+Same tiny model (``ensure_tiny_model("lm")``: policy, reference, and the backbone of the value
+model), same toy reward (``ray_ppo.tasks.toy.reward``), same prompts (``data/toy_prompts.csv``),
+64 prompts per generation batch, 64 samples per PPO update, one PPO epoch, one minibatch,
+8 response tokens stopping at EOS, temperature 1, learning rate 1e-3, KL coefficient 0.001,
+clip ranges 0.2, gamma = lambda = 1, constant learning rate, one torch thread per process.
+
+Variants, each in a long-lived process of its own (TRL's in ``--trl-python``, ours in this
+interpreter), driven one at a time and interleaved (every variant once per round):
+  trl            TRL's ``PPOTrainer.train()`` as shipped
+  trl+gc.freeze  the same, with ``gc.freeze()`` right before ``train()`` (``gc.unfreeze()`` after)
+  ours sync      ``ray_ppo.local.run_local``: one process, generate -> score -> update
+  ours detached  ``ray_ppo.api.PPOTrainer.fit`` on a local Ray cluster: 1 maker, 1 trainer worker
+
+TRL needs a reward *model*: its ``get_reward`` runs ``getattr(model, model.base_model_prefix)``
+on the padded query+response and reads ``model.score(hidden_states[-1])`` at the last non-pad
+token. ``ToyRewardModel`` below is an ``nn.Module`` of that shape whose "backbone" decodes the
+sequences and returns the toy rule reward as a one-channel hidden state at every position, and
+whose ``score`` is the identity, so TRL reads exactly ``toy.reward(prompt, response)``; every
+TRL run first checks that through TRL's own ``get_reward`` (``check_reward_model``).
+
+Start-up is excluded: process start, imports and the Ray cluster happen once per process,
+before a short warm-up run (all variants' warm-ups at once, unmeasured); in each run, model
+loading and trainer construction (and for the detached run the coordinator, maker and Ray Train
+worker start) come before the first update, and the clock runs from the end of update
+``--skip`` to the end of the last update (TRL: a ``TrainerCallback.on_step_end``; sync:
+``run_local``'s per-step callback; detached: the trainer's per-step ``elapsed_s``).
+Reward: mean toy reward of the samples of the last ``--reward-updates`` updates of a run (the
+policy's own samples, temperature 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _common
+from _common import median, table
+
+VARIANTS = ("trl", "trl+gc.freeze", "ours sync", "ours detached")
+TRL_VARIANTS = ("trl", "trl+gc.freeze")
+BATCH = 64
+"""Prompts per generation batch = samples per PPO update = minibatch size, on every side."""
+RESPONSE_LEN = 8
+LR = 1e-3
+KL_COEF = 0.001
+CLIP = 0.2
+PROMPTS = _common.ROOT / "data" / "toy_prompts.csv"
+RESULT_PREFIX = "RESULT "
+
+
+# -- timing shared by every variant --------------------------------------------------------------
+
+class GcClock:
+    """Seconds spent in the garbage collector of this process, from ``gc.callbacks``."""
+
+    def __init__(self):
+        self.events: list[tuple[float, float]] = []  # (start, duration)
+        self._start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase, info):
+        now = time.perf_counter()
+        if phase == "start":
+            self._start = now
+        else:
+            self.events.append((self._start, now - self._start))
+
+    def seconds_between(self, t0: float, t1: float) -> float:
+        return sum(d for s, d in self.events if t0 <= s <= t1)
+
+
+def summarize(step_ends: list[float], rewards: list[float], skip: int, reward_updates: int,
+              gc_s: float | None = None) -> dict:
+    """Throughput from per-update end times (updates after ``skip``) and reward of the last updates."""
+    window = step_ends[-1] - step_ends[skip - 1]
+    samples = BATCH * (len(step_ends) - skip)
+    return {"samples_per_s": samples / window, "timed_s": window,
+            "reward_end": sum(rewards[-reward_updates:]) / reward_updates,
+            "reward_first": rewards[0], "updates": len(step_ends),
+            "gc_share": None if gc_s is None else gc_s / window}
+
+
+# -- TRL -----------------------------------------------------------------------------------------
+
+def toy_reward_model(tokenizer, prompt_width: int):
+    """TRL reward model that scores with the toy rule (see the module docstring).
+
+    Its ``batch_means`` list gets the mean toy reward of every batch it scores.
+    """
+    import torch
+    from torch import nn
+    from transformers.utils import ModelOutput
+
+    from ray_ppo.tasks.toy import reward
+
+    class ToyScorer(nn.Module):
+        """Decodes prompt (first ``prompt_width`` tokens) and response; returns (B, T, 1) scores."""
+
+        def __init__(self, batch_means: list[float]):
+            super().__init__()
+            self.batch_means = batch_means
+
+        def forward(self, input_ids, attention_mask, **_):
+            ids = input_ids.masked_fill(attention_mask == 0, tokenizer.pad_token_id)
+            prompts = tokenizer.batch_decode(ids[:, :prompt_width], skip_special_tokens=True)
+            responses = tokenizer.batch_decode(ids[:, prompt_width:], skip_special_tokens=True)
+            scores = torch.tensor(reward(prompts, responses), dtype=torch.float32)
+            self.batch_means.append(float(scores.mean()))
+            return ModelOutput(hidden_states=(scores[:, None, None].expand(-1, ids.shape[1], 1),))
+
+    class ToyRewardModel(nn.Module):
+        base_model_prefix = "scorer"
+
+        def __init__(self):
+            super().__init__()
+            self.batch_means: list[float] = []
+            self.scorer, self.score = ToyScorer(self.batch_means), nn.Identity()
+
+    return ToyRewardModel()
+
+
+def trl_dataset(tokenizer):
+    """The toy prompts tokenized for TRL, and their common token width (every toy prompt has one)."""
+    from datasets import Dataset
+
+    from ray_ppo.data import read_prompt_texts
+
+    ids = [tokenizer(text)["input_ids"] for text in read_prompt_texts(str(PROMPTS), "prompt")]
+    widths = {len(x) for x in ids}
+    if len(widths) != 1:
+        raise SystemExit(f"ToyRewardModel needs prompts of one token width; {PROMPTS} has {sorted(widths)}")
+    return Dataset.from_dict({"input_ids": ids}), widths.pop()
+
+
+def check_reward_model(reward_model, tokenizer, queries: list[list[int]], width: int) -> None:
+    """TRL's own ``get_reward`` on ``reward_model`` returns exactly ``toy.reward``, also for responses
+    that TRL truncated after an EOS and for perfect answers."""
+    import torch
+    from trl.experimental.ppo.ppo_trainer import truncate_response
+    from trl.experimental.utils import get_reward
+
+    from ray_ppo.tasks.toy import reward
+
+    query = torch.tensor(queries)
+    rng = torch.Generator().manual_seed(0)
+    response = torch.randint(0, len(tokenizer), (len(queries), RESPONSE_LEN), generator=rng)
+    response[::4] = query[::4, -1:]  # every 4th row repeats its prompt's last digit: reward 1
+    response = truncate_response(tokenizer.eos_token_id, tokenizer.pad_token_id, response)
+    _, score, _ = get_reward(reward_model, torch.cat([query, response], 1), tokenizer.pad_token_id, width)
+    expected = reward(tokenizer.batch_decode(query, skip_special_tokens=True),
+                      tokenizer.batch_decode(response, skip_special_tokens=True))
+    if not torch.equal(score, torch.tensor(expected)):
+        raise SystemExit(f"ToyRewardModel through TRL's get_reward != toy.reward: {score.tolist()} vs {expected}")
+    reward_model.batch_means.clear()
+
+
+def trl_run(seed: int, samples: int, skip: int, reward_updates: int, freeze: bool, gc_clock: GcClock) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+    from ray_ppo.models import ensure_tiny_model, load_tokenizer
+
+    path = str(ensure_tiny_model("lm"))
+    tokenizer = load_tokenizer(path)
+    dataset, width = trl_dataset(tokenizer)
+    step_ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            step_ends.append(time.perf_counter())
+
+    gc.collect()
+    torch.manual_seed(seed)
+    with tempfile.TemporaryDirectory() as out:
+        args = PPOConfig(
+            output_dir=out, seed=seed, total_episodes=samples, per_device_train_batch_size=BATCH,
+            gradient_accumulation_steps=1, num_mini_batches=1, num_ppo_epochs=1,
+            local_rollout_forward_batch_size=BATCH, response_length=RESPONSE_LEN, stop_token="eos",
+            temperature=1.0, learning_rate=LR, lr_scheduler_type="constant", kl_coef=KL_COEF, cliprange=CLIP,
+            cliprange_value=CLIP, gamma=1.0, lam=1.0, num_sample_generations=0, bf16=False,
+            gradient_checkpointing=False, report_to="none", save_strategy="no", disable_tqdm=True)
+        reward_model = toy_reward_model(tokenizer, width)
+        check_reward_model(reward_model, tokenizer, dataset["input_ids"][:BATCH], width)
+        trainer = PPOTrainer(
+            args=args, processing_class=tokenizer, model=AutoModelForCausalLM.from_pretrained(path),
+            ref_model=AutoModelForCausalLM.from_pretrained(path), reward_model=reward_model,
+            train_dataset=dataset, value_model=AutoModelForSequenceClassification.from_pretrained(path, num_labels=1),
+            callbacks=[StepClock()])
+        if freeze:
+            gc.freeze()
+        try:
+            trainer.train()
+        finally:
+            gc.unfreeze()
+    gc_s = gc_clock.seconds_between(step_ends[skip - 1], step_ends[-1])
+    return summarize(step_ends, reward_model.batch_means, skip, reward_updates, gc_s)
+
+
+# -- ours ----------------------------------------------------------------------------------------
+
+def our_config(seed: int, samples: int, out: str):
+    from ray_ppo.config import load_config
+
+    return load_config(str(_common.ROOT / "configs" / "tiny.yaml")).with_overrides({
+        "seed": seed, "data.path": str(PROMPTS), "maker.batch_size": BATCH, "maker.max_new_tokens": RESPONSE_LEN,
+        "maker.temperature": 1.0, "maker.num_makers": 1, "maker.num_cpus": 1, "maker.torch_threads": 1,
+        "trainer.num_workers": 1, "trainer.cpus_per_worker": 1, "trainer.torch_threads": 1,
+        "trainer.total_steps": samples // BATCH, "trainer.train_batch_size": BATCH, "trainer.mini_batch_size": BATCH,
+        "trainer.ppo_epochs": 1, "trainer.actor_lr": LR, "trainer.critic_lr": LR, "trainer.lr_schedule": "constant",
+        "ppo.kl_coef": KL_COEF, "ppo.eps_clip": CLIP, "ppo.value_clip": CLIP, "ppo.gamma": 1.0, "ppo.lam": 1.0,
+        "logging.output_dir": out, "logging.progress": False, "logging.tensorboard": False,
+        "logging.report_every": 1000})
+
+
+def sync_run(seed: int, samples: int, skip: int, reward_updates: int, gc_clock: GcClock) -> dict:
+    from ray_ppo.local import run_local
+
+    step_ends: list[float] = []
+    gc.collect()
+    with tempfile.TemporaryDirectory() as out:
+        history = run_local(our_config(seed, samples, out), on_metrics=lambda m: step_ends.append(time.perf_counter()))
+    gc_s = gc_clock.seconds_between(step_ends[skip - 1], step_ends[-1])
+    return summarize(step_ends, [m["reward_mean"] for m in history], skip, reward_updates, gc_s)
+
+
+def detached_run(seed: int, samples: int, skip: int, reward_updates: int) -> dict:
+    from ray_ppo.api import PPOTrainer
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = PPOTrainer(our_config(seed, samples, out))
+        trainer.fit()
+    history = sorted(trainer.history, key=lambda m: m["step"])
+    result = summarize([m["elapsed_s"] for m in history], [m["reward_mean"] for m in history], skip, reward_updates)
+    result["staleness"] = median([m["staleness_mean"] for m in history[skip:]])
+    return result
+
+
+# -- worker process: one variant, runs on request ------------------------------------------------
+
+def worker(variant: str) -> None:
+    """Serve runs of ``variant``: one JSON request per stdin line, one result line on the real stdout."""
+    import torch
+
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # libraries print to stdout; only results go to the driver's pipe
+    torch.set_num_threads(1)
+    gc_clock = GcClock()
+    if variant == "ours detached":
+        _common.init_ray(num_cpus=8)
+    for line in sys.stdin:
+        req = json.loads(line)
+        args = (req["seed"], req["samples"], req["skip"], req["reward_updates"])
+        start = time.perf_counter()
+        if variant in TRL_VARIANTS:
+            result = trl_run(*args, freeze=variant == "trl+gc.freeze", gc_clock=gc_clock)
+        elif variant == "ours sync":
+            result = sync_run(*args, gc_clock=gc_clock)
+        else:
+            result = detached_run(*args)
+        result["run_s"] = time.perf_counter() - start
+        result["untimed_s"] = result["run_s"] - result["timed_s"]
+        protocol.write(RESULT_PREFIX + json.dumps(result) + "\n")
+
+
+class Worker:
+    """Driver side of one variant's process; its logs go to ``log_path``."""
+
+    def __init__(self, variant: str, python: str, log_dir: str):
+        self.variant, self.log_path = variant, Path(log_dir) / f"{variant.replace(' ', '_')}.log"
+        env = {**os.environ, "PYTHONPATH": str(_common.ROOT), "TRL_EXPERIMENTAL_SILENCE": "1"}
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([python, __file__, "--worker", variant], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+
+    def run(self, **request) -> dict:
+        self.send(**request)
+        return self.receive()
+
+    def send(self, **request) -> None:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+
+    def receive(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line.startswith(RESULT_PREFIX):
+            tail = self.log_path.read_text()[-3000:]
+            raise RuntimeError(f"{self.variant} worker failed (exit {self.proc.poll()}); log tail:\n{tail}")
+        return json.loads(line[len(RESULT_PREFIX):])
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()  # end of input: the worker returns
+        except BrokenPipeError:
+            pass
+        self.proc.wait(timeout=120)
+        self.log.close()
+
+
+# -- driver --------------------------------------------------------------------------------------
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--samples", type=int, default=2048, help="samples per run (a multiple of 64)")
+    ap.add_argument("--skip", type=int, default=4, help="updates excluded from the timing (start-up)")
+    ap.add_argument("--reward-updates", type=int, default=4, help="last updates whose samples give the reward")
+    ap.add_argument("--trl-python", default=str(_common.ROOT / ".venv-trl" / "bin" / "python"))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.samples % BATCH or args.samples // BATCH <= max(args.skip, args.reward_updates):
+        ap.error(f"--samples must be a multiple of {BATCH} with more updates than --skip and --reward-updates")
+    return args
+
+
+def run_rounds(workers: dict[str, Worker], args) -> dict[str, list[dict]]:
+    for w in workers.values():  # warm-up, all variants at once (not measured): lazy imports, first calls
+        w.send(seed=0, samples=BATCH * (args.skip + 1), skip=args.skip, reward_updates=1)
+    for w in workers.values():
+        w.receive()
+    runs: dict[str, list[dict]] = {v: [] for v in workers}
+    for rep in range(args.repeats):  # interleaved: every variant once per round, same seed in a round
+        for variant, w in workers.items():
+            runs[variant].append(w.run(seed=rep + 1, samples=args.samples, skip=args.skip,
+                                       reward_updates=args.reward_updates))
+            print(f"round {rep + 1} {variant}: {runs[variant][-1]}", file=sys.stderr, flush=True)
+    return runs
+
+
+def report(runs: dict[str, list[dict]], args, wall_s: float) -> None:
+    base_variant = next(iter(runs))
+    base = median([r["samples_per_s"] for r in runs[base_variant]])
+    rows = []
+    for variant, rs in runs.items():
+        sps = median([r["samples_per_s"] for r in rs])
+        rows.append([variant, 1000 / sps, sps, sps / base, median([r["reward_first"] for r in rs]),
+                     median([r["reward_end"] for r in rs]), median([r["gc_share"] for r in rs]),
+                     median([r["run_s"] for r in rs]), median([r["untimed_s"] for r in rs])])
+    print(f"Peer: TRL 1.12.0 PPO vs ray_ppo, tiny GPT-2, toy task, batch {BATCH}, {RESPONSE_LEN} response tokens, "
+          f"{args.samples} samples per run ({args.samples // BATCH} updates, first {args.skip} untimed), median of "
+          f"{args.repeats} interleaved runs after a warm-up; script wall time {wall_s / 60:.1f} min\n")
+    print(table(["variant", "wall s per 1,000 samples", "samples/s", f"speed vs {base_variant}",
+                 "reward, first 64 samples",
+                 f"reward, last {args.reward_updates * BATCH} of {args.samples} samples", "gc share of wall",
+                 "run wall s", "of which untimed s (start-up, first updates, shutdown)"], rows))
+
+
+def main():
+    args = parse_args()
+    if args.worker:
+        return worker(args.worker)
+    variants = args.variants.split(",")
+    if any(v in TRL_VARIANTS for v in variants) and not Path(args.trl_python).exists():
+        raise SystemExit(f"{args.trl_python} not found: `make bench-peer` creates .venv-trl with trl==1.12.0")
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="peer_trl-") as log_dir:
+        workers = {v: Worker(v, args.trl_python if v in TRL_VARIANTS else sys.executable, log_dir) for v in variants}
+        try:
+            runs = run_rounds(workers, args)
+        finally:
+            for w in workers.values():
+                w.close()
+    report(runs, args, time.perf_counter() - start)
+
+
+if __name__ == "__main__":
+    main()
