@@ -10,12 +10,12 @@ train loop's ``_pull`` does. Items are realistic ``ExperienceItem``s with torch 
 1 KB of tensor data each (16 prompt tokens, 24 response tokens, six float32 per-token fields),
 built before the clock starts; packing them is the makers' work and is inside the clock.
 
-Variants (the real ``Coordinator`` and ``ray_ppo.transport``):
-  ref     what makers and ranks do: the maker packs the batch and ``ray.put``s it
-          (``ExperienceChunk.put``), the coordinator routes the chunk (a ref, a count, a
-          version), the rank fetches and unpacks it (``resolve``)
-  inline  the same packed batch carried inside the call (``ExperienceChunk.inline``): the
+Variants (the real ``Coordinator`` and ``ray_ppo.transport``, as ``topology.transport`` sets them):
+  inline  the default: the maker packs the batch into the call (``ExperienceChunk.inline``); the
           coordinator deserializes it and serializes it again for the rank
+  ref     the maker packs the batch and ``ray.put``s it (``ExperienceChunk.put``), the coordinator
+          routes the chunk (a ref, a count, a version), the rank fetches it (``resolve``)
+Batches of 32 items (a maker's generation batch, a rank's pull), and 128 in two rows.
 items/s counts items the ranks hold as ``ExperienceItem``s. Every uid is checked at the end:
 none lost, none duplicated.
 """
@@ -45,7 +45,7 @@ P_LEN, R_LEN = 16, 24
 FIELDS = ("action_log_probs", "ref_log_probs", "values", "rewards", "advantages", "returns")
 
 
-def make_items(maker_id: int, batch_index: int):
+def make_items(maker_id: int, batch_index: int, batch: int = BATCH):
     import torch
     from ray_ppo.algo import ExperienceItem
 
@@ -53,7 +53,7 @@ def make_items(maker_id: int, batch_index: int):
     return [ExperienceItem(
         prompt_ids=torch.from_numpy(rng.integers(0, 50000, P_LEN)), response_ids=torch.from_numpy(rng.integers(0, 50000, R_LEN)),
         **{f: torch.from_numpy(rng.standard_normal(R_LEN, dtype=np.float32)) for f in FIELDS},
-        reward=float(rng.standard_normal()), policy_version=0, uid=f"{maker_id}-{batch_index}-{i}") for i in range(BATCH)]
+        reward=float(rng.standard_normal()), policy_version=0, uid=f"{maker_id}-{batch_index}-{i}") for i in range(batch)]
 
 
 def item_bytes() -> int:
@@ -84,8 +84,8 @@ class BenchCoordinator(Coordinator):
 
 @ray.remote(num_cpus=0)
 class MakerGroup:
-    def prepare(self, maker_ids: list[int], batches: int) -> int:
-        self.batches = {m: [make_items(m, b) for b in range(batches)] for m in maker_ids}
+    def prepare(self, maker_ids: list[int], batches: int, batch: int) -> int:
+        self.batches = {m: [make_items(m, b, batch) for b in range(batches)] for m in maker_ids}
         return sum(len(b) for bs in self.batches.values() for b in bs)
 
     async def run(self, coordinator, variant: str) -> float:
@@ -132,23 +132,24 @@ class Rank:
         return uids, last, calls
 
 
-def run_once(groups, ranks, done, variant: str, num_makers: int, num_ranks: int, total_items: int, profile: bool = False):
-    batches = max(1, total_items // (BATCH * num_makers))
+def run_once(groups, ranks, done, variant: str, num_makers: int, num_ranks: int, batch: int, total_items: int,
+             profile: bool = False):
+    batches = max(1, total_items // (batch * num_makers))
     coord = ray.remote(num_cpus=0)(BenchCoordinator).remote(
-        num_ranks=num_ranks, num_makers=num_makers, buffer_size=2 * BATCH, max_staleness=10**9,
+        num_ranks=num_ranks, num_makers=num_makers, buffer_size=2 * batch, max_staleness=10**9,
         items_per_version=10**12, routing="round_robin")
     ray.get([coord.ready.remote(), done.set.remote(False)])
     # logical makers spread over the maker-group processes
     share = collections.defaultdict(list)
     for m in range(num_makers):
         share[m % len(groups)].append(m)
-    expected = sum(ray.get([groups[g].prepare.remote(ms, batches) for g, ms in share.items()]))
+    expected = sum(ray.get([groups[g].prepare.remote(ms, batches, batch) for g, ms in share.items()]))
     before = ray.get(coord.probe.remote())
     if profile:
         ray.get(coord.profile_start.remote())
     t0 = time.time()
     sent_refs = [groups[g].run.remote(coord, variant) for g in share]
-    rank_refs = [ranks[r].run.remote(coord, r, BATCH, 0.5, done) for r in range(num_ranks)]
+    rank_refs = [ranks[r].run.remote(coord, r, batch, 0.5, done) for r in range(num_ranks)]
     ray.get(sent_refs)
     ray.get(done.set.remote(True))
     results = ray.get(rank_refs)
@@ -184,9 +185,9 @@ def main():
     ranks = [Rank.remote() for _ in range(8)]
     done = Flag.remote()
     ray.get([a.__ray_ready__.remote() for a in groups + ranks + [done]])
-    grid = [("ref", m, r) for m, r in [(1, 1), (4, 1), (16, 1), (64, 1), (4, 4), (16, 4), (64, 4), (16, 8), (64, 8)]]
-    grid += [("inline", 16, 4), ("inline", 64, 8)]
-    run_once(groups, ranks, done, "ref", 4, 2, 2048)  # warm-up
+    grid = [("inline", m, r, BATCH) for m, r in [(1, 1), (4, 1), (16, 1), (64, 1), (4, 4), (16, 4), (64, 4), (16, 8), (64, 8)]]
+    grid += [("ref", 16, 4, BATCH), ("ref", 64, 8, BATCH), ("inline", 16, 4, 4 * BATCH), ("ref", 16, 4, 4 * BATCH)]
+    run_once(groups, ranks, done, "inline", 4, 2, BATCH, 2048)  # warm-up
     runs = collections.defaultdict(list)
     for _ in range(args.repeats):  # interleaved: every configuration once per round
         for cfg in grid:
@@ -196,17 +197,17 @@ def main():
     rows = []
     for cfg in grid:
         rs = runs[cfg]
-        rows.append([cfg[0], cfg[1], cfg[2], median([r["items_per_s"] for r in rs]), median([r["mb_per_s"] for r in rs]),
+        rows.append([cfg[0], cfg[1], cfg[2], cfg[3], median([r["items_per_s"] for r in rs]), median([r["mb_per_s"] for r in rs]),
                      median([r["us_per_item"] for r in rs]), median([r["coord_cpu_us"] for r in rs]),
                      max(r["rss_mb"] for r in rs), sum(r["expected"] for r in rs), sum(r["unique"] for r in rs),
                      sum(r["lost"] for r in rs), sum(r["dup"] for r in rs)])
-    print(f"Coordinator scale: {item_bytes()} B of tensor data per item, {BATCH} items per send and per pull, "
+    print(f"Coordinator scale: {item_bytes()} B of tensor data per item, one batch per send and per pull, "
           f"{args.items} items per run, median of {args.repeats} interleaved runs after a warm-up\n")
-    print(table(["variant", "makers", "ranks", "items/s", "MB/s", "wall us/item", "coordinator CPU us/item",
+    print(table(["variant", "makers", "ranks", "items per batch", "items/s", "MB/s", "wall us/item", "coordinator CPU us/item",
                  "coordinator RSS MiB", "sent (all runs)", "received unique", "lost", "duplicated"], rows))
     if args.profile:
-        print("\ncProfile of the coordinator (ref, 16 makers x 4 ranks):\n", file=sys.stderr)
-        print(run_once(groups, ranks, done, "ref", 16, 4, args.items, profile=True)["profile"], file=sys.stderr)
+        print("\ncProfile of the coordinator (inline, 16 makers x 4 ranks):\n", file=sys.stderr)
+        print(run_once(groups, ranks, done, "inline", 16, 4, BATCH, args.items, profile=True)["profile"], file=sys.stderr)
 
 
 if __name__ == "__main__":

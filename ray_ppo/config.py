@@ -56,6 +56,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 ROUTINGS = ("round_robin", "modulo")
+TRANSPORTS = ("inline", "ref")
 DATA_FORMATS = ("csv", "parquet", "json")
 QUANTIZATIONS = ("int8",)
 
@@ -247,6 +248,8 @@ class TopologyConfig:
     """How makers pick the training rank of each batch: round_robin or modulo."""
     buffer_size: int = 0
     """Per-rank buffer capacity in items; 0 = 2 * trainer.train_batch_size."""
+    transport: str = "inline"
+    """How a maker's packed batch reaches a rank: inline (through the coordinator's calls) or ref (read from the maker's object store)."""
 
 
 @dataclass
@@ -701,6 +704,7 @@ _RULES: tuple[_Rule, ...] = (
     _non_negative("ppo.max_staleness"),
     _positive("sync.bucket_mb"),
     _one_of("topology.routing", ROUTINGS),
+    _one_of("topology.transport", TRANSPORTS),
     _non_negative("topology.buffer_size", "0 = 2 * trainer.train_batch_size"),
     _non_empty("logging.output_dir", "directory", "for runs/<name>"),
     _positive("toy.num_prompts"),

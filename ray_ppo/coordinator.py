@@ -4,9 +4,8 @@ Responsibilities:
   - hand out prompt batches to makers from the run's prompt dataset (so a dead maker never
     stalls the others, unlike ``streaming_split``'s per-epoch barrier);
   - admit makers only while their policy version is within ``max_staleness`` of the trainer's;
-  - route experience chunks (refs to packed item batches, ``ray_ppo.transport``) into bounded
-    per-rank buffers, counting items (back-pressure: a send waits for space); the payload goes
-    from the maker's ``ray.put`` straight to the rank that pulls it;
+  - route experience chunks (packed item batches, inline or by ref: ``ray_ppo.transport``) into
+    bounded per-rank buffers, by count and version only (back-pressure: a send waits for space);
   - drop, and count, items that became too stale while buffered;
   - relay weight pushes to makers as ObjectRefs (never tensors) and track each maker's version;
   - keep the run's counters, per-step metrics and maker failures.

@@ -1,17 +1,20 @@
-"""How experience travels from a maker to a trainer rank without the coordinator touching it.
+"""How experience travels from a maker to a trainer rank: packed batches, inline or by ref.
 
-A maker packs each batch it makes (``PackedItems``) and ``ray.put``s it once. It sends the
-coordinator an ``ExperienceChunk``: the object's ref (nested in a list, so Ray does not fetch
-it), the item count and the policy version. The coordinator buffers, slices and routes chunks
-by count and version only; the rank that pulls a chunk fetches the payload from the object
-store directly. The coordinator's cost per item is therefore its cost per call divided by the
-batch size, whatever the items hold.
+A maker packs each batch it makes (``PackedItems``: a dozen flat arrays instead of 8 tensors per
+item) and sends the coordinator an ``ExperienceChunk``: the payload, the item count and the
+policy version. The coordinator buffers, slices and routes chunks by count and version only.
+``topology.transport`` chooses the payload:
 
-The maker owns the object (Ray 2.56 removed ``ray.put(_owner=...)``), so a batch sent by a
-maker that dies before a rank fetched it is gone: ``resolve`` counts such items as lost, the
-rank reports them (``Coordinator.lost_in_transit``) and pulls replacements.
+  - ``inline`` (default): the packed batch rides inside the calls, maker -> coordinator -> rank.
+    Cheapest per batch on one node for small items (``benchmarks/coordinator_scale.py``), and the
+    coordinator holds the only copy, so a maker that dies after sending loses nothing.
+  - ``ref``: the maker ``ray.put``s the packed batch once and the chunk carries the ref (nested in
+    a list, so Ray does not fetch it); the rank that pulls the chunk reads the object directly.
+    The coordinator never carries the bytes: for large rollouts, or makers on other nodes than
+    the coordinator. The maker owns the object (Ray 2.56 removed ``ray.put(_owner=...)``), so a
+    batch sent by a maker that dies before a rank fetched it may be gone: ``resolve`` counts such
+    items as lost, the rank reports them (``Coordinator.lost_in_transit``) and pulls replacements.
 
-A chunk may also carry its ``PackedItems`` inline (the in-process tests do; nothing else needs Ray).
 """
 
 from __future__ import annotations

@@ -124,12 +124,12 @@ class MakerWorker:
     @ray.method(concurrency_group="experience_io")
     def send_loop(self) -> dict:
         """Forward made batches to the coordinator, waiting on back-pressure; returns counts.
-        Each batch is put in the object store once; the coordinator relays its ref and the
-        rank that pulls it reads it (``ray_ppo.transport``)."""
+        A batch travels packed, inside the call or by ref (``topology.transport``,
+        ``ray_ppo.transport``)."""
         unsent = 0
         while (entry := self.outbox.get()) is not None:
             items, stats = entry
-            chunk = ExperienceChunk.put(items)
+            chunk = ExperienceChunk.put(items) if self.cfg.topology.transport == "ref" else ExperienceChunk.inline(items)
             accepted = ray.get(self.coordinator.send.remote(self.maker_id, chunk, stats))
             self.sent += accepted
             unsent += len(items) - accepted

@@ -106,7 +106,10 @@ def run_scenario(out_path: str, run_dir: str) -> None:
             # Makers may run 4 versions ahead: the trainer goes on with what is buffered while
             # they restart, and they often hold made batches when their node dies (lost > 0;
             # whether they do depends on timing, so only the accounting is asserted).
-            "ppo.max_staleness=4"])
+            "ppo.max_staleness=4",
+            # By ref, batches the makers sent live in the dead node's object store: lost in
+            # transit (counted, and replaced by the rank) unless a rank had read them already.
+            "topology.transport=ref"])
         trainer = PPOTrainer(cfg)  # its RunConfig has controller_failure_limit=0: fails, never hangs
         seen = {"train_batch_size": cfg.trainer.train_batch_size, "error": None}
         fit = threading.Thread(target=_fit, args=(trainer, seen), daemon=True)

@@ -81,6 +81,7 @@ def test_killed_maker_is_restarted_and_resynced(ray_session, tmp_path):
     assert trainer.history[-1]["weights_in_sync"] == 1.0  # the restarted maker resynced to the last push
     assert accounted(status)
     assert status["counters"]["lost"] >= 0  # prompts that died with the maker are counted, not silently dropped
+    assert status["counters"]["lost_in_transit"] == 0  # inline transport: what it had sent is the coordinator's
     print(f"maker kill: lost {status['counters']['lost']} prompts; run finished "
           f"{time.monotonic() - killed['at']:.1f} s after the kill")
 
