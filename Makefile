@@ -26,20 +26,24 @@ clean:
 	rm -rf $(VENV) runs .cache
 
 # Performance benchmarks (issue 7): each script prints one markdown table; see benchmarks/README.md.
-bench: $(STAMP)
+# TRL's bench-only environment (see bench-peer below).
+TRL_VENV  := .venv-trl
+TRL_PY    := $(TRL_VENV)/bin/python
+TRL_STAMP := $(TRL_VENV)/.installed
+
+# All of them took ~17 min here (benchmarks/README.md), the peer comparison and its venv included.
+bench: $(STAMP) $(TRL_STAMP)
 	$(PY) benchmarks/overlap.py
 	$(PY) benchmarks/weight_sync.py
 	$(PY) benchmarks/coordinator_scale.py
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/lora_int8.py
+	$(PY) benchmarks/peer_trl.py --trl-python $(TRL_PY)
 
-# Peer benchmark (benchmarks/peer_trl.py, ~5 min; not in `bench`, which already takes ~20): TRL's PPO
+# Peer benchmark (benchmarks/peer_trl.py, ~3 min; also the last step of `bench`): TRL's PPO
 # trainer in an environment of its own, since TRL is no project dependency. trl==1.12.0 is the last
 # release with PPO. The constraints are .venv's own versions (pip freeze), so TRL runs on the same
 # torch 2.13.0 CPU build and the same transformers as ours, and pip cannot pull a CUDA torch.
-TRL_VENV  := .venv-trl
-TRL_PY    := $(TRL_VENV)/bin/python
-TRL_STAMP := $(TRL_VENV)/.installed
 
 $(TRL_STAMP): $(STAMP)
 	test -x $(TRL_PY) || $(PYTHON) -m venv $(TRL_VENV)
