@@ -85,7 +85,6 @@ class Coordinator:
         self.num_ranks, self.num_makers = num_ranks, num_makers
         self.buffer_size, self.max_staleness, self.routing = buffer_size, max_staleness, routing
         self.buffers: list[collections.deque[ExperienceChunk]] = [collections.deque() for _ in range(num_ranks)]
-        self.buffered = [0] * num_ranks  # items in each rank's buffer
         self.changed = asyncio.Condition()
         self.counters = Counters()
         self.makers: dict[int, Any] = {}
@@ -172,27 +171,32 @@ class Coordinator:
     def _route(self, chunk: ExperienceChunk, targets: list[int]) -> ExperienceChunk:
         """Place as many of the chunk's items as fit, each on the target rank with the most free
         space (ties round-robin), as one slice per rank; returns the slice that did not fit."""
+        load = {r: self._buffered(r) for r in targets}
         shares = dict.fromkeys(targets, 0)
         for _ in range(chunk.count):
-            if not self._has_space(targets, shares):
+            if all(load[r] >= self.buffer_size for r in targets):
                 break
-            shares[self._pick(targets, shares)] += 1
+            rank = self._pick(targets, load)
+            load[rank] += 1
+            shares[rank] += 1
         for rank, n in shares.items():
             if n:
                 head, chunk = chunk.split(n)
                 self.buffers[rank].append(head)
-                self.buffered[rank] += n
         return chunk
 
-    def _has_space(self, targets: list[int], pending: dict[int, int] | None = None) -> bool:
-        pending = pending or {}
-        return any(self.buffered[r] + pending.get(r, 0) < self.buffer_size for r in targets)
+    def _buffered(self, rank: int) -> int:
+        """Items in ``rank``'s buffer."""
+        return sum(chunk.count for chunk in self.buffers[rank])
 
-    def _pick(self, targets: list[int], pending: dict[int, int]) -> int:
-        """The target rank with the most free space; ties go round-robin."""
+    def _has_space(self, targets: list[int]) -> bool:
+        return any(self._buffered(r) < self.buffer_size for r in targets)
+
+    def _pick(self, targets: list[int], load: dict[int, int]) -> int:
+        """The target rank with the least ``load`` (the most free space); ties go round-robin."""
         self._rr += 1
         order = targets[self._rr % len(targets):] + targets[:self._rr % len(targets)]
-        return min(order, key=lambda r: self.buffered[r] + pending[r])
+        return min(order, key=load.__getitem__)
 
     def _record_maker_stats(self, maker_id: int, stats: dict) -> None:
         state = self.maker_state[maker_id]
@@ -227,7 +231,6 @@ class Coordinator:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     self.buffers[rank].extendleft(reversed(out))
-                    self.buffered[rank] += got
                     raise TimeoutError(await self._stall_report(rank, n, got, timeout_s))
                 try:
                     await asyncio.wait_for(self.changed.wait(), timeout=min(remaining, 1.0))
@@ -249,7 +252,6 @@ class Coordinator:
                 buffer.appendleft(rest)
             out.append(chunk)
             taken += chunk.count
-        self.buffered[rank] -= taken
         return taken
 
     async def lost_in_transit(self, rank: int, n: int) -> None:
@@ -269,11 +271,10 @@ class Coordinator:
         oldest_allowed = self.trainer_version - self.max_staleness
         buffer = self.buffers[rank]
         fresh = [chunk for chunk in buffer if chunk.policy_version >= oldest_allowed]
-        dropped = self.buffered[rank] - sum(chunk.count for chunk in fresh)
+        dropped = self._buffered(rank) - sum(chunk.count for chunk in fresh)
         if dropped:
             buffer.clear()
             buffer.extend(fresh)
-            self.buffered[rank] -= dropped
             self.counters.discarded += dropped
             self.counters.in_flight -= dropped
 
@@ -390,7 +391,7 @@ class Coordinator:
         """Counters, versions and maker states, for metrics and tests."""
         return {"counters": asdict(self.counters), "trainer_version": self.trainer_version,
                 "data": self.data_state(), "rank_pids": dict(self.rank_pids), "node_id": _node_id(),
-                "buffered": list(self.buffered),
+                "buffered": [self._buffered(r) for r in range(self.num_ranks)],
                 "makers": {i: asdict(s) for i, s in self.maker_state.items()},
                 "pushes": list(self.push_log)}
 
