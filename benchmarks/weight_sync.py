@@ -5,9 +5,8 @@
 The driver plays rank 0 (``WeightPublisher.publish``: ``make_buckets`` + one ``ray.put`` per
 bucket + ``Coordinator.publish_weights``). The real ``Coordinator`` actor relays the refs with
 ``_push_to`` (weights_start, one weights_chunk per bucket with the ref nested, weights_end).
-The receivers are small actors with the same concurrency groups and the same
-staging-then-``load_state_dict``-under-a-lock code as ``MakerWorker`` (copied from
-ray_ppo/makers/actor.py), holding a ``GPT2LMHeadModel`` of the pushed shape: a real
+The receivers are small actors with the same concurrency groups as ``MakerWorker``, staging
+with the same ``sync.StagedPush`` and then ``load_state_dict`` under a lock, holding a ``GPT2LMHeadModel`` of the pushed shape: a real
 ``MakerWorker`` builds its models from a Config, which would add a reference model, critic and
 tokenizer the sync path does not touch. Models: random weights in GPT-2 shapes from
 ``GPT2Config`` (no training): ~100 MB = 4 layers x 256 wide, ~1 GB = 16 layers x 1024 wide
@@ -36,7 +35,7 @@ import ray
 import torch
 
 from ray_ppo.coordinator import Coordinator
-from ray_ppo.sync import bucket_nbytes, make_buckets, tied_aliases, unpack_bucket
+from ray_ppo.sync import StagedPush, bucket_nbytes, make_buckets, split_state, tied_aliases
 
 SHAPES = {"100M": dict(n_layer=4, n_embd=256, n_head=4), "1G": dict(n_layer=16, n_embd=1024, n_head=16),
           "500M": dict(n_layer=8, n_embd=1024, n_head=16)}
@@ -74,21 +73,20 @@ class Receiver:
     @ray.method(concurrency_group="model_io")
     def weights_start(self, version: int, num_chunks: int, meta: dict) -> None:
         self.log[version] = {"start": time.time()}
-        self.staging = {"version": version, "num_chunks": num_chunks, "meta": meta, "tensors": {}, "seen": set()}
+        self.staging = StagedPush(version, num_chunks, meta)
 
     @ray.method(concurrency_group="model_io")
     def weights_chunk(self, version: int, index: int, bucket_ref: list) -> None:
-        if self.staging is None or self.staging["version"] != version:
+        if self.staging is None or self.staging.version != version:
             return
-        self.staging["tensors"].update(unpack_bucket(ray.get(bucket_ref[0])))
-        self.staging["seen"].add(index)
+        self.staging.add(index, ray.get(bucket_ref[0]))
 
     @ray.method(concurrency_group="model_io")
     def weights_end(self, version: int) -> bool:
         staged, self.staging = self.staging, None
-        if staged is None or staged["version"] != version or len(staged["seen"]) != staged["num_chunks"]:
+        if staged is None or not staged.complete(version):
             return False
-        state = {k.removeprefix("actor."): v for k, v in staged["tensors"].items() if k.startswith("actor.")}
+        state, _ = split_state(staged.tensors)
         start = time.perf_counter()
         with self.model_lock:
             self.model.load_state_dict(state, strict=False)  # tied lm_head comes through wte, as in MakerWorker

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -102,6 +102,26 @@ def unpack_bucket(bucket: Bucket) -> dict[str, torch.Tensor]:
                 continue
             out[meta.name] = torch.from_numpy(array).view(dtype).reshape(meta.shape)
     return out
+
+
+@dataclass
+class StagedPush:
+    """A weight push being received, from chunk_start to chunk_end: the tensors of the buckets
+    that arrived (views of the pushed buffers, no copy) until all ``num_chunks`` are in."""
+
+    version: int
+    num_chunks: int
+    meta: dict
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    seen: set[int] = field(default_factory=set)
+
+    def add(self, index: int, bucket: Bucket) -> None:
+        self.tensors.update(unpack_bucket(bucket))
+        self.seen.add(index)
+
+    def complete(self, version: int) -> bool:
+        """Every bucket of push ``version`` arrived."""
+        return version == self.version and len(self.seen) == self.num_chunks
 
 
 def bucket_nbytes(bucket: Bucket) -> int:

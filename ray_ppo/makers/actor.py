@@ -26,7 +26,7 @@ import torch
 from ray_ppo.config import Config
 from ray_ppo.data import PromptEncoder
 from ray_ppo.models.quantize import quantize_for_generation
-from ray_ppo.sync import fingerprint, join_state, split_state, tied_aliases, unpack_bucket
+from ray_ppo.sync import StagedPush, fingerprint, join_state, split_state, tied_aliases
 from ray_ppo.transport import ExperienceChunk
 
 CONCURRENCY_GROUPS = {"compute": 1, "experience_io": 1, "model_io": 1}
@@ -59,7 +59,7 @@ class MakerWorker:
         self.version = 0
         self.model_lock = threading.Lock()
         self.outbox: queue.Queue = queue.Queue(maxsize=SEND_QUEUE_BATCHES)
-        self.staging: dict | None = None
+        self.staging: StagedPush | None = None
         self.made = 0
         self.sent = 0
         self.pause_s = 0.0
@@ -139,24 +139,23 @@ class MakerWorker:
     @ray.method(concurrency_group="model_io")
     def weights_start(self, version: int, num_chunks: int, meta: dict) -> None:
         """chunk_start: begin staging push ``version`` (any unfinished earlier push is dropped)."""
-        self.staging = {"version": version, "num_chunks": num_chunks, "meta": meta, "tensors": {}, "seen": set()}
+        self.staging = StagedPush(version, num_chunks, meta)
 
     @ray.method(concurrency_group="model_io")
     def weights_chunk(self, version: int, index: int, bucket_ref: list) -> None:
         """One bucket of push ``version``; the ref comes nested so it is fetched here, zero-copy."""
-        if self.staging is None or self.staging["version"] != version:
+        if self.staging is None or self.staging.version != version:
             return
-        self.staging["tensors"].update(unpack_bucket(ray.get(bucket_ref[0])))
-        self.staging["seen"].add(index)
+        self.staging.add(index, ray.get(bucket_ref[0]))
 
     @ray.method(concurrency_group="model_io")
     def weights_end(self, version: int) -> bool:
         """chunk_end: swap the staged weights in under the model lock. False if the push is incomplete."""
         staged, self.staging = self.staging, None
-        if staged is None or staged["version"] != version or len(staged["seen"]) != staged["num_chunks"]:
+        if staged is None or not staged.complete(version):
             return False
-        actor_state, critic_state = split_state(staged["tensors"])
-        partial = bool(staged["meta"].get("partial"))  # LoRA-only: adapters and value head
+        actor_state, critic_state = split_state(staged.tensors)
+        partial = bool(staged.meta.get("partial"))  # LoRA-only: adapters and value head
         _check_keys(self.float_actor, actor_state, partial, "actor")  # before touching any weight
         _check_keys(self.maker.critic, critic_state, partial, "critic")
         start = time.perf_counter()
@@ -167,8 +166,8 @@ class MakerWorker:
             self.maker.critic.load_state_dict(critic_state, strict=False)
             if self.cfg.maker.quantization:
                 self.maker.actor = quantize_for_generation(self.float_actor, self.cfg.maker.quantization)
-            if "kl_coef" in staged["meta"]:
-                self.maker.advantage.kl_coef = staged["meta"]["kl_coef"]
+            if "kl_coef" in staged.meta:
+                self.maker.advantage.kl_coef = staged.meta["kl_coef"]
             self.version = version
             self.pushes_loaded += 1
         self.pause_s += time.perf_counter() - start
