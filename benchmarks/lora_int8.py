@@ -23,7 +23,7 @@ import torch
 from ray_ppo.models import Critic, SamplingParams, generate, load_tokenizer
 from ray_ppo.models.lora import apply_lora, trainable_names
 from ray_ppo.models.quantize import quantize_for_generation
-from ray_ppo.sync import bucket_nbytes, make_buckets, tied_aliases
+from ray_ppo.sync import bucket_nbytes, join_state, make_buckets, push_aliases
 from ray_ppo.tasks.toy import make_prompts, reward
 
 
@@ -44,9 +44,8 @@ def models(kind: str):
 
 def bytes_row(kind: str, rank: int = 8) -> dict:
     actor, critic = models(kind)
-    aliases = tied_aliases(actor)  # a full push sends tied tensors once, as the trainer does
-    full = push_bytes({**{f"actor.{k}": v for k, v in actor.state_dict().items() if k not in aliases},
-                       **{f"critic.{k}": v for k, v in critic.state_dict().items()}})
+    aliases = push_aliases(actor, critic)  # a full push sends tied tensors once, as the trainer does
+    full = push_bytes({k: v for k, v in join_state(actor.state_dict(), critic.state_dict()).items() if k not in aliases})
     actor = apply_lora(actor, rank, 16.0)
     critic.backbone = apply_lora(critic.backbone, rank, 16.0, task_type=None)
     names = {f"actor.{n}" for n in trainable_names(actor)} | {f"critic.{n}" for n in trainable_names(critic)}

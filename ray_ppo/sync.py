@@ -83,6 +83,11 @@ def tied_aliases(model: torch.nn.Module) -> set[str]:
     return set(model.state_dict()) - canonical
 
 
+def push_aliases(actor: torch.nn.Module, critic: torch.nn.Module) -> set[str]:
+    """The ``join_state`` names of both models' tied aliases: what a full push leaves out."""
+    return set(join_state(dict.fromkeys(tied_aliases(actor)), dict.fromkeys(tied_aliases(critic))))
+
+
 def make_buckets(state: Mapping[str, torch.Tensor], bucket_mb: float) -> Iterable[Bucket]:
     """Yield the buckets of ``state`` one at a time (so a caller can ``ray.put`` and free each)."""
     for names in _plan(state, max(1, int(bucket_mb * 2**20))):

@@ -175,7 +175,7 @@ def push_new_weights(worker) -> tuple[dict, int, bool]:
     bytes pushed, whether ``weights_end`` loaded it)."""
     import torch
 
-    from ray_ppo.sync import bucket_nbytes, join_state, make_buckets, tied_aliases
+    from ray_ppo.sync import bucket_nbytes, join_state, make_buckets, push_aliases
 
     actor, critic = copy.deepcopy(worker.float_actor).cpu(), copy.deepcopy(worker.maker.critic).cpu()
     torch.manual_seed(1)
@@ -183,7 +183,7 @@ def push_new_weights(worker) -> tuple[dict, int, bool]:
         for p in itertools.chain(actor.parameters(), critic.parameters()):
             p.add_(0.01 * torch.randn_like(p))
     full = join_state(actor.state_dict(), critic.state_dict())
-    aliases = join_state(dict.fromkeys(tied_aliases(actor)), dict.fromkeys(tied_aliases(critic)))
+    aliases = push_aliases(actor, critic)
     buckets = [stored(bucket) for bucket in make_buckets({k: v for k, v in full.items() if k not in aliases}, BUCKET_MB)]
     worker.weights_start(1, len(buckets), {})
     for index, bucket in enumerate(buckets):

@@ -23,7 +23,7 @@ from ray_ppo.build import build_actor, build_critic, learner_params, tokenizer_p
 from ray_ppo.config import Config
 from ray_ppo.models import load_tokenizer
 from ray_ppo.models.lora import trainable_names
-from ray_ppo.sync import bucket_nbytes, fingerprint, join_state, make_buckets, split_state, tied_aliases
+from ray_ppo.sync import bucket_nbytes, fingerprint, join_state, make_buckets, push_aliases, split_state
 from ray_ppo.train.learner import PPOLearner
 from ray_ppo.train.strategies import make_strategy
 from ray_ppo.transport import resolve
@@ -79,8 +79,7 @@ class WeightPublisher:
         unwrap = learner.strategy.unwrap
         self.trainable = {f"actor.{n}" for n in trainable_names(unwrap(learner.actor))}
         self.trainable |= {f"critic.{n}" for n in trainable_names(unwrap(learner.critic))}
-        self.aliases = {f"actor.{n}" for n in tied_aliases(unwrap(learner.actor))}
-        self.aliases |= {f"critic.{n}" for n in tied_aliases(unwrap(learner.critic))}
+        self.aliases = push_aliases(unwrap(learner.actor), unwrap(learner.critic))
 
     def gather(self) -> dict[str, torch.Tensor]:
         """Full actor and critic state dicts, keys prefixed ``actor.`` / ``critic.``."""

@@ -9,7 +9,7 @@ import torch
 from ray_ppo.build import build_experience_maker, maker_device
 from ray_ppo.config import Config, ConfigError
 from ray_ppo.makers.actor import MakerWorker
-from ray_ppo.sync import fingerprint, join_state, make_buckets, tied_aliases, unpack_bucket
+from ray_ppo.sync import fingerprint, join_state, make_buckets, push_aliases, unpack_bucket
 
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
 
@@ -53,7 +53,7 @@ def new_weights(worker: MakerWorker) -> tuple[dict[str, torch.Tensor], dict[str,
         for p in itertools.chain(actor.parameters(), critic.parameters()):
             p.add_(0.1 * torch.randn_like(p))
     full = join_state(actor.state_dict(), critic.state_dict())
-    aliases = join_state(dict.fromkeys(tied_aliases(actor)), dict.fromkeys(tied_aliases(critic)))
+    aliases = push_aliases(actor, critic)
     return full, pushed({k: v for k, v in full.items() if k not in aliases})
 
 
