@@ -48,12 +48,3 @@ def rss_mb(pid: int | None = None) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def hwm_mb(pid: int | None = None) -> float:
-    """Peak resident set size in MiB (VmHWM)."""
-    with open(f"/proc/{pid or 'self'}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")

@@ -23,12 +23,6 @@ def _tensors(obj) -> dict[str, torch.Tensor]:
     return {k: v for k, v in vars(obj).items() if isinstance(v, torch.Tensor)}
 
 
-def _rebuild_item(arrays: dict, reward: float, policy_version: int, uid: str) -> "ExperienceItem":
-    """Inverse of ``ExperienceItem.__reduce__`` (copies, since Ray may hand out read-only buffers)."""
-    tensors = {name: a.clone() if isinstance(a, torch.Tensor) else torch.from_numpy(a.copy()) for name, a in arrays.items()}
-    return ExperienceItem(**tensors, reward=reward, policy_version=policy_version, uid=uid)
-
-
 @dataclass
 class ExperienceItem:
     """One sample, unpadded. Shapes: P_i = prompt length, R_i = response length (>= 1)."""
@@ -64,13 +58,6 @@ class ExperienceItem:
     def num_bytes(self) -> int:
         """Bytes held by the item's tensors (for buffer accounting)."""
         return sum(t.nbytes for t in _tensors(self).values())
-
-    def __reduce__(self):
-        """Pickle tensors as NumPy arrays: items cross process boundaries twice (maker ->
-        coordinator -> trainer), and pickling a NumPy array costs a fraction of a torch tensor
-        (measured in benchmarks/coordinator_scale.py: ~1.2 ms vs ~0.17 ms per item)."""
-        arrays = {name: t.numpy() if t.dtype != torch.bfloat16 else t for name, t in _tensors(self).items()}
-        return _rebuild_item, (arrays, self.reward, self.policy_version, self.uid)
 
 
 def _check_item(i: int, item: ExperienceItem) -> None:
