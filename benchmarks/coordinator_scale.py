@@ -91,7 +91,7 @@ class MakerGroup:
     async def run(self, coordinator, variant: str) -> float:
         async def one(maker_id: int):
             for items in self.batches[maker_id]:
-                chunk = ExperienceChunk.put(items) if variant == "ref" else ExperienceChunk.inline(items)
+                chunk = ExperienceChunk.of(items, variant)
                 await coordinator.send.remote(maker_id, chunk, {"num_prompts": 0})
         await asyncio.gather(*(one(m) for m in self.batches))
         return time.time()

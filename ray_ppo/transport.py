@@ -47,22 +47,27 @@ class ExperienceChunk:
         return dataclasses.replace(self, stop=cut), dataclasses.replace(self, start=cut)
 
     @classmethod
-    def inline(cls, items: Sequence[ExperienceItem], policy_version: int | None = None) -> ExperienceChunk:
-        return cls(PackedItems.pack(items), _version(items, policy_version), 0, len(items))
+    def of(cls, items: Sequence[ExperienceItem], transport: str) -> ExperienceChunk:
+        """``items`` packed for ``transport`` (``topology.transport``): ``inline`` or ``ref``."""
+        return cls.put(items) if transport == "ref" else cls.inline(items)
+
+    @classmethod
+    def inline(cls, items: Sequence[ExperienceItem]) -> ExperienceChunk:
+        return cls(PackedItems.pack(items), _version(items), 0, len(items))
 
     @classmethod
     def put(cls, items: Sequence[ExperienceItem]) -> ExperienceChunk:
         """Pack ``items`` into the object store (owned by the calling process)."""
         import ray
 
-        return cls([ray.put(PackedItems.pack(items))], _version(items, None), 0, len(items))
+        return cls([ray.put(PackedItems.pack(items))], _version(items), 0, len(items))
 
 
-def _version(items: Sequence[ExperienceItem], version: int | None) -> int:
+def _version(items: Sequence[ExperienceItem]) -> int:
     versions = {it.policy_version for it in items}
     if len(versions) > 1:
         raise ValueError(f"a chunk holds items of one policy version; got versions {sorted(versions)}")
-    return version if version is not None else (versions.pop() if versions else 0)
+    return versions.pop() if versions else 0
 
 
 class Fetched(NamedTuple):

@@ -129,7 +129,7 @@ class MakerWorker:
         unsent = 0
         while (entry := self.outbox.get()) is not None:
             items, stats = entry
-            chunk = ExperienceChunk.put(items) if self.cfg.topology.transport == "ref" else ExperienceChunk.inline(items)
+            chunk = ExperienceChunk.of(items, self.cfg.topology.transport)
             accepted = ray.get(self.coordinator.send.remote(self.maker_id, chunk, stats))
             self.sent += accepted
             unsent += len(items) - accepted

@@ -28,7 +28,7 @@ def item(version: int, uid: str) -> ExperienceItem:
 
 def items(n: int, version: int = 0, prefix: str = "m0") -> ExperienceChunk:
     """A chunk of ``n`` items carried inline (what a maker sends, minus the object store)."""
-    return ExperienceChunk.inline([item(version, f"{prefix}-{i}") for i in range(n)], version)
+    return ExperienceChunk.inline([item(version, f"{prefix}-{i}") for i in range(n)])
 
 
 def uids(chunks: list[ExperienceChunk]) -> list[str]:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ray_ppo.algo import ExperienceItem
+from ray_ppo.algo import ExperienceItem, PackedItems
 from ray_ppo.transport import ExperienceChunk, resolve
 
 
@@ -51,3 +51,8 @@ def test_items_whose_payload_died_with_its_owner_are_counted_lost(monkeypatch):
     got, lost = resolve(chunks)
     assert [it.uid for it in got] == ["a0", "a1"]
     assert lost == 4
+
+
+def test_inline_transport_carries_the_packed_items_in_the_chunk():
+    chunk = ExperienceChunk.of([item("a"), item("b")], "inline")
+    assert isinstance(chunk.payload, PackedItems) and (chunk.count, chunk.policy_version) == (2, 3)
