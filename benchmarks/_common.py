@@ -30,6 +30,24 @@ def table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+ONE_MAKER_ONE_WORKER = {
+    "maker.num_makers": 1, "maker.num_cpus": 1, "maker.torch_threads": 1,
+    "trainer.num_workers": 1, "trainer.cpus_per_worker": 1, "trainer.torch_threads": 1,
+    "logging.progress": False, "logging.tensorboard": False, "logging.report_every": 1000,
+    "data.path": str(ROOT / "data" / "toy_prompts.csv"),
+}
+"""The detached run of the timing benchmarks: one maker and one trainer worker, one torch
+thread each, on the toy prompts, no progress bar, TensorBoard or per-step Ray Train reports."""
+
+
+def tiny_config(out: str, overrides: dict):
+    """``configs/tiny.yaml`` with ``ONE_MAKER_ONE_WORKER``, run directory ``out``, then ``overrides``."""
+    from ray_ppo.config import load_config
+
+    return load_config(str(ROOT / "configs" / "tiny.yaml")).with_overrides(
+        {**ONE_MAKER_ONE_WORKER, "logging.output_dir": out, **overrides})
+
+
 def init_ray(num_cpus: int = 8, object_store_gb: float | None = None):
     import ray
 

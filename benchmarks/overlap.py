@@ -22,10 +22,8 @@ import collections
 import sys
 import tempfile
 
-import _common
-from _common import init_ray, median, table
+from _common import init_ray, median, table, tiny_config
 
-from ray_ppo.config import load_config
 
 SETTINGS = {
     "generation-dominated": {"maker.max_new_tokens": 48, "trainer.ppo_epochs": 1, "trainer.mini_batch_size": 64},
@@ -34,13 +32,7 @@ SETTINGS = {
 
 
 def config(setting: str, steps: int, out: str, threads: int = 1):
-    cfg = load_config(str(_common.ROOT / "configs" / "tiny.yaml"))
-    return cfg.with_overrides({
-        **SETTINGS[setting], "maker.num_makers": 1, "maker.torch_threads": 1, "maker.num_cpus": 1,
-        "trainer.num_workers": 1, "trainer.cpus_per_worker": 1, "trainer.torch_threads": threads,
-        "trainer.total_steps": steps, "logging.output_dir": out, "logging.progress": False,
-        "logging.tensorboard": False, "logging.report_every": 1000,
-        "data.path": str(_common.ROOT / "data" / "toy_prompts.csv")})
+    return tiny_config(out, {**SETTINGS[setting], "trainer.torch_threads": threads, "trainer.total_steps": steps})
 
 
 def rate(history: list[dict], skip: int, batch: int) -> float:

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 import _common
-from _common import median, table
+from _common import median, table, tiny_config
 
 VARIANTS = ("trl", "trl+gc.freeze", "ours sync", "ours detached")
 TRL_VARIANTS = ("trl", "trl+gc.freeze")
@@ -212,17 +212,12 @@ def trl_run(seed: int, samples: int, skip: int, reward_updates: int, freeze: boo
 # -- ours ----------------------------------------------------------------------------------------
 
 def our_config(seed: int, samples: int, out: str):
-    from ray_ppo.config import load_config
-
-    return load_config(str(_common.ROOT / "configs" / "tiny.yaml")).with_overrides({
+    return tiny_config(out, {
         "seed": seed, "data.path": str(PROMPTS), "maker.batch_size": BATCH, "maker.max_new_tokens": RESPONSE_LEN,
-        "maker.temperature": 1.0, "maker.num_makers": 1, "maker.num_cpus": 1, "maker.torch_threads": 1,
-        "trainer.num_workers": 1, "trainer.cpus_per_worker": 1, "trainer.torch_threads": 1,
+        "maker.temperature": 1.0,
         "trainer.total_steps": samples // BATCH, "trainer.train_batch_size": BATCH, "trainer.mini_batch_size": BATCH,
         "trainer.ppo_epochs": 1, "trainer.actor_lr": LR, "trainer.critic_lr": LR, "trainer.lr_schedule": "constant",
-        "ppo.kl_coef": KL_COEF, "ppo.eps_clip": CLIP, "ppo.value_clip": CLIP, "ppo.gamma": 1.0, "ppo.lam": 1.0,
-        "logging.output_dir": out, "logging.progress": False, "logging.tensorboard": False,
-        "logging.report_every": 1000})
+        "ppo.kl_coef": KL_COEF, "ppo.eps_clip": CLIP, "ppo.value_clip": CLIP, "ppo.gamma": 1.0, "ppo.lam": 1.0})
 
 
 def sync_run(seed: int, samples: int, skip: int, reward_updates: int, gc_clock: GcClock) -> dict:
