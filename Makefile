@@ -19,7 +19,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/ray-ppo train --config configs/tiny.yaml --output runs/demo
 
+# The whole suite: the pinned ColossalAI tests in their own environment (see test-colossalai
+# below), then the main environment's tests, so CI keeps both alive.
 test: $(STAMP)
+	$(MAKE) test-colossalai
 	$(PY) -m pytest -q -ra
 
 clean:
