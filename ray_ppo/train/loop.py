@@ -175,6 +175,7 @@ def _train_loop(loop_config: dict) -> None:
     latest = ray.get(coordinator.status.remote())["trainer_version"]
     behind = latest > version
     version = latest + 1 if behind else version
+    _rewind_prompts(coordinator, first_step - 1, rank)
     if restored or behind or cfg.maker.wait_for_weights:  # makers start from these weights
         state = publisher.gather()
         if rank == 0:
@@ -183,7 +184,7 @@ def _train_loop(loop_config: dict) -> None:
     run_start = time.perf_counter()
     for step in range(first_step, cfg.trainer.total_steps + 1):
         step_start = time.perf_counter()
-        items = _pull(coordinator, rank, cfg.trainer.train_batch_size, version, cfg.trainer.pull_timeout_s)
+        items = _pull(coordinator, rank, cfg.trainer.train_batch_size, version, cfg.trainer.pull_timeout_s, step)
         wait_s = time.perf_counter() - step_start
 
         train_start = time.perf_counter()
@@ -217,26 +218,37 @@ def _train_loop(loop_config: dict) -> None:
                 metrics["weights_in_sync"] = _verify_makers(coordinator, version, fingerprint(state))
             if ckpt_due:
                 run_state = {"step": step, "policy_version": version, "kl_ctl": kl_ctl.state_dict(),
-                             "data": ray.get(coordinator.data_state.remote())}
+                             "data": ray.get(coordinator.data_state.remote(step))}
                 checkpoint = checkpoints.write(state, optim_state, run_state)
             coordinator.record_metrics.remote(metrics)
         if is_last or ckpt_due or step % cfg.logging.report_every == 0:
             ray.train.report(metrics, checkpoint=checkpoint)
 
 
-def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float) -> list[ExperienceItem]:
-    """``n`` items from the coordinator. Items lost with a dead maker are reported and replaced.
+def _rewind_prompts(coordinator: Any, step: int, rank: int) -> None:
+    """Prompts trained after ``step`` by an earlier worker group of this run (``FailureConfig``
+    restart) are served again, since their training was lost with its weights. Rank 0 asks, and
+    no rank pulls before it is done (a no-op for a fresh or resumed run)."""
+    if rank == 0:
+        ray.get(coordinator.rewind.remote(step))
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+
+
+def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, step: int) -> list[ExperienceItem]:
+    """``n`` items from the coordinator for ``step``. Items lost with a dead maker are reported
+    (their prompts are served again) and replaced.
     The coordinator's errors (maker failure, stall) are re-raised as themselves, so the run's
     error message is the coordinator's one-line diagnosis."""
     items: list[ExperienceItem] = []
     while len(items) < n:
         try:
-            chunks = ray.get(coordinator.pull.remote(rank, n - len(items), version, timeout_s, os.getpid()))
+            chunks = ray.get(coordinator.pull.remote(rank, n - len(items), version, timeout_s, os.getpid(), step))
         except ray.exceptions.RayTaskError as e:
             raise e.as_instanceof_cause() from None
         fetched = resolve(chunks)
         if fetched.lost:
-            ray.get(coordinator.lost_in_transit.remote(rank, fetched.lost))
+            ray.get(coordinator.lost_in_transit.remote(rank, fetched.lost, fetched.lost_prompt_ids))
         items += fetched.items
     return items
 

@@ -350,12 +350,12 @@ def test_send_returns_the_reserved_prompts():
 class HeldFeed:
     """A prompt feed whose next batch is read only once ``release`` is set."""
 
-    epoch, position, first_prompt = 0, 0, None
+    epoch, first_prompt = 0, None
 
     def __init__(self, texts: list[str]):
         self.texts, self.release = texts, asyncio.Event()
 
-    async def next(self) -> PromptBatch:
+    async def next(self, maker_id: int, n: int) -> PromptBatch:
         await self.release.wait()
         return PromptBatch(self.texts, epoch=0)
 
