@@ -108,6 +108,7 @@ class Coordinator:
         self.push_log: list[tuple[int, int]] = []  # (version, bytes) of every push
         self.push_tasks: set[asyncio.Task] = set()
         self.metrics: list[dict] = []
+        self.checkpoints: list[tuple[int, Any]] = []  # (step, ray.train.Checkpoint) as Ray Train stored them
         self.rank_pids: dict[int, int | None] = {}  # process of each trainer rank, for diagnostics
         self.finished = False
         self.last_item_at = time.monotonic()
@@ -394,6 +395,13 @@ class Coordinator:
 
     def metrics_since(self, index: int) -> list[dict]:
         return self.metrics[index:]
+
+    def checkpoint_saved(self, step: int, checkpoint: Any) -> None:
+        """Rank 0 reported the checkpoint of ``step`` and Ray Train stored it (the driver publishes it)."""
+        self.checkpoints.append((step, checkpoint))
+
+    def checkpoints_since(self, index: int) -> list[tuple[int, Any]]:
+        return self.checkpoints[index:]
 
     def data_state(self, step: int | None = None) -> dict:
         """Where a run resumed from the checkpoint of ``step`` continues the prompt stream, by

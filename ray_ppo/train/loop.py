@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -118,10 +119,16 @@ class CheckpointWriter:
         self._actor.load_state_dict(actor_state)
         self._critic.load_state_dict(critic_state)
         directory = Path(tempfile.mkdtemp(prefix="ray_ppo_ckpt_"))
-        self._actor.save_pretrained(directory / "actor")
-        load_tokenizer(tokenizer_path(self.cfg)).save_pretrained(directory / "actor")
-        self._critic.save_pretrained(directory / "critic")
-        write_trainer_state(directory, actor_state, critic_state, optim_state, run_state)
+        try:
+            self._actor.save_pretrained(directory / "actor")
+            load_tokenizer(tokenizer_path(self.cfg)).save_pretrained(directory / "actor")
+            self._critic.save_pretrained(directory / "critic")
+            write_trainer_state(directory, actor_state, critic_state, optim_state, run_state)
+        except OSError as e:  # a full disk: no partial checkpoint is left, the previous one is intact
+            shutil.rmtree(directory, ignore_errors=True)
+            raise OSError(e.errno, f"the checkpoint of step {run_state['step']} could not be written ({e}); "
+                                   f"RUN_DIR/checkpoint still holds the previous one: free space, then "
+                                   f"ray-ppo train --resume RUN_DIR") from None
         return ray.train.Checkpoint.from_directory(str(directory))
 
 
@@ -223,6 +230,17 @@ def _train_loop(loop_config: dict) -> None:
             coordinator.record_metrics.remote(metrics)
         if is_last or ckpt_due or step % cfg.logging.report_every == 0:
             ray.train.report(metrics, checkpoint=checkpoint)
+            if checkpoint is not None:
+                _announce_checkpoint(coordinator, step)
+
+
+def _announce_checkpoint(coordinator: Any, step: int) -> None:
+    """Tell the driver, through the coordinator, where Ray Train stored the checkpoint of ``step``:
+    it switches ``RUN_DIR/checkpoint`` to it while the run goes on. Rank 0 only."""
+    for reported in reversed(ray.train.get_all_reported_checkpoints()):
+        if reported.metrics.get("step") == step:
+            ray.get(coordinator.checkpoint_saved.remote(step, reported.checkpoint))
+            return
 
 
 def _rewind_prompts(coordinator: Any, step: int, rank: int) -> None:
