@@ -309,7 +309,9 @@ class MakerMonitor:
                 "maker_idle_ratio": min(1.0, delta["idle_s"] / (n * step_s)),
                 "items_produced": float(counters["produced"]), "items_consumed": float(counters["consumed"]),
                 "items_discarded": float(counters["discarded"]), "items_in_flight": float(counters["in_flight"]),
-                "items_lost_in_transit": float(counters["lost_in_transit"])}
+                "items_lost_in_transit": float(counters["lost_in_transit"]),
+                "prompts_trained": float(counters["prompts_trained"]),
+                "prompts_requeued": float(counters["prompts_requeued"])}
 
 
 def _verify_makers(coordinator: Any, version: int, expected: str) -> float:
