@@ -148,6 +148,8 @@ class PPOTrainer(TorchTrainer):
             self._kill_actors()
         if not result.metrics and self.history:
             result.metrics = dict(self.history[-1])
+        if result.checkpoint is not None and "step" in result.metrics:  # in case no rank announced it
+            publisher.publish(int(result.metrics["step"]), result.checkpoint)
         return result
 
     def _register_sigint_handler(self, controller) -> None:

@@ -136,9 +136,12 @@ class CheckpointPublisher:
                 return
             for step, checkpoint in new:
                 self.seen += 1
-                self._publish(step, checkpoint)
+                self.publish(step, checkpoint)
 
-    def _publish(self, step: int, checkpoint: Any) -> None:
+    def publish(self, step: int, checkpoint: Any) -> None:
+        """Publish the checkpoint of ``step`` (a ``ray.train.Checkpoint``) unless it already is."""
+        if step == self.published_step:
+            return
         try:
             with checkpoint.as_directory() as directory:
                 publish_checkpoint(directory, self.run_dir, step, keep=self.keep)
