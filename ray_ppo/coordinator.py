@@ -419,7 +419,8 @@ class Coordinator:
     def status(self) -> dict:
         """Counters, versions and maker states, for metrics and tests."""
         return {"counters": self.counters.with_prompts(self.ledger), "trainer_version": self.trainer_version,
-                "data": self.data_state(), "rank_pids": dict(self.rank_pids), "node_id": _node_id(),
+                "data": {**self.ledger.summary(), "first_prompt": self._prompts.first_prompt if self._prompts else None},
+                "rank_pids": dict(self.rank_pids), "node_id": _node_id(),
                 "buffered": [self._buffered(r) for r in range(self.num_ranks)],
                 "makers": {i: asdict(s) for i, s in self.maker_state.items()},
                 "pushes": list(self.push_log)}

@@ -228,6 +228,12 @@ class PromptLedger:
                 "epoch": watermark // self.num_prompts, "watermark": watermark, "next": self.next_serial,
                 "done": done, "trained": trained}
 
+    def summary(self) -> dict:
+        """Where the stream stands, cheaply (no per-prompt lists): for status and metrics."""
+        return {"epoch": self.epoch, "watermark": self.watermark, "next": self.next_serial,
+                "retry": len(self.retry), "buffered_prompts": len(self.buffered),
+                "at_makers": sum(map(len, self.at_maker.values()))}
+
     def _restore(self, start: dict) -> None:
         if "position" in start and "watermark" not in start:  # format of checkpoints before prompt ids
             start = {"num_prompts": self.num_prompts, "watermark": start["epoch"] * self.num_prompts + start["position"],
