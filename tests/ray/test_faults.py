@@ -119,6 +119,14 @@ def test_killed_trainer_worker_restarts_from_checkpoint(ray_session, tmp_path):
     assert all(m["restarts"] == 0 for m in status["makers"].values())  # makers and coordinator survived
     assert trainer.history[-1]["weights_in_sync"] == 1.0
     assert accounted(status)
+    # Exactly once: what the killed group trained after its checkpoint was served again (rewound),
+    # and the final checkpoint's log holds each prompt once, over steps 1..6.
+    with result.checkpoint.as_directory() as directory:
+        state = validate_checkpoint(directory)
+    trained = trained_ids(state)
+    assert len(trained) == 6 * 16 == len(set(trained))
+    assert [s for s, _ in state["data"]["trained"]] == [1, 2, 3, 4, 5, 6]
+    assert status["counters"]["prompts_requeued"] > 0
 
 
 def test_killed_coordinator_fails_the_run_clearly(ray_session, tmp_path):
