@@ -45,7 +45,12 @@ class PromptLedger:
     to done, requeue what was not trained, and save/restore all of it at a checkpoint."""
 
     def __init__(self, shuffle: bool = False, seed: int = 0, start: dict | None = None):
-        self.shuffle, self.seed, self.start = shuffle, seed, start
+        """``start``: a checkpoint's ``state()``; its stream (shuffle, seed) wins over the arguments,
+        so a resumed run keeps its prompt order whatever ``data.shuffle`` / ``seed`` say now."""
+        start = start or None
+        self.shuffle = bool(start.get("shuffle", shuffle)) if start else shuffle
+        self.seed = int(start.get("seed", seed)) if start else seed
+        self.start = start
         self.num_prompts: int | None = None  # known once the prompts are loaded (``configure``)
         self.next_serial = 0
         self.watermark = 0                      # first serial not done

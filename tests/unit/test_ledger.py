@@ -138,3 +138,11 @@ def test_exactly_once_across_random_crashes_with_three_makers(seed):
 def blank(prompt_id: int) -> bool:
     """Which prompts of the simulated data are blank (a property of the row, as for real text)."""
     return prompt_id % 23 % 7 == 3
+
+
+def test_a_resumed_stream_keeps_its_order_whatever_the_config_says_now():
+    led = ledger(10, shuffle=True, seed=5)
+    first = led.take(4, 0)
+    state = led.state()
+    resumed = ledger(10, start=state, shuffle=False, seed=0)  # e.g. data.shuffle changed on resume
+    assert resumed.take(10, 0) == first + ledger(10, shuffle=True, seed=5).take(10, 0)[4:10]
