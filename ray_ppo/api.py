@@ -37,6 +37,8 @@ ACTOR_READY_TIMEOUT_S = 300.0
 SHUTDOWN_TIMEOUT_S = 30.0
 """How long makers get to finish their loops after the last step before they are killed."""
 POLL_S = 0.5
+ABORT_WAIT_S = 2.0
+"""How long fit() waits for Ray Train's controller to acknowledge an abort (Ctrl-C)."""
 KILL_WAIT_S = 10.0
 """How long fit() waits for killed actors to disappear from Ray's list of named actors."""
 OUTSIDE_CALLER_PLACEMENT_GROUP = "DEFAULT"
@@ -158,10 +160,12 @@ class PPOTrainer(TorchTrainer):
         self._controller = controller
 
     def _abort_controller(self) -> None:
+        """Ask Ray Train's controller to stop the worker group; wait briefly (it goes on in the
+        background, and a ``ray.shutdown()`` ends it anyway)."""
         if self._controller is not None:
             try:
-                ray.get(self._controller.abort.remote(), timeout=SHUTDOWN_TIMEOUT_S / 3)
-            except Exception:  # already gone, or not answering: ray.shutdown() ends it anyway
+                ray.wait([self._controller.abort.remote()], timeout=ABORT_WAIT_S)
+            except Exception:  # already gone
                 pass
 
     def _watch_makers(self) -> None:
