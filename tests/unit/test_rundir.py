@@ -67,3 +67,16 @@ def test_resume_messages(tmp_path):
     assert nothing_to_do(run, 4, 10) is None
     assert nothing_to_do(run, 4, 4) == (f"run {run} has already trained 4 steps (trainer.total_steps=4): nothing to do; "
                                         f"to train further: ray-ppo train --resume {run} trainer.total_steps=8")
+
+
+def test_a_resumed_run_keeps_the_history_up_to_its_checkpoint_on_disk_at_once(tmp_path):
+    """The rows after the checkpoint are dropped in one rename: a resume killed before its first
+    step (kill -9: no flush, no close) still leaves steps 1..checkpoint in metrics.jsonl."""
+    from ray_ppo.config import Config
+    from ray_ppo.tracking import RunDirectory, read_metrics
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, 6)))
+    RunDirectory(run, Config(), resume_after_step=3)  # never closed, as if killed
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
