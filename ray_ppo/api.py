@@ -111,7 +111,9 @@ class PPOTrainer(TorchTrainer):
         run_config = run_config or RunConfig(
             name=f"{config.name}-{self.namespace.rsplit('.', 1)[-1]}", storage_path=str(Path(self.ppo_config.output_dir).resolve() / "ray_train"),
             failure_config=FailureConfig(max_failures=t.max_failures, controller_failure_limit=0),
-            checkpoint_config=CheckpointConfig(num_to_keep=t.keep_checkpoints))
+            # Ray keeps one more than RUN_DIR needs at 1, so the newest is never deleted
+            # before the driver has published it.
+            checkpoint_config=CheckpointConfig(num_to_keep=max(t.keep_checkpoints, 2)))
         super().__init__(
             train_loop_per_worker,
             train_loop_config={"config": self.ppo_config.to_dict(), "handles": dataclasses.asdict(RunHandles(self.namespace)),
