@@ -30,7 +30,7 @@ TOTAL_STEPS = 6
 NUM_MAKERS = 2
 TRAINER_NODE = {"num_cpus": 1, "resources": {"trainer_node": 1}}
 NODE_HEALTH_CHECK = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
-SCENARIO_TIMEOUT_S = 420
+SCENARIO_TIMEOUT_S = 900  # minutes on a loaded 2-core machine: four raylets, the models built twice
 POLL_S = 0.1
 
 
@@ -43,6 +43,8 @@ def test_trainer_node_lost_midrun_restarts_from_the_checkpoint(tmp_path):
     try:
         proc = subprocess.run([sys.executable, __file__, str(out), str(tmp_path / "run")], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the scenario timed out; it got as far as: {out.read_text() if out.exists() else 'nothing'}")
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -95,7 +97,9 @@ def run_scenario(out_path: str, run_dir: str) -> None:
         seen = {"train_batch_size": cfg.trainer.train_batch_size, "error": None}
         fit = threading.Thread(target=_fit, args=(trainer, seen), daemon=True)
         fit.start()  # Cluster.add_node/remove_node only work from the main thread
+        save = lambda: Path(out_path).write_text(json.dumps({**seen, "history": trainer.history}, default=str))  # noqa: E731
         _wait_for(lambda: len(trainer.history) >= 1)
+        save()
         rank_nodes = [_node_of(_status(trainer)["rank_pids"][0])]
         spare = cluster.add_node(**TRAINER_NODE)
         checkpoint = Path(run_dir) / "checkpoint" / "state.json"
@@ -105,11 +109,13 @@ def run_scenario(out_path: str, run_dir: str) -> None:
         seen.update(checkpoint_step=saved["step"], killed_after_step=trainer.history[-1]["step"],
                     trained_after_checkpoint=status["counters"]["prompts_trained"] - len(
                         [p for _, ids in saved["data"]["trained"] for p in ids]))
+        save()
         killed_at = time.monotonic()
         cluster.remove_node(trainer_node, allow_graceful=False)
         old_pid = status["rank_pids"][0]
         _wait_for(lambda: _status(trainer).get("rank_pids", {}).get(0) not in (None, old_pid))
         seen["restart_s"] = time.monotonic() - killed_at
+        save()
         rank_nodes.append(_node_of(_status(trainer)["rank_pids"][0]))
         fit.join(timeout=SCENARIO_TIMEOUT_S)
         seen.update(history=trainer.history, final_status=trainer.final_status, rank_nodes=rank_nodes,

@@ -121,6 +121,7 @@ def past_checkpoint(run: Path, after: int = 0):
     return check
 
 
+@pytest.mark.timeout(4 * RUN_TIMEOUT_S)
 def test_ctrl_c_stops_the_run_and_resume_continues_it(tmp_path):
     run = tmp_path / "run"
     args = ["--config", "configs/tiny.yaml", "--output", str(run), f"data.path={prompts_csv(tmp_path, 64)}",
@@ -163,6 +164,7 @@ def test_ctrl_c_stops_the_run_and_resume_continues_it(tmp_path):
     assert (run / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
 def test_a_run_that_fails_before_its_first_step_leaves_the_directory_as_it_was(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -180,6 +182,7 @@ def test_a_run_that_fails_before_its_first_step_leaves_the_directory_as_it_was(t
     print(f"failed before its first step: exit {code} after {time.monotonic() - started:.0f} s")
 
 
+@pytest.mark.timeout(4 * RUN_TIMEOUT_S)
 def test_killed_driver_resumed_twice_trains_every_prompt_exactly_once(tmp_path):
     """kill -9 of the driver twice, with 3 makers generating (prompts in flight at each kill),
     then a resume to the end: by prompt identity, every prompt of the first epoch is trained
