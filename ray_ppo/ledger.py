@@ -183,10 +183,12 @@ class PromptLedger:
     # -- done and undone -------------------------------------------------------------------------
     def _mark_done(self, pid: int) -> None:
         self.done.add(pid)
+        epoch = self.watermark // self.num_prompts
         while self.watermark < self.next_serial and (first := self.prompt_id(self.watermark)) in self.done:
             self.done.discard(first)
             self.watermark += 1
-        self._prune_log()
+        if self.watermark // self.num_prompts != epoch:  # an epoch completed: the log can shrink
+            self._prune_log()
 
     def _undo_trained(self, pid: int) -> bool:
         """Forget that ``pid`` was trained (it is trained again later); False if it was not."""
