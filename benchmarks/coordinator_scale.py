@@ -124,7 +124,7 @@ class Rank:
                 if ray.get(done.get.remote()):
                     break  # the makers are done: what is left is drained by the driver
                 continue
-            items, lost = resolve(chunks)
+            items, lost, _ = resolve(chunks)
             assert lost == 0
             calls += 1
             last = time.time()

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import ray
-from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -28,6 +28,7 @@ from ray_ppo.coordinator import Coordinator
 from ray_ppo.data import read_prompt_dataset, select_prompt_column
 from ray_ppo.makers.actor import maker_actor_class
 from ray_ppo.models.tiny import resolve_pretrained
+from ray_ppo.rundir import CheckpointPublisher
 from ray_ppo.tasks.toy import make_prompts
 from ray_ppo.train.loop import RunHandles, train_loop_per_worker
 
@@ -36,6 +37,8 @@ ACTOR_READY_TIMEOUT_S = 300.0
 SHUTDOWN_TIMEOUT_S = 30.0
 """How long makers get to finish their loops after the last step before they are killed."""
 POLL_S = 0.5
+ABORT_WAIT_S = 2.0
+"""How long fit() waits for Ray Train's controller to acknowledge an abort (Ctrl-C)."""
 KILL_WAIT_S = 10.0
 """How long fit() waits for killed actors to disappear from Ray's list of named actors."""
 OUTSIDE_CALLER_PLACEMENT_GROUP = "DEFAULT"
@@ -107,7 +110,10 @@ class PPOTrainer(TorchTrainer):
         # resuming is explicit (resume_from).
         run_config = run_config or RunConfig(
             name=f"{config.name}-{self.namespace.rsplit('.', 1)[-1]}", storage_path=str(Path(self.ppo_config.output_dir).resolve() / "ray_train"),
-            failure_config=FailureConfig(max_failures=0, controller_failure_limit=0))
+            failure_config=FailureConfig(max_failures=t.max_failures, controller_failure_limit=0),
+            # Ray keeps one more than RUN_DIR needs at 1, so the newest is never deleted
+            # before the driver has published it.
+            checkpoint_config=CheckpointConfig(num_to_keep=max(t.keep_checkpoints, 2)))
         super().__init__(
             train_loop_per_worker,
             train_loop_config={"config": self.ppo_config.to_dict(), "handles": dataclasses.asdict(RunHandles(self.namespace)),
@@ -117,23 +123,52 @@ class PPOTrainer(TorchTrainer):
         self.makers: dict[int, Any] = {}
         self.final_status: dict = {}
         self.maker_summaries: list[dict] = []
+        self.interrupted = False
+        self._controller = None
 
     # -- the run ---------------------------------------------------------------------------------
     def fit(self):
-        """Start coordinator and makers, train, stop them; returns the ``ray.train.Result``."""
+        """Start coordinator and makers, train, stop them; returns the ``ray.train.Result``.
+
+        Each checkpoint is published to ``output_dir/checkpoint`` as soon as Ray Train stored it.
+        Ctrl-C (``KeyboardInterrupt``) aborts the run within seconds, sets ``interrupted``, and
+        is re-raised once the run's actors are gone."""
         self._start_actors()
-        poller = _MetricsPoller(self.coordinator, self._on_metrics, self._watch_makers)
+        publisher = CheckpointPublisher(self.coordinator, Path(self.ppo_config.output_dir).resolve(),
+                                        self.ppo_config.trainer.keep_checkpoints)
+        poller = _MetricsPoller(self.coordinator, self._on_metrics, lambda: (self._watch_makers(), publisher.poll()))
         poller.start()
         try:
             result = super().fit()
             poller.stop()
             self._finish_actors()
+        except KeyboardInterrupt:
+            self.interrupted = True
+            self._abort_controller()
+            raise
         finally:
             poller.stop()
+            publisher.poll()  # what was stored before the run ended, also when it failed
             self._kill_actors()
         if not result.metrics and self.history:
             result.metrics = dict(self.history[-1])
+        if result.checkpoint is not None and "step" in result.metrics:  # in case no rank announced it
+            publisher.publish(int(result.metrics["step"]), result.checkpoint)
         return result
+
+    def _register_sigint_handler(self, controller) -> None:
+        """Ray Train's own handler swallows Ctrl-C (it aborts the run and later exits with status
+        0 or 1, without a word). Keep Python's: ``fit()`` sees a ``KeyboardInterrupt`` and aborts."""
+        self._controller = controller
+
+    def _abort_controller(self) -> None:
+        """Ask Ray Train's controller to stop the worker group; wait briefly (it goes on in the
+        background, and a ``ray.shutdown()`` ends it anyway)."""
+        if self._controller is not None:
+            try:
+                ray.wait([self._controller.abort.remote()], timeout=ABORT_WAIT_S)
+            except Exception:  # already gone
+                pass
 
     def _watch_makers(self) -> None:
         """A maker loop that ended with an error (a dead maker out of restarts, or a raised

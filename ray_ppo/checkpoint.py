@@ -15,6 +15,7 @@ Nothing is ever unpickled: weights are safetensors and ``optimizer.pt`` is read 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -112,30 +113,63 @@ def load_trainer_state(directory: str | Path) -> tuple[dict, dict, dict, dict]:
 
 
 KEEP_CHECKPOINTS = 2
-"""Complete checkpoints kept in ``RUN_DIR/checkpoints/`` (the newest is ``RUN_DIR/checkpoint``)."""
+"""Complete checkpoints kept in ``RUN_DIR/checkpoints/`` by default (``trainer.keep_checkpoints``);
+the newest is ``RUN_DIR/checkpoint``."""
+STORE = "checkpoints"
+LINK = "checkpoint"
 
 
-def publish_checkpoint(source: str | Path, run_dir: str | Path, step: int) -> Path:
-    """Copy a checkpoint into ``run_dir/checkpoints/step_<N>`` and point ``run_dir/checkpoint`` at it.
+def publish_checkpoint(source: str | Path, run_dir: str | Path, step: int, keep: int = KEEP_CHECKPOINTS) -> Path:
+    """Put a checkpoint into ``run_dir/checkpoints/step_<N>`` and point ``run_dir/checkpoint`` at it.
 
-    The copy goes to a temporary directory that is renamed when complete, and the link is
-    swapped with one atomic ``os.replace``: a crash at any moment leaves ``run_dir/checkpoint``
-    on the previous complete checkpoint or on the new one, never on a partial copy.
+    Files are hard-linked where the file system allows (Ray Train's copy under
+    ``run_dir/ray_train`` and this one then share their bytes), else copied. The copy goes to a
+    temporary directory that is renamed when complete, and the link is swapped with one atomic
+    ``os.replace``: a crash, a full disk or Ctrl-C at any moment leaves ``run_dir/checkpoint`` on
+    the previous complete checkpoint or on the new one, never on a partial copy. A write that
+    fails (``OSError``, e.g. ``ENOSPC``) removes its partial copy and re-raises. Then all but
+    the ``keep`` newest checkpoints up to this one are removed. Publishing the same step twice
+    is a no-op.
     """
     run_dir = Path(run_dir)
-    store = run_dir / "checkpoints"
+    store = run_dir / STORE
     store.mkdir(parents=True, exist_ok=True)
     final = store / f"step_{step:08d}"
-    staging = store / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-    shutil.copytree(source, staging)
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(staging, final)
-    link, tmp_link = run_dir / "checkpoint", run_dir / f".checkpoint-{uuid.uuid4().hex[:8]}"
-    os.symlink(Path("checkpoints") / final.name, tmp_link)
+    if not final.exists():
+        staging = store / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            shutil.copytree(source, staging, copy_function=_link_or_copy)
+            os.rename(staging, final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    _point_at(run_dir, final)
+    for stale in sorted(p for p in store.glob("step_*") if p.name < final.name)[:-(keep - 1) or None]:
+        shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise
+        shutil.copy2(src, dst)
+
+
+def _point_at(run_dir: Path, final: Path) -> None:
+    """Swap ``run_dir/checkpoint`` to ``final`` atomically (a relative symlink)."""
+    link, tmp_link = run_dir / LINK, run_dir / f".checkpoint-{uuid.uuid4().hex[:8]}"
+    os.symlink(Path(STORE) / final.name, tmp_link)
     if link.is_dir() and not link.is_symlink():
         shutil.rmtree(link)
     os.replace(tmp_link, link)
-    for stale in sorted(p for p in store.glob("step_*") if p != final)[:-(KEEP_CHECKPOINTS - 1) or None]:
-        shutil.rmtree(stale, ignore_errors=True)
-    return final
+
+
+def linked_step(run_dir: str | Path) -> int | None:
+    """The step ``run_dir/checkpoint`` holds, or None if there is none."""
+    try:
+        return int(read_state(Path(run_dir) / LINK)["step"])
+    except CheckpointError:
+        return None

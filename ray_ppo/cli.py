@@ -6,6 +6,7 @@
     ray-ppo toy-data DIR
 
 Bad input (unknown key, bad value, missing file) prints one line and exits with status 2.
+Ctrl-C stops a run within seconds with status 130 and a line saying how to resume it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from ray_ppo.checkpoint import CheckpointError
 from ray_ppo.config import ConfigError, load_config
 from ray_ppo.data import DataError
+from ray_ppo.rundir import RunDirError
 
 EXIT_USAGE = 2
 
@@ -40,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="RUN_DIR",
                        help="continue a stopped run from RUN_DIR/checkpoint (its config.yaml unless --config is "
                             "given; overrides such as trainer.total_steps=200 extend it)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace the run already in the output directory (it is removed once this run completes a step)")
     train.add_argument("--address", help="attach to a running Ray cluster (e.g. auto or ray://host:10001) "
                                          "instead of starting a local one")
     train.add_argument("--num-cpus", type=int, default=None,
@@ -63,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     local = sub.add_parser("local", help="the synchronous single-process PPO loop (no Ray)",
                            description="Generate, then train, in one process: the baseline of the benchmarks.")
     _config_args(local)
+    local.add_argument("--overwrite", action="store_true", help="replace the run already in the output directory")
     toy = sub.add_parser("toy-data", help="write the toy task's prompt files (CSV and Parquet)")
     toy.add_argument("directory")
     toy.add_argument("--num-prompts", type=int, default=512)
@@ -75,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"train": cmd_train, "tune": cmd_tune, "local": cmd_local, "toy-data": cmd_toy_data}[args.command](args)
-    except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
+    except (ConfigError, DataError, CheckpointError, RunDirError, FileNotFoundError) as e:
         print(f"ray-ppo {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
@@ -138,29 +143,36 @@ def cmd_train(args) -> int:
     import ray
 
     from ray_ppo.api import PPOTrainer
-    from ray_ppo.checkpoint import publish_checkpoint, validate_checkpoint
+    from ray_ppo.rundir import claim_run_dir, nothing_to_do, resume_point, stopped_line
 
     resume_from, resume_state = None, None
     if args.resume:
-        run = Path(args.resume)
-        args.config = args.config or str(run / "config.yaml")
-        args.output = args.output or str(run)
-        resume_from = run / "checkpoint"
-        resume_state = validate_checkpoint(resume_from)
+        args.config = args.config or str(Path(args.resume) / "config.yaml")
+        args.output = args.output or args.resume
+        resume_from, resume_state = resume_point(args.resume)
     cfg = _load(args)
     out_dir = Path(cfg.output_dir).resolve()
-    callbacks, close = _run_outputs(cfg, out_dir, resume_state["step"] if resume_state else None)
-    _init_ray(args)
-    start = time.perf_counter()
-    trainer = PPOTrainer(cfg, metrics_callbacks=callbacks, resume_from=resume_from)
+    if resume_state and (line := nothing_to_do(args.resume, resume_state["step"], cfg.trainer.total_steps)):
+        print(line)
+        return 0
+    claim = claim_run_dir(out_dir, resume=bool(args.resume), overwrite=args.overwrite)
+    history: list[dict] = []
     try:
-        result = trainer.fit()
+        callbacks, close = _run_outputs(cfg, out_dir, resume_state["step"] if resume_state else None)
+        _init_ray(args)
+        start = time.perf_counter()
+        # Checkpoints reach out_dir/checkpoint as they are written (PPOTrainer.fit publishes them).
+        trainer = PPOTrainer(cfg, metrics_callbacks=[claim.started, history.append, *callbacks], resume_from=resume_from)
+        try:
+            trainer.fit()
+        finally:
+            close(trainer.history)
+            ray.shutdown()
+    except KeyboardInterrupt:
+        print(stopped_line("train", out_dir, history[-1]["step"] if history else None), file=sys.stderr)
+        return 130
     finally:
-        close(trainer.history)
-        ray.shutdown()
-    if result.checkpoint is not None:
-        with result.checkpoint.as_directory() as directory:
-            publish_checkpoint(directory, out_dir, int(result.metrics.get("step", cfg.trainer.total_steps)))
+        claim.release()
     print(_summary(trainer.history, time.perf_counter() - start, out_dir))
     return 0
 
@@ -244,15 +256,21 @@ def _ranking(trials: list[dict], keys: list[str], metric: str, mode: str) -> str
 def cmd_local(args) -> int:
     from ray_ppo.local import run_local
 
+    from ray_ppo.rundir import claim_run_dir
+
     cfg = _load(args)
     out_dir = Path(cfg.output_dir).resolve()
-    callbacks, close = _run_outputs(cfg, out_dir)
-    start = time.perf_counter()
-    history: list[dict] = []
+    claim = claim_run_dir(out_dir, overwrite=args.overwrite)
     try:
-        history = run_local(cfg, on_metrics=lambda m: [callback(m) for callback in callbacks])
+        callbacks, close = _run_outputs(cfg, out_dir)
+        start = time.perf_counter()
+        history: list[dict] = []
+        try:
+            history = run_local(cfg, on_metrics=lambda m: [callback(m) for callback in [claim.started, *callbacks]])
+        finally:
+            close(history)
     finally:
-        close(history)
+        claim.release()
     print(_summary(history, time.perf_counter() - start, out_dir))
     return 0
 

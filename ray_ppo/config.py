@@ -194,6 +194,10 @@ class TrainerConfig:
     """torch.set_num_threads in each training worker."""
     checkpoint_every: int = 0
     """Checkpoint every this many steps; 0 = checkpoint only at the end."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept, by Ray Train (CheckpointConfig.num_to_keep) and in RUN_DIR/checkpoints/."""
+    max_failures: int = 0
+    """Times Ray Train restarts a failed worker group from the last checkpoint (FailureConfig.max_failures)."""
     pull_timeout_s: float = 120.0
     """Seconds a rank waits for a training batch from the makers before failing."""
     max_nonfinite_updates: int = 10
@@ -690,6 +694,8 @@ _RULES: tuple[_Rule, ...] = (
     _non_negative("trainer.max_grad_norm", "0 disables clipping"),
     _positive("trainer.torch_threads"),
     _non_negative("trainer.checkpoint_every", "0 = checkpoint only at the end"),
+    _positive("trainer.keep_checkpoints"),
+    _non_negative("trainer.max_failures", "0 = a failed worker group ends the run"),
     _positive("trainer.pull_timeout_s"),
     _non_negative("ppo.kl_coef"),
     _one_of("ppo.kl_estimator", KL_ESTIMATORS),

@@ -8,7 +8,9 @@ Responsibilities:
     bounded per-rank buffers, by count and version only (back-pressure: a send waits for space);
   - drop, and count, items that became too stale while buffered;
   - relay weight pushes to makers as ObjectRefs (never tensors) and track each maker's version;
-  - keep the run's counters, per-step metrics and maker failures.
+  - keep the run's counters, per-step metrics and maker failures;
+  - follow every prompt by identity until it is trained (``ray_ppo.ledger``): prompts whose
+    items are discarded or lost are served again, so each is trained on exactly once.
 
 ``Coordinator`` is a plain class whose methods are coroutines; ``ray.remote`` turns it into an
 async actor where it is created. All its methods run on one event loop (one concurrency group),
@@ -19,11 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ray_ppo.ledger import PromptLedger
 from ray_ppo.routing import receivers
 from ray_ppo.transport import ExperienceChunk
 
@@ -45,6 +47,12 @@ class Counters:
     blank_prompts: int = 0     # prompts skipped because they were empty
     truncated_prompts: int = 0 # prompts cut to ``data.max_prompt_len`` tokens
     epochs: int = 0            # full passes over the prompt dataset started
+    prompts_trained: int = 0   # prompts all of whose items were pulled for a step (each counted once)
+    prompts_requeued: int = 0  # prompts served again: items discarded, lost, or trained in redone steps
+
+    def with_prompts(self, ledger: PromptLedger) -> dict:
+        """These counters with the ledger's prompt counts filled in."""
+        return {**asdict(self), "prompts_trained": ledger.counts["trained"], "prompts_requeued": ledger.counts["requeued"]}
 
 
 @dataclass
@@ -53,6 +61,8 @@ class PromptBatch:
 
     texts: list[str]
     epoch: int
+    ids: list[int] = field(default_factory=list)
+    """Prompt id of each text (``ray_ppo.ledger``); the maker tags the items it makes with them."""
 
 
 @dataclass
@@ -98,11 +108,13 @@ class Coordinator:
         self.push_log: list[tuple[int, int]] = []  # (version, bytes) of every push
         self.push_tasks: set[asyncio.Task] = set()
         self.metrics: list[dict] = []
+        self.checkpoints: list[tuple[int, Any]] = []  # (step, ray.train.Checkpoint) as Ray Train stored them
         self.rank_pids: dict[int, int | None] = {}  # process of each trainer rank, for diagnostics
         self.finished = False
         self.last_item_at = time.monotonic()
         self._rr = 0
-        self._prompts = PromptFeed(prompts, prompt_batch_size, shuffle, seed, data_start) if prompts is not None else None
+        self.ledger = PromptLedger(shuffle, seed, data_start)
+        self._prompts = PromptFeed(prompts, self.ledger) if prompts is not None else None
 
     # -- set-up ---------------------------------------------------------------------------------
     def register_makers(self, handles: dict[int, Any]) -> None:
@@ -123,11 +135,12 @@ class Coordinator:
             if self.finished or state.restarts != restarts:
                 return None
             self._reserve(maker_id, self.prompt_batch_size)  # before any await, so admission sees it
-        batch = await self._prompts.next()
+        batch = await self._prompts.next(maker_id, self.prompt_batch_size)
         self.counters.prompts_served += len(batch.texts)
         self.counters.epochs = self._prompts.epoch + 1
         if state.restarts != restarts:  # maker_restarted counted the reservation as lost: make it the batch
             self.counters.lost += len(batch.texts) - self.prompt_batch_size
+            self.ledger.give_back(maker_id, batch.ids)
             return None
         self._reserve(maker_id, len(batch.texts) - self.prompt_batch_size)
         return batch
@@ -156,6 +169,7 @@ class Coordinator:
         self.counters.in_flight += chunk.count
         self._reserve(maker_id, -stats.get("num_prompts", 0))
         self._record_maker_stats(maker_id, stats)
+        self.ledger.returned(maker_id, stats.get("prompt_ids", ()), chunk.item_prompt_ids())
         targets = receivers(self.routing, maker_id, self.num_makers, self.num_ranks)
         rest = chunk
         async with self.changed:
@@ -207,9 +221,9 @@ class Coordinator:
         self.counters.truncated_prompts += stats.get("truncated", 0)
 
     async def pull(self, rank: int, n: int, trainer_version: int, timeout_s: float,
-                   pid: int | None = None) -> list[ExperienceChunk]:
+                   pid: int | None = None, step: int | None = None) -> list[ExperienceChunk]:
         """Chunks holding ``n`` items for ``rank``, none older than ``trainer_version - max_staleness``
-        (``ray_ppo.transport.resolve`` fetches their items).
+        (``ray_ppo.transport.resolve`` fetches their items). Their prompts count as trained at ``step``.
 
         Raises ``RuntimeError`` if a maker failed, ``TimeoutError`` (with what was seen) when
         nothing arrives for ``timeout_s``.
@@ -238,6 +252,7 @@ class Coordinator:
                     pass
             self.counters.consumed += got
             self.counters.in_flight -= got
+            self.ledger.consumed((pid for chunk in out for pid in chunk.item_prompt_ids()), step)
             self.consumed_at_version += got
             self.changed.notify_all()
         return out
@@ -254,9 +269,11 @@ class Coordinator:
             taken += chunk.count
         return taken
 
-    async def lost_in_transit(self, rank: int, n: int) -> None:
-        """Rank ``rank`` pulled ``n`` items whose payload died with their maker: not consumed after all."""
+    async def lost_in_transit(self, rank: int, n: int, prompt_ids: list[int] = ()) -> None:
+        """Rank ``rank`` pulled ``n`` items whose payload died with their maker: not consumed after
+        all; their prompts (``prompt_ids``, one per item) are served again."""
         self.counters.consumed -= n
+        self.ledger.requeue(prompt_ids)
         self.consumed_at_version = max(0, self.consumed_at_version - n)
         self.counters.lost_in_transit += n
         async with self.changed:
@@ -273,6 +290,8 @@ class Coordinator:
         fresh = [chunk for chunk in buffer if chunk.policy_version >= oldest_allowed]
         dropped = self._buffered(rank) - sum(chunk.count for chunk in fresh)
         if dropped:
+            stale = (pid for chunk in buffer if chunk.policy_version < oldest_allowed for pid in chunk.item_prompt_ids())
+            self.ledger.requeue(stale)
             buffer.clear()
             buffer.extend(fresh)
             self.counters.discarded += dropped
@@ -309,6 +328,7 @@ class Coordinator:
         to the initial ones, so it gets the latest push again before it may generate."""
         state = self.maker_state[maker_id]
         self.counters.lost += state.reserved
+        self.ledger.maker_lost(maker_id)
         self.reserved -= state.reserved
         state.reserved, state.version = 0, 0
         state.restarts += 1
@@ -376,21 +396,31 @@ class Coordinator:
     def metrics_since(self, index: int) -> list[dict]:
         return self.metrics[index:]
 
-    def data_state(self) -> dict:
-        """Where a resumed run should continue the prompt stream: the current epoch, and the
-        prompts of it served so far minus those whose items are not trained on yet (buffered or
-        being generated). Exact with one maker; with several, the count is exact and the
-        order approximate (makers finish batches out of order)."""
-        if self._prompts is None:
-            return {"epoch": 0, "position": 0}
-        pending = self.counters.in_flight + self.reserved
-        return {"epoch": max(self._prompts.epoch, 0), "position": max(0, self._prompts.position - pending),
-                "first_prompt": self._prompts.first_prompt}
+    def checkpoint_saved(self, step: int, checkpoint: Any) -> None:
+        """Rank 0 reported the checkpoint of ``step`` and Ray Train stored it (the driver publishes it)."""
+        self.checkpoints.append((step, checkpoint))
+
+    def checkpoints_since(self, index: int) -> list[tuple[int, Any]]:
+        return self.checkpoints[index:]
+
+    def data_state(self, step: int | None = None) -> dict:
+        """Where a run resumed from the checkpoint of ``step`` continues the prompt stream, by
+        prompt identity (``PromptLedger.state``): prompts not trained by ``step`` are served again."""
+        return {**self.ledger.state(step), "first_prompt": self._prompts.first_prompt if self._prompts else None}
+
+    async def rewind(self, step: int) -> int:
+        """The trainer's worker group restarted from the checkpoint of ``step``: prompts trained
+        after it are served again. Returns how many."""
+        requeued = self.ledger.rewind(step)
+        async with self.changed:
+            self.changed.notify_all()
+        return requeued
 
     def status(self) -> dict:
         """Counters, versions and maker states, for metrics and tests."""
-        return {"counters": asdict(self.counters), "trainer_version": self.trainer_version,
-                "data": self.data_state(), "rank_pids": dict(self.rank_pids), "node_id": _node_id(),
+        return {"counters": self.counters.with_prompts(self.ledger), "trainer_version": self.trainer_version,
+                "data": {**self.ledger.summary(), "first_prompt": self._prompts.first_prompt if self._prompts else None},
+                "rank_pids": dict(self.rank_pids), "node_id": _node_id(),
                 "buffered": [self._buffered(r) for r in range(self.num_ranks)],
                 "makers": {i: asdict(s) for i, s in self.maker_state.items()},
                 "pushes": list(self.push_log)}
@@ -410,47 +440,41 @@ def _node_id() -> str | None:
 
 
 class PromptFeed:
-    """Iterates the prompt dataset in batches, epoch after epoch (reshuffled each epoch).
+    """Serves the prompt dataset's texts in the ledger's order (``ray_ppo.ledger``), epoch after epoch.
 
-    Ray Data iteration blocks, so it runs in a worker thread of the coordinator's event loop.
+    The texts are read once, in file order (Ray Data keeps the order only when asked:
+    ``execution_options.preserve_order``), and kept in the coordinator: a prompt id names a row,
+    so the same row must come back at the same index on every read, also after a resume. The
+    read blocks, so it runs in a worker thread of the coordinator's event loop.
     """
 
-    def __init__(self, dataset: Any, batch_size: int, shuffle: bool, seed: int, start: dict | None = None):
-        dataset.context.enable_progress_bars = False  # the driver shows the run's progress
-        self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
-        self.epoch = start["epoch"] - 1 if start else -1
-        self.start_position = start["position"] if start else 0  # prompts to skip in the first epoch
-        self.position = 0  # prompts served in the current epoch (skipped ones included)
+    def __init__(self, dataset: Any, ledger: PromptLedger):
+        self.dataset, self.ledger = dataset, ledger
+        self.texts: list[str | None] | None = None
         self.first_prompt: str | None = None  # the first prompt this feed served (where a resume restarted)
-        self._iter = None
         self._lock = asyncio.Lock()
 
-    def _epoch_prompts(self):
-        """The prompts of one epoch in order; the epoch's shuffle depends on seed + epoch only."""
-        ds = self.dataset.random_shuffle(seed=self.seed + self.epoch) if self.shuffle else self.dataset
-        for batch in ds.iter_batches(batch_size=self.batch_size, batch_format="numpy", drop_last=False):
-            yield from (None if v is None else str(v) for v in batch["prompt"].tolist())
+    @property
+    def epoch(self) -> int:
+        return self.ledger.epoch
 
-    def _next_blocking(self) -> list[str]:
-        for _ in range(2):  # at most one epoch roll-over per call
-            if self._iter is None:
-                self.epoch += 1
-                self.position, skip, self.start_position = 0, self.start_position, 0
-                self._iter = self._epoch_prompts()
-                for _ in range(skip):  # resume: these prompts were used before the checkpoint
-                    if next(self._iter, StopIteration) is StopIteration:
-                        break
-                    self.position += 1
-            batch = list(itertools.islice(self._iter, self.batch_size))
-            if batch:
-                if self.first_prompt is None:
-                    self.first_prompt = batch[0]
-                self.position += len(batch)
-                return batch
-            self._iter = None
-        raise RuntimeError("the prompt dataset is empty")
-
-    async def next(self) -> PromptBatch:
+    async def next(self, maker_id: int, n: int) -> PromptBatch:
         async with self._lock:
-            texts = await asyncio.to_thread(self._next_blocking)
-            return PromptBatch(texts, self.epoch)
+            if self.texts is None:
+                self.texts = await asyncio.to_thread(read_texts, self.dataset)
+                self.ledger.configure(len(self.texts))
+            ids = self.ledger.take(n, maker_id)
+            texts = [self.texts[self.ledger.row(pid)] for pid in ids]
+            if self.first_prompt is None:
+                self.first_prompt = texts[0]
+            return PromptBatch(texts, self.ledger.epoch, ids)
+
+
+def read_texts(dataset: Any, batch_size: int = 4096) -> list[str | None]:
+    """Every prompt text of a Ray Dataset with a ``prompt`` column, in the dataset's order."""
+    dataset.context.enable_progress_bars = False  # the driver shows the run's progress
+    dataset.context.execution_options.preserve_order = True
+    texts: list[str | None] = []
+    for batch in dataset.iter_batches(batch_size=batch_size, batch_format="numpy", drop_last=False):
+        texts.extend(None if v is None else str(v) for v in batch["prompt"].tolist())
+    return texts

@@ -23,6 +23,8 @@ class EncodedPrompts:
     """Token ids of the usable prompts of one batch, and what was dropped or cut."""
 
     ids: list[list[int]] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+    """Index in the input of each entry of ``ids`` (blank prompts have none)."""
     blank: int = 0
     truncated: int = 0
 
@@ -39,7 +41,7 @@ class PromptEncoder:
 
     def encode(self, texts: Sequence[str | None]) -> EncodedPrompts:
         out = EncodedPrompts()
-        for text in texts:
+        for index, text in enumerate(texts):
             if text is None or not str(text).strip():
                 out.blank += 1
                 continue
@@ -51,6 +53,7 @@ class PromptEncoder:
                 ids = ids[-self.max_prompt_len:]
                 out.truncated += 1
             out.ids.append(ids)
+            out.kept.append(index)
         return out
 
     def _tokenize(self, text: str) -> list[int]:

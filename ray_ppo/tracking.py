@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import os
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -122,12 +123,17 @@ class RunDirectory:
         self._trackers = [cls(cfg, self.path) for flag, cls in (("wandb", WandbWriter), ("mlflow", MlflowWriter))
                           if getattr(cfg.logging, flag)]
         (self.path / "config.yaml").write_text(cfg.to_yaml())
-        kept = []
-        if resume_after_step is not None and (self.path / "metrics.jsonl").exists():
-            kept = [r for r in read_metrics(self.path / "metrics.jsonl") if r.get("step", 0) <= resume_after_step]
-        self._metrics = open(self.path / "metrics.jsonl", "w")
-        for row in kept:
-            self._metrics.write(json.dumps(row) + "\n")
+        metrics = self.path / "metrics.jsonl"
+        if resume_after_step is not None and metrics.exists():
+            # Rows of steps after the checkpoint are redone. Replaced in one rename, so a run
+            # killed at any moment keeps the history up to the checkpoint.
+            kept = [r for r in read_metrics(metrics) if r.get("step", 0) <= resume_after_step]
+            tmp = metrics.with_name(f".{metrics.name}.tmp")
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+            os.replace(tmp, metrics)
+            self._metrics = open(metrics, "a")
+        else:
+            self._metrics = open(metrics, "w")
 
     def __call__(self, metrics: dict) -> None:
         self._metrics.write(json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n")

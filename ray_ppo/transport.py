@@ -36,10 +36,17 @@ class ExperienceChunk:
     policy_version: int
     start: int
     stop: int
+    prompt_ids: Any = None
+    """(N,) int64 NumPy array: the prompt id of each item of the payload (``ray_ppo.ledger``),
+    readable without fetching the payload; None for items made outside a prompt stream."""
 
     @property
     def count(self) -> int:
         return self.stop - self.start
+
+    def item_prompt_ids(self) -> list[int]:
+        """The prompt ids of items ``start:stop`` (empty if the payload carries none)."""
+        return [] if self.prompt_ids is None else self.prompt_ids[self.start:self.stop].tolist()
 
     def split(self, n: int) -> tuple[ExperienceChunk, ExperienceChunk]:
         """The first ``n`` items and the rest, as two chunks of the same payload."""
@@ -53,14 +60,14 @@ class ExperienceChunk:
 
     @classmethod
     def inline(cls, items: Sequence[ExperienceItem]) -> ExperienceChunk:
-        return cls(PackedItems.pack(items), _version(items), 0, len(items))
+        return cls(PackedItems.pack(items), _version(items), 0, len(items), _prompt_ids(items))
 
     @classmethod
     def put(cls, items: Sequence[ExperienceItem]) -> ExperienceChunk:
         """Pack ``items`` into the object store (owned by the calling process)."""
         import ray
 
-        return cls([ray.put(PackedItems.pack(items))], _version(items), 0, len(items))
+        return cls([ray.put(PackedItems.pack(items))], _version(items), 0, len(items), _prompt_ids(items))
 
 
 def _version(items: Sequence[ExperienceItem]) -> int:
@@ -70,10 +77,18 @@ def _version(items: Sequence[ExperienceItem]) -> int:
     return versions.pop() if versions else 0
 
 
+def _prompt_ids(items: Sequence[ExperienceItem]):
+    import numpy as np
+
+    return np.array([it.prompt_id for it in items], dtype=np.int64)
+
+
 class Fetched(NamedTuple):
     items: list[ExperienceItem]
     lost: int
     """Items whose payload died with the maker that owned it."""
+    lost_prompt_ids: list[int] = []
+    """The prompt ids of the lost items (their prompts are served again)."""
 
 
 def resolve(chunks: Sequence[ExperienceChunk]) -> Fetched:
@@ -81,14 +96,15 @@ def resolve(chunks: Sequence[ExperienceChunk]) -> Fetched:
     refs = list(dict.fromkeys(c.payload[0] for c in chunks if isinstance(c.payload, list)))  # ObjectRefs hash by id
     fetched = _fetch(refs) if refs else {}
     items: list[ExperienceItem] = []
-    lost = 0
+    lost, lost_ids = 0, []
     for chunk in chunks:
         packed = fetched[chunk.payload[0]] if isinstance(chunk.payload, list) else chunk.payload
         if packed is None:
             lost += chunk.count
+            lost_ids += chunk.item_prompt_ids()
         else:
             items += packed.unpack(chunk.start, chunk.stop)
-    return Fetched(items, lost)
+    return Fetched(items, lost, lost_ids)
 
 
 def _fetch(refs: list) -> dict:

@@ -49,6 +49,9 @@ class ExperienceItem:
     """Version of the policy weights that generated the response."""
     uid: str = ""
     """Unique id ("<maker>-<counter>-<index>"), for accounting."""
+    prompt_id: int = -1
+    """Identity of the prompt the item answers (``ray_ppo.ledger``; several items may share one);
+    -1 outside a prompt stream."""
 
     @property
     def response_length(self) -> int:
@@ -206,6 +209,8 @@ class PackedItems:
     policy_version: object
     """(N,) int64 NumPy array."""
     uids: list[str]
+    prompt_id: object = None
+    """(N,) int64 NumPy array; None means -1 for every item."""
 
     def __len__(self) -> int:
         return len(self.uids)
@@ -224,7 +229,8 @@ class PackedItems:
         return cls(arrays=arrays, prompt_offsets=offsets("prompt_ids"), response_offsets=offsets("response_ids"),
                    reward=np.array([it.reward for it in items], dtype=np.float64),
                    policy_version=np.array([it.policy_version for it in items], dtype=np.int64),
-                   uids=[it.uid for it in items])
+                   uids=[it.uid for it in items],
+                   prompt_id=np.array([it.prompt_id for it in items], dtype=np.int64))
 
     def unpack(self, start: int = 0, stop: int | None = None) -> list[ExperienceItem]:
         """Items ``start:stop``. Their tensors view one writable copy of each field's range (Ray
@@ -241,5 +247,6 @@ class PackedItems:
             out.append(ExperienceItem(prompt_ids=fields["prompt_ids"][p0:p1],
                                       **{name: fields[name][r0:r1] for name in ("response_ids", *PER_TOKEN_FIELDS)},
                                       reward=float(self.reward[i]), policy_version=int(self.policy_version[i]),
-                                      uid=self.uids[i]))
+                                      uid=self.uids[i],
+                                      prompt_id=-1 if self.prompt_id is None else int(self.prompt_id[i])))
         return out

@@ -85,7 +85,7 @@ class MakerWorker:
                 batch = ray.get(self.coordinator.next_prompts.remote(self.maker_id))
                 if batch is None:
                     break
-                self._make_and_queue(batch.texts, waited_s=time.perf_counter() - start)
+                self._make_and_queue(batch.texts, batch.ids, waited_s=time.perf_counter() - start)
         except Exception as e:  # reported in one line; the full traceback stays in this actor's log
             where = traceback.extract_tb(e.__traceback__)[-1]
             summary = f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})"
@@ -103,14 +103,18 @@ class MakerWorker:
                                    f"{self.cfg.trainer.pull_timeout_s:.0f} s (maker.wait_for_weights=true)")
             time.sleep(poll_s)
 
-    def _make_and_queue(self, texts: list[str], waited_s: float) -> None:
+    def _make_and_queue(self, texts: list[str], prompt_ids: list[int], waited_s: float) -> None:
         """Make one batch and queue it for the sender; ``idle_s`` counts the wait for prompts
-        (admission) and for the sender (back-pressure)."""
+        (admission) and for the sender (back-pressure). Items carry their prompt's id, and the
+        stats every id of the batch (the coordinator counts the ones without items as blank)."""
         encoded = self.encoder.encode(texts)
-        stats = {"num_prompts": len(texts), "blank": encoded.blank, "truncated": encoded.truncated}
+        stats = {"num_prompts": len(texts), "blank": encoded.blank, "truncated": encoded.truncated,
+                 "prompt_ids": list(prompt_ids)}
         if encoded.ids:
             with self.model_lock:
                 items, made = self.maker.make_experience(encoded.ids, self.version)
+            if prompt_ids:
+                tag_prompt_ids(items, [prompt_ids[i] for i in encoded.kept])
             self.made += len(items)
             stats.update(generate_s=made.generate_s + made.score_s, num_tokens=made.num_tokens)
         else:
@@ -177,6 +181,16 @@ class MakerWorker:
         """(version, fingerprint of the actor and critic weights) for consistency checks."""
         with self.model_lock:
             return self.version, fingerprint(join_state(self.float_actor.state_dict(), self.maker.critic.state_dict()))
+
+
+def tag_prompt_ids(items: list, prompt_ids: list[int]) -> None:
+    """Give each item the id of its prompt. Items come prompt-major: with k samples per prompt,
+    items ``i*k .. i*k+k-1`` answer prompt ``i``."""
+    if not prompt_ids or len(items) % len(prompt_ids):
+        raise ValueError(f"{len(items)} items for {len(prompt_ids)} prompts: expected a whole number of samples per prompt")
+    per_prompt = len(items) // len(prompt_ids)
+    for i, item in enumerate(items):
+        item.prompt_id = int(prompt_ids[i // per_prompt])
 
 
 def _check_keys(model: torch.nn.Module, state: dict[str, torch.Tensor], partial: bool, what: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -118,10 +119,16 @@ class CheckpointWriter:
         self._actor.load_state_dict(actor_state)
         self._critic.load_state_dict(critic_state)
         directory = Path(tempfile.mkdtemp(prefix="ray_ppo_ckpt_"))
-        self._actor.save_pretrained(directory / "actor")
-        load_tokenizer(tokenizer_path(self.cfg)).save_pretrained(directory / "actor")
-        self._critic.save_pretrained(directory / "critic")
-        write_trainer_state(directory, actor_state, critic_state, optim_state, run_state)
+        try:
+            self._actor.save_pretrained(directory / "actor")
+            load_tokenizer(tokenizer_path(self.cfg)).save_pretrained(directory / "actor")
+            self._critic.save_pretrained(directory / "critic")
+            write_trainer_state(directory, actor_state, critic_state, optim_state, run_state)
+        except OSError as e:  # a full disk: no partial checkpoint is left, the previous one is intact
+            shutil.rmtree(directory, ignore_errors=True)
+            raise OSError(e.errno, f"the checkpoint of step {run_state['step']} could not be written ({e}); "
+                                   f"RUN_DIR/checkpoint still holds the previous one: free space, then "
+                                   f"ray-ppo train --resume RUN_DIR") from None
         return ray.train.Checkpoint.from_directory(str(directory))
 
 
@@ -175,6 +182,7 @@ def _train_loop(loop_config: dict) -> None:
     latest = ray.get(coordinator.status.remote())["trainer_version"]
     behind = latest > version
     version = latest + 1 if behind else version
+    _rewind_prompts(coordinator, first_step - 1, rank)
     if restored or behind or cfg.maker.wait_for_weights:  # makers start from these weights
         state = publisher.gather()
         if rank == 0:
@@ -183,7 +191,7 @@ def _train_loop(loop_config: dict) -> None:
     run_start = time.perf_counter()
     for step in range(first_step, cfg.trainer.total_steps + 1):
         step_start = time.perf_counter()
-        items = _pull(coordinator, rank, cfg.trainer.train_batch_size, version, cfg.trainer.pull_timeout_s)
+        items = _pull(coordinator, rank, cfg.trainer.train_batch_size, version, cfg.trainer.pull_timeout_s, step)
         wait_s = time.perf_counter() - step_start
 
         train_start = time.perf_counter()
@@ -217,26 +225,48 @@ def _train_loop(loop_config: dict) -> None:
                 metrics["weights_in_sync"] = _verify_makers(coordinator, version, fingerprint(state))
             if ckpt_due:
                 run_state = {"step": step, "policy_version": version, "kl_ctl": kl_ctl.state_dict(),
-                             "data": ray.get(coordinator.data_state.remote())}
+                             "data": ray.get(coordinator.data_state.remote(step))}
                 checkpoint = checkpoints.write(state, optim_state, run_state)
             coordinator.record_metrics.remote(metrics)
         if is_last or ckpt_due or step % cfg.logging.report_every == 0:
             ray.train.report(metrics, checkpoint=checkpoint)
+            if checkpoint is not None:
+                _announce_checkpoint(coordinator, step)
 
 
-def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float) -> list[ExperienceItem]:
-    """``n`` items from the coordinator. Items lost with a dead maker are reported and replaced.
+def _announce_checkpoint(coordinator: Any, step: int) -> None:
+    """Tell the driver, through the coordinator, where Ray Train stored the checkpoint of ``step``:
+    it switches ``RUN_DIR/checkpoint`` to it while the run goes on. Rank 0 only."""
+    for reported in reversed(ray.train.get_all_reported_checkpoints()):
+        if reported.metrics.get("step") == step:
+            ray.get(coordinator.checkpoint_saved.remote(step, reported.checkpoint))
+            return
+
+
+def _rewind_prompts(coordinator: Any, step: int, rank: int) -> None:
+    """Prompts trained after ``step`` by an earlier worker group of this run (``FailureConfig``
+    restart) are served again, since their training was lost with its weights. Rank 0 asks, and
+    no rank pulls before it is done (a no-op for a fresh or resumed run)."""
+    if rank == 0:
+        ray.get(coordinator.rewind.remote(step))
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+
+
+def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, step: int) -> list[ExperienceItem]:
+    """``n`` items from the coordinator for ``step``. Items lost with a dead maker are reported
+    (their prompts are served again) and replaced.
     The coordinator's errors (maker failure, stall) are re-raised as themselves, so the run's
     error message is the coordinator's one-line diagnosis."""
     items: list[ExperienceItem] = []
     while len(items) < n:
         try:
-            chunks = ray.get(coordinator.pull.remote(rank, n - len(items), version, timeout_s, os.getpid()))
+            chunks = ray.get(coordinator.pull.remote(rank, n - len(items), version, timeout_s, os.getpid(), step))
         except ray.exceptions.RayTaskError as e:
             raise e.as_instanceof_cause() from None
         fetched = resolve(chunks)
         if fetched.lost:
-            ray.get(coordinator.lost_in_transit.remote(rank, fetched.lost))
+            ray.get(coordinator.lost_in_transit.remote(rank, fetched.lost, fetched.lost_prompt_ids))
         items += fetched.items
     return items
 
@@ -279,7 +309,9 @@ class MakerMonitor:
                 "maker_idle_ratio": min(1.0, delta["idle_s"] / (n * step_s)),
                 "items_produced": float(counters["produced"]), "items_consumed": float(counters["consumed"]),
                 "items_discarded": float(counters["discarded"]), "items_in_flight": float(counters["in_flight"]),
-                "items_lost_in_transit": float(counters["lost_in_transit"])}
+                "items_lost_in_transit": float(counters["lost_in_transit"]),
+                "prompts_trained": float(counters["prompts_trained"]),
+                "prompts_requeued": float(counters["prompts_requeued"])}
 
 
 def _verify_makers(coordinator: Any, version: int, expected: str) -> float:

@@ -44,6 +44,11 @@ def accounted(status: dict) -> bool:
     return c["produced"] == c["consumed"] + c["in_flight"] + c["discarded"] + c["lost_in_transit"]
 
 
+def trained_ids(state: dict) -> list[int]:
+    """Prompt ids in a checkpoint's per-step log of trained prompts, step by step."""
+    return [pid for _, ids in state["data"]["trained"] for pid in ids]
+
+
 def test_resume_continues_step_version_and_prompt_position(ray_session, tmp_path):
     base = ["maker.num_makers=1", "data.shuffle=false"]
     first = PPOTrainer(config(tmp_path, *base, "trainer.total_steps=2"))
@@ -52,15 +57,21 @@ def test_resume_continues_step_version_and_prompt_position(ray_session, tmp_path
         publish_checkpoint(directory, tmp_path, step=2)
     saved = validate_checkpoint(tmp_path / "checkpoint")
     assert saved["step"] == 2 and saved["policy_version"] == 2
-    assert saved["data"]["epoch"] == 0 and saved["data"]["position"] == 2 * 16  # exactly the prompts trained on
+    trained = trained_ids(saved)
+    assert len(trained) == 2 * 16 == len(set(trained))  # one item per prompt: 32 prompts, each once
 
     resumed = PPOTrainer(config(tmp_path, *base, "trainer.total_steps=4"), resume_from=tmp_path / "checkpoint")
-    resumed.fit()
+    result = resumed.fit()
     assert [m["step"] for m in resumed.history] == [3, 4]
     assert [m["policy_version"] for m in resumed.history] == [3, 4]
-    # The resumed stream starts at the first prompt the stopped run had not used.
-    assert resumed.final_status["data"]["first_prompt"] == PROMPTS[saved["data"]["position"]]
+    # The resumed stream starts at the first prompt (file order: data.shuffle=false) not trained
+    # by the checkpoint: prompts are read in file order (Ray Data's preserve_order), so this
+    # holds on every run, not only when Ray Data happens to keep the blocks in order.
     assert first.final_status["data"]["first_prompt"] == PROMPTS[0]
+    assert resumed.final_status["data"]["first_prompt"] == PROMPTS[saved["data"]["watermark"]]
+    with result.checkpoint.as_directory() as directory:
+        trained = trained_ids(validate_checkpoint(directory))
+    assert len(trained) == 4 * 16 == len(set(trained))  # across the resume: no prompt trained twice
     assert resumed.history[-1]["weights_in_sync"] == 1.0
 
 
@@ -108,6 +119,14 @@ def test_killed_trainer_worker_restarts_from_checkpoint(ray_session, tmp_path):
     assert all(m["restarts"] == 0 for m in status["makers"].values())  # makers and coordinator survived
     assert trainer.history[-1]["weights_in_sync"] == 1.0
     assert accounted(status)
+    # Exactly once: what the killed group trained after its checkpoint was served again (rewound),
+    # and the final checkpoint's log holds each prompt once, over steps 1..6.
+    with result.checkpoint.as_directory() as directory:
+        state = validate_checkpoint(directory)
+    trained = trained_ids(state)
+    assert len(trained) == 6 * 16 == len(set(trained))
+    assert [s for s, _ in state["data"]["trained"]] == [1, 2, 3, 4, 5, 6]
+    assert status["counters"]["prompts_requeued"] > 0
 
 
 def test_killed_coordinator_fails_the_run_clearly(ray_session, tmp_path):

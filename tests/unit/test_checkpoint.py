@@ -102,3 +102,44 @@ def test_interrupted_save_keeps_the_previous_checkpoint(checkpoint, tmp_path, mo
     assert os.readlink(run / "checkpoint") == os.path.join("checkpoints", "step_00000007")
     publish_checkpoint(directory, run, step=9)  # a later save succeeds and replaces it
     assert os.readlink(run / "checkpoint") == os.path.join("checkpoints", "step_00000009")
+
+
+def test_a_full_disk_leaves_the_previous_checkpoint_intact(checkpoint, tmp_path, monkeypatch):
+    """The write of step 8 hits ENOSPC on its second file: step 7 stays linked and loadable,
+    and no partial copy is left behind to fill the disk further."""
+    import errno
+
+    import ray_ppo.checkpoint as ckpt
+
+    directory = checkpoint[0]
+    run = tmp_path / "run"
+    publish_checkpoint(directory, run, step=7)
+    written = []
+
+    def disk_full(src, dst):
+        if written:
+            raise OSError(errno.ENOSPC, "No space left on device", dst)
+        written.append(dst)
+        shutil.copy2(src, dst)
+
+    monkeypatch.setattr(ckpt, "_link_or_copy", disk_full)
+    with pytest.raises(OSError, match="No space left on device"):
+        publish_checkpoint(directory, run, step=8)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000007"]
+    assert validate_checkpoint(run / "checkpoint")["step"] == 7
+    assert load_trainer_state(run / "checkpoint")[0]["w"].shape == (4, 3)
+
+
+def test_retention_keeps_the_newest_and_publishing_is_idempotent(checkpoint, tmp_path):
+    directory = checkpoint[0]
+    run = tmp_path / "run"
+    for step in (3, 6, 9, 12):
+        publish_checkpoint(directory, run, step=step, keep=3)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000006", "step_00000009", "step_00000012"]
+    publish_checkpoint(directory, run, step=12, keep=3)  # the same checkpoint again: nothing changes
+    assert os.readlink(run / "checkpoint") == os.path.join("checkpoints", "step_00000012")
+    publish_checkpoint(directory, run, step=15, keep=1)
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000015"]
+    # hard links: the published files share their bytes with the source (no second copy on disk)
+    assert os.stat(run / "checkpoint" / "state.json").st_ino == os.stat(directory / "state.json").st_ino

@@ -350,12 +350,12 @@ def test_send_returns_the_reserved_prompts():
 class HeldFeed:
     """A prompt feed whose next batch is read only once ``release`` is set."""
 
-    epoch, position, first_prompt = 0, 0, None
+    epoch, first_prompt = 0, None
 
     def __init__(self, texts: list[str]):
         self.texts, self.release = texts, asyncio.Event()
 
-    async def next(self) -> PromptBatch:
+    async def next(self, maker_id: int, n: int) -> PromptBatch:
         await self.release.wait()
         return PromptBatch(self.texts, epoch=0)
 
@@ -421,5 +421,77 @@ def test_a_failed_weight_push_fails_the_maker():
         assert await coord.wait_for_version(2, timeout_s=1.0) == {0: 2, 1: 0}
         with pytest.raises(RuntimeError, match="maker_1 failed .*weight push v2 failed: ConnectionError: maker died"):
             await coord.pull(0, 1, trainer_version=2, timeout_s=1.0)
+
+    asyncio.run(main())
+
+
+# -- prompts by identity (ray_ppo.ledger) ------------------------------------------------------
+
+
+class LedgerFeed:
+    """The coordinator's PromptFeed minus the dataset: texts are 'p<row>'."""
+
+    first_prompt = None
+
+    def __init__(self, ledger, num_prompts: int):
+        self.ledger = ledger
+        ledger.configure(num_prompts)
+
+    @property
+    def epoch(self) -> int:
+        return self.ledger.epoch
+
+    async def next(self, maker_id: int, n: int) -> PromptBatch:
+        ids = self.ledger.take(n, maker_id)
+        return PromptBatch([f"p{self.ledger.row(i)}" for i in ids], self.ledger.epoch, ids)
+
+
+def answering(ids: list[int], version: int = 0) -> ExperienceChunk:
+    """One item per prompt id, as a maker sends them."""
+    made = [item(version, f"u{pid}") for pid in ids]
+    for it, pid in zip(made, ids):
+        it.prompt_id = pid
+    return ExperienceChunk.inline(made)
+
+
+def test_the_coordinator_follows_prompts_by_identity_until_trained():
+    async def main():
+        coord = coordinator(num_makers=2, prompt_batch_size=2, items_per_version=8, max_staleness=1, shuffle=False)
+        coord._prompts = LedgerFeed(coord.ledger, num_prompts=6)
+        a, b = await coord.next_prompts(0), await coord.next_prompts(1)
+        assert (a.ids, b.ids, a.texts) == ([0, 1], [2, 3], ["p0", "p1"])
+        await coord.send(1, answering([2]), {"num_prompts": 2, "prompt_ids": [2, 3]})  # prompt 3 was blank
+        await coord.send(0, answering([0, 1]), {"num_prompts": 2, "prompt_ids": [0, 1]})
+        await coord.pull(0, 2, trainer_version=0, timeout_s=1.0, step=1)  # prompts 2 and 0, in arrival order
+        state = coord.data_state(step=1)
+        assert state["trained"] == [[1, [2, 0]]] and (state["watermark"], state["next"], state["done"]) == (1, 4, [2, 3])
+        await coord.pull(0, 1, trainer_version=0, timeout_s=1.0, step=2)
+        assert coord.data_state(step=1)["watermark"] == 1  # prompt 1 was trained after step 1's checkpoint
+        assert coord.data_state(step=2)["watermark"] == 4
+        assert coord.status()["counters"]["prompts_trained"] == 3
+
+    asyncio.run(main())
+
+
+def test_stale_lost_and_rewound_prompts_are_served_again():
+    async def main():
+        coord = coordinator(num_makers=2, prompt_batch_size=2, items_per_version=8, max_staleness=1, shuffle=False)
+        coord._prompts = LedgerFeed(coord.ledger, num_prompts=10)
+        await coord.next_prompts(0)                       # 0, 1
+        await coord.next_prompts(1)                       # 2, 3: maker 1 dies holding them
+        await coord.send(0, answering([0, 1], version=0), {"num_prompts": 2, "prompt_ids": [0, 1]})
+        await coord.maker_restarted(1)
+        coord._set_trainer_version(2)  # items of version 0 are too stale now
+        coord._drop_stale(0)
+        coord.maker_state[0].version = 2  # maker 0 loaded the new weights: admitted again
+        assert coord.status()["counters"]["discarded"] == 2
+        assert (await coord.next_prompts(0)).ids == [2, 3]   # the lost ones first ...
+        assert (await coord.next_prompts(0)).ids == [0, 1]   # ... then the discarded ones
+        await coord.send(0, answering([2, 3], version=2), {"num_prompts": 2, "prompt_ids": [2, 3]})
+        await coord.pull(0, 2, trainer_version=2, timeout_s=1.0, step=1)
+        assert await coord.rewind(0) == 2                    # a restarted worker group redoes step 1
+        assert (await coord.next_prompts(0)).ids == [2, 3]
+        await coord.lost_in_transit(0, 1, [7])               # an id it never handed out: ignored
+        assert coord.status()["counters"]["prompts_requeued"] == 2 + 2 + 2
 
     asyncio.run(main())

@@ -1,5 +1,6 @@
 """Unit tests of ray_ppo.transport: experience chunks, in-process (inline payloads, no Ray)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ def test_split_chunks_resolve_to_the_original_items_in_order():
     head, rest = chunk.split(2)
     first, last = rest.split(1)
     assert (head.count, first.count, last.count) == (2, 1, 2)
-    got, lost = resolve([head, first, last])
+    got, lost, _ = resolve([head, first, last])
     assert lost == 0
     assert [it.uid for it in got] == ["u0", "u1", "u2", "u3", "u4"]
     assert [it.response_length for it in got] == [1, 2, 3, 4, 5]
@@ -47,10 +48,23 @@ def test_items_whose_payload_died_with_its_owner_are_counted_lost(monkeypatch):
         return [stored[r] for r in refs] if isinstance(refs, list) else stored[refs]
 
     monkeypatch.setattr(ray, "get", fake_get)
-    chunks = [ExperienceChunk([dead], 3, 0, 4), ExperienceChunk([alive], 3, 0, 1), ExperienceChunk([alive], 3, 1, 2)]
-    got, lost = resolve(chunks)
+    dead_ids = np.array([7, 7, 8, 9, 9])  # the dead payload's items answer prompts 7, 7, 8, 9, 9
+    chunks = [ExperienceChunk([dead], 3, 1, 5, dead_ids), ExperienceChunk([alive], 3, 0, 1),
+              ExperienceChunk([alive], 3, 1, 2)]
+    got, lost, lost_ids = resolve(chunks)
     assert [it.uid for it in got] == ["a0", "a1"]
-    assert lost == 4
+    assert lost == 4 and lost_ids == [7, 8, 9, 9]  # the prompts the rank reports, to be served again
+
+
+def test_chunks_carry_their_items_prompt_ids_through_splits():
+    items = [item(f"u{i}") for i in range(4)]
+    for it, pid in zip(items, [10, 10, 11, 12]):
+        it.prompt_id = pid
+    chunk = ExperienceChunk.inline(items)
+    head, rest = chunk.split(1)
+    assert (head.item_prompt_ids(), rest.item_prompt_ids()) == ([10], [10, 11, 12])
+    assert [it.prompt_id for it in resolve([rest]).items] == [10, 11, 12]  # and through packing
+    assert ExperienceChunk([object()], 0, 0, 2).item_prompt_ids() == []  # made outside a stream
 
 
 def test_inline_transport_carries_the_packed_items_in_the_chunk():

@@ -1,0 +1,220 @@
+"""Stopping and resuming `ray-ppo train` as a user does: Ctrl-C, `kill -9` of the driver, a run
+that fails before its first step, a reused run directory, a finished run.
+
+Each CLI run is a subprocess with its own local Ray cluster under a temporary directory of its
+own (RAY_TMPDIR), so the test can check that no process of that cluster outlives the driver,
+and kill (by pid) any that does before failing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).parents[2]
+SMALL = ["trainer.train_batch_size=8", "trainer.mini_batch_size=8", "trainer.ppo_epochs=1", "maker.batch_size=4",
+         "trainer.checkpoint_every=2", "trainer.pull_timeout_s=300", "logging.progress=false"]
+RUN_TIMEOUT_S = 480  # a loaded 2-core machine takes minutes to start a cluster and build the models
+STOP_LIMIT_S = 45
+"""Ctrl-C to exit, including Ray's shutdown (seconds; ~10 s on an idle machine, more under load)."""
+
+
+def prompts_csv(tmp_path: Path, n: int) -> Path:
+    """The first ``n`` toy prompts as a CSV of their own (prompt ids are rows 0..n-1 of it)."""
+    lines = (REPO / "data" / "toy_prompts.csv").read_text().splitlines()
+    path = tmp_path / f"prompts{n}.csv"
+    path.write_text("\n".join(lines[:n + 1]) + "\n")
+    return path
+
+
+class Cli:
+    """One `ray-ppo train` process with a Ray temp dir of its own."""
+
+    def __init__(self, args: list[str], tmp_path: Path):
+        self.ray_tmp = tempfile.mkdtemp(prefix="rp_", dir="/tmp")  # short: Ray's socket paths have a length limit
+        env = {**os.environ, "RAY_TMPDIR": self.ray_tmp,
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        self.out = open(tmp_path / f"cli-{time.monotonic_ns()}.log", "w+")
+        self.leaked: list[int] | None = None
+        self.proc = subprocess.Popen([sys.executable, "-m", "ray_ppo.cli", "train", *args], cwd=REPO, env=env,
+                                     stdout=self.out, stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+    def wait(self, timeout_s: float = RUN_TIMEOUT_S) -> tuple[int, str]:
+        try:
+            _, err = self.proc.communicate(timeout=timeout_s)
+        finally:
+            self.close()
+        return self.proc.returncode, err
+
+    def stdout(self) -> str:
+        self.out.seek(0)
+        return self.out.read()
+
+    def leftover_ray_processes(self, grace_s: float = 15) -> list[int]:
+        """Pids of processes of this CLI's Ray cluster still alive ``grace_s`` after it exited;
+        they are killed (they are this test's own)."""
+        deadline = time.monotonic() + grace_s
+        while (pids := _pids_with(self.ray_tmp)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def close(self) -> None:
+        """Make sure the CLI and its cluster are gone; ``leaked``: what outlived the CLI."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.leaked is None:
+            self.leaked = self.leftover_ray_processes()
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+def _pids_with(text: str) -> list[int]:
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text.encode() in cmdline.read_bytes():
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            pass
+    return [p for p in pids if p != os.getpid()]
+
+
+def steps_in(run: Path) -> list[int]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def checkpoint_state(run: Path) -> dict | None:
+    try:
+        return json.loads((run / "checkpoint" / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def wait_until(cli: Cli, predicate, timeout_s: float = RUN_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert cli.proc.poll() is None, f"the run ended early ({cli.proc.returncode}): {cli.proc.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, "the run did not get there in time"
+        time.sleep(0.2)
+
+
+def past_checkpoint(run: Path, after: int = 0):
+    """True once RUN_DIR/checkpoint holds a step > ``after`` and a later step was trained."""
+    def check() -> bool:
+        state = checkpoint_state(run)
+        return state is not None and state["step"] > after and max(steps_in(run), default=0) > state["step"]
+    return check
+
+
+@pytest.mark.timeout(4 * RUN_TIMEOUT_S)
+def test_ctrl_c_stops_the_run_and_resume_continues_it(tmp_path):
+    run = tmp_path / "run"
+    args = ["--config", "configs/tiny.yaml", "--output", str(run), f"data.path={prompts_csv(tmp_path, 64)}",
+            "maker.num_makers=1", "trainer.total_steps=200", *SMALL]
+    cli = Cli(args, tmp_path)
+    wait_until(cli, past_checkpoint(run))
+    sent = time.monotonic()
+    cli.proc.send_signal(signal.SIGINT)
+    code, err = cli.wait()
+    stop_s = time.monotonic() - sent
+    saved = checkpoint_state(run)["step"]
+    last = max(steps_in(run))
+    assert code == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == (f"ray-ppo train: interrupted after step {last}; {run}/checkpoint holds "
+                                            f"step {saved}: resume with: ray-ppo train --resume {run}")
+    assert stop_s < STOP_LIMIT_S and cli.leaked == []
+    print(f"Ctrl-C at step {last}: exit 130 after {stop_s:.1f} s; checkpoint at step {saved}")
+
+    total = saved + 2
+    cli = Cli(["--resume", str(run), f"trainer.total_steps={total}"], tmp_path)
+    code, err = cli.wait()
+    assert code == 0 and cli.leaked == [], err[-3000:]
+    assert steps_in(run) == list(range(1, total + 1))  # rows after the checkpoint were redone, not doubled
+    assert checkpoint_state(run)["step"] == total
+
+    started = time.monotonic()
+    cli = Cli(["--resume", str(run), f"trainer.total_steps={total}"], tmp_path)
+    code, err = cli.wait()
+    assert code == 0 and time.monotonic() - started < 60  # no Ray cluster was started
+    assert cli.stdout().strip() == (f"run {run} has already trained {total} steps (trainer.total_steps={total}): "
+                                    f"nothing to do; to train further: ray-ppo train --resume {run} "
+                                    f"trainer.total_steps={2 * total}")
+
+    before = (run / "metrics.jsonl").read_text()
+    started = time.monotonic()
+    code, err = Cli(["--config", "configs/tiny.yaml", "--output", str(run)], tmp_path).wait()
+    assert code == 2 and time.monotonic() - started < 60
+    assert err.strip() == (f"ray-ppo train: error: run directory {run} already holds a run (checkpoint, checkpoints, "
+                           f"config.yaml, curves.png, ...); continue it with --resume {run}, replace it with "
+                           f"--overwrite, or give another --output")
+    assert (run / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+def test_a_run_that_fails_before_its_first_step_leaves_the_directory_as_it_was(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("name: the old run\n")
+    started = time.monotonic()
+    # os:getcwd takes no arguments: the makers' first reward call raises, before any step
+    cli = Cli(["--config", "configs/tiny.yaml", "--output", str(run), "--overwrite", "model.reward_fn=os:getcwd",
+               "maker.num_makers=1", "trainer.total_steps=4", *SMALL], tmp_path)
+    code, err = cli.wait()
+    assert code != 0 and "getcwd" in err
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith((".run", "run"))] == ["run"]
+    assert [p.name for p in run.iterdir()] == ["config.yaml"]
+    assert (run / "config.yaml").read_text() == "name: the old run\n"  # the overwritten run is back, untouched
+    assert cli.leaked == []
+    print(f"failed before its first step: exit {code} after {time.monotonic() - started:.0f} s")
+
+
+@pytest.mark.timeout(4 * RUN_TIMEOUT_S)
+def test_killed_driver_resumed_twice_trains_every_prompt_exactly_once(tmp_path):
+    """kill -9 of the driver twice, with 3 makers generating (prompts in flight at each kill),
+    then a resume to the end: by prompt identity, every prompt of the first epoch is trained
+    exactly once, and no prompt twice."""
+    n_prompts, total = 48, 10  # 10 steps x 8 items: the first epoch, and a third of the second
+    run = tmp_path / "run"
+    args = ["--config", "configs/tiny.yaml", "--output", str(run), f"data.path={prompts_csv(tmp_path, n_prompts)}",
+            "maker.num_makers=3", f"trainer.total_steps={total}", *SMALL]
+    resumed_from = []
+    cli = Cli(args, tmp_path)
+    for _ in range(2):
+        wait_until(cli, past_checkpoint(run, after=max([0, *[s["step"] for s in resumed_from]])))
+        cli.proc.kill()  # SIGKILL: no clean-up of any kind
+        cli.wait()
+        assert cli.leaked == []  # the local cluster died with its driver
+        resumed_from.append(checkpoint_state(run))
+        cli = Cli(["--resume", str(run)], tmp_path)
+    code, err = cli.wait()
+    assert code == 0 and cli.leaked == [], err[-3000:]
+
+    in_flight = [s["data"]["next"] - s["data"]["watermark"] - len(s["data"]["done"]) for s in resumed_from]
+    assert sum(in_flight) > 0  # prompts handed out but not trained when the checkpoints were taken
+    final = checkpoint_state(run)
+    assert final["step"] == total and steps_in(run) == list(range(1, total + 1))
+    trained = [pid for _, ids in final["data"]["trained"] for pid in ids]
+    assert len(trained) == total * 8 == len(set(trained)), "a prompt was trained twice"
+    assert set(range(n_prompts)) <= set(trained), f"never trained: {sorted(set(range(n_prompts)) - set(trained))}"
+    steps_of = {step for step, _ in final["data"]["trained"]}
+    assert steps_of == set(range(1, total + 1))  # the log spans all three processes' steps
+    print(f"killed at checkpoints {[s['step'] for s in resumed_from]} with {in_flight} prompts in flight; "
+          f"{len(trained)} prompts trained, each once")

@@ -1,0 +1,82 @@
+"""Run directories: never clobbered, nothing half-written, clear resume messages (no Ray)."""
+
+import pytest
+import torch
+
+from ray_ppo.checkpoint import publish_checkpoint, write_trainer_state
+from ray_ppo.rundir import RunDirError, claim_run_dir, nothing_to_do, resume_point, stopped_line
+
+
+def old_run(path):
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text("name: old\n")
+    (path / "metrics.jsonl").write_text('{"step": 1}\n')
+    return path
+
+
+def test_an_existing_run_is_refused_with_what_to_do(tmp_path):
+    run = old_run(tmp_path / "run")
+    with pytest.raises(RunDirError) as e:
+        claim_run_dir(run)
+    assert str(e.value) == (f"run directory {run} already holds a run (config.yaml, metrics.jsonl); continue it with "
+                            f"--resume {run}, replace it with --overwrite, or give another --output")
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
+
+
+def test_a_new_run_that_fails_before_its_first_step_leaves_nothing(tmp_path):
+    claim = claim_run_dir(tmp_path / "new")
+    (tmp_path / "new" / "config.yaml").write_text("name: new\n")
+    claim.release()
+    assert not (tmp_path / "new").exists()
+    claim = claim_run_dir(tmp_path / "new")  # an empty directory is free to use, and kept once started
+    claim.started({"step": 1})
+    claim.release()
+    assert (tmp_path / "new").is_dir()
+
+
+def test_overwrite_replaces_the_old_run_only_once_the_new_one_has_a_step(tmp_path):
+    run = old_run(tmp_path / "run")
+    claim = claim_run_dir(run, overwrite=True)
+    assert list(run.iterdir()) == []
+    (run / "config.yaml").write_text("name: new\n")
+    claim.release()  # failed before its first step: the old run is back, as it was
+    assert (run / "config.yaml").read_text() == "name: old\n" and (run / "metrics.jsonl").exists()
+    claim = claim_run_dir(run, overwrite=True)
+    (run / "config.yaml").write_text("name: new\n")
+    claim.started({"step": 1})
+    claim.release()
+    assert [p.name for p in run.iterdir()] == ["config.yaml"] and (run / "config.yaml").read_text() == "name: new\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # the set-aside copy is gone
+
+
+def test_resume_messages(tmp_path):
+    with pytest.raises(RunDirError, match="not a run directory"):
+        resume_point(tmp_path / "nowhere")
+    run = old_run(tmp_path / "run")
+    with pytest.raises(RunDirError, match="wrote no checkpoint before it stopped .*trainer.checkpoint_every"):
+        resume_point(run)
+    assert stopped_line("train", run, 3) == ("ray-ppo train: interrupted after step 3; no checkpoint was written "
+                                             "(trainer.checkpoint_every=0?), nothing to resume")
+    ckpt = tmp_path / "ckpt"
+    write_trainer_state(ckpt, {"w": torch.zeros(1)}, {"v": torch.zeros(1)}, {}, {"step": 4, "policy_version": 4})
+    publish_checkpoint(ckpt, run, step=4)
+    directory, state = resume_point(run)
+    assert directory == run / "checkpoint" and state["step"] == 4
+    assert stopped_line("train", run, 5) == (f"ray-ppo train: interrupted after step 5; {run}/checkpoint holds step 4: "
+                                             f"resume with: ray-ppo train --resume {run}")
+    assert nothing_to_do(run, 4, 10) is None
+    assert nothing_to_do(run, 4, 4) == (f"run {run} has already trained 4 steps (trainer.total_steps=4): nothing to do; "
+                                        f"to train further: ray-ppo train --resume {run} trainer.total_steps=8")
+
+
+def test_a_resumed_run_keeps_the_history_up_to_its_checkpoint_on_disk_at_once(tmp_path):
+    """The rows after the checkpoint are dropped in one rename: a resume killed before its first
+    step (kill -9: no flush, no close) still leaves steps 1..checkpoint in metrics.jsonl."""
+    from ray_ppo.config import Config
+    from ray_ppo.tracking import RunDirectory, read_metrics
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, 6)))
+    RunDirectory(run, Config(), resume_after_step=3)  # never closed, as if killed
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
