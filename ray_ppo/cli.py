@@ -4,8 +4,12 @@
     ray-ppo tune --config configs/tiny.yaml --grid ppo.kl_coef=0.02,0.1 --grid ppo.eps_clip=0.1,0.2
     ray-ppo local --config configs/tiny.yaml [--output DIR] [key=value ...]
     ray-ppo toy-data DIR
+    ray-ppo config [--config FILE] [key=value ...]
 
-Bad input (unknown key, bad value, missing file) prints one line and exits with status 2.
+``key=value`` overrides may come anywhere on the command line. Bad input (unknown key, bad
+value, missing or unreadable file, a model, reward function or prompt file that does not load)
+prints one line and exits with status 2, before any Ray process starts. A run that fails after it
+started ends with one line too; its full traceback is in RUN_DIR/error.log.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from ray_ppo.checkpoint import CheckpointError
 from ray_ppo.config import ConfigError, load_config
 from ray_ppo.data import DataError
+from ray_ppo.preflight import check_run, check_sweep_spec, read_sweep_file
 
 EXIT_USAGE = 2
 
@@ -68,19 +73,42 @@ def build_parser() -> argparse.ArgumentParser:
     toy.add_argument("--num-prompts", type=int, default=512)
     toy.add_argument("--prompt-len", type=int, default=6)
     toy.add_argument("--seed", type=int, default=0)
+    config = sub.add_parser("config", help="list every config key with its value and what it means",
+                            description="Print every config key, its value (the default, or FILE's and the "
+                                        "overrides') and its one-line doc.")
+    _config_args(config)
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; ``key=value`` overrides are accepted anywhere, also after options."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*getattr(args, "overrides", []), *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
+    args.run_dir = None  # set by a command once its run directory is known
     try:
-        return {"train": cmd_train, "tune": cmd_tune, "local": cmd_local, "toy-data": cmd_toy_data}[args.command](args)
+        return {"train": cmd_train, "tune": cmd_tune, "local": cmd_local, "toy-data": cmd_toy_data,
+                "config": cmd_config}[args.command](args)
     except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
         print(f"ray-ppo {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"ray-ppo {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a failure after the run started: one line, the traceback in RUN_DIR/error.log
+        from ray_ppo.failures import report_failure
+
+        print(f"ray-ppo {args.command}: failed: {report_failure(e, args.run_dir)}", file=sys.stderr)
+        return 1
 
 
 def _load(args):
@@ -135,9 +163,6 @@ def _init_ray(args) -> None:
 
 
 def cmd_train(args) -> int:
-    import ray
-
-    from ray_ppo.api import PPOTrainer
     from ray_ppo.checkpoint import publish_checkpoint, validate_checkpoint
 
     resume_from, resume_state = None, None
@@ -149,6 +174,12 @@ def cmd_train(args) -> int:
         resume_state = validate_checkpoint(resume_from)
     cfg = _load(args)
     out_dir = Path(cfg.output_dir).resolve()
+    check_run(cfg)
+    args.run_dir = out_dir
+    import ray  # after pre-flight: importing Ray and Ray Train takes seconds
+
+    from ray_ppo.api import PPOTrainer
+
     callbacks, close = _run_outputs(cfg, out_dir, resume_state["step"] if resume_state else None)
     _init_ray(args)
     start = time.perf_counter()
@@ -179,18 +210,9 @@ def _parse_grid(entries: list[str]) -> dict[str, list]:
 
 def _sweep_spec(args) -> dict:
     """Grid, metric, mode and samples from --sweep YAML, then --grid/--metric/... on top."""
-    import yaml
-
-    spec: dict = {}
-    if args.sweep:
-        path = Path(args.sweep)
-        if not path.exists():
-            raise ConfigError(f"sweep file {args.sweep!r} does not exist")
-        spec = yaml.safe_load(path.read_text()) or {}
-        unknown = set(spec) - {"grid", "metric", "mode", "num_samples"}
-        if not isinstance(spec, dict) or unknown:
-            raise ConfigError(f"sweep file {args.sweep!r}: unknown keys {sorted(unknown)}; use grid, metric, mode, num_samples")
+    spec = read_sweep_file(args.sweep) if args.sweep else {}
     grid = {**(spec.get("grid") or {}), **_parse_grid(args.grid)}
+    check_sweep_spec({"grid": grid}, "--grid")
     if not grid:
         raise ConfigError("nothing to sweep: give --grid key=v1,v2 or --sweep FILE")
     return {"grid": grid, "metric": args.metric or spec.get("metric", "reward_mean"),
@@ -198,17 +220,19 @@ def _sweep_spec(args) -> dict:
 
 
 def cmd_tune(args) -> int:
-    import ray
-    from ray import tune
-
-    from ray_ppo.sweep import sweep
-
     cfg = _load(args)
     spec = _sweep_spec(args)
     for key, values in spec["grid"].items():  # unknown keys and bad values fail here, in one line
         for value in values:
             cfg.with_overrides({key: value})
+    check_run(cfg)
     out_dir = Path(args.output or f"runs/{cfg.name}-sweep").resolve()
+    args.run_dir = out_dir
+    import ray  # after pre-flight: importing Ray and Ray Tune takes seconds
+    from ray import tune
+
+    from ray_ppo.sweep import sweep
+
     scheduler = None
     if args.scheduler == "asha":
         from ray.tune.schedulers import ASHAScheduler
@@ -246,6 +270,8 @@ def cmd_local(args) -> int:
 
     cfg = _load(args)
     out_dir = Path(cfg.output_dir).resolve()
+    check_run(cfg)
+    args.run_dir = out_dir
     callbacks, close = _run_outputs(cfg, out_dir)
     start = time.perf_counter()
     history: list[dict] = []
@@ -254,6 +280,13 @@ def cmd_local(args) -> int:
     finally:
         close(history)
     print(_summary(history, time.perf_counter() - start, out_dir))
+    return 0
+
+
+def cmd_config(args) -> int:
+    from ray_ppo.config_doc import describe_config
+
+    print(describe_config(_load(args)))
     return 0
 
 
