@@ -28,6 +28,7 @@ from ray_ppo.coordinator import Coordinator
 from ray_ppo.data import read_prompt_dataset, select_prompt_column
 from ray_ppo.makers.actor import maker_actor_class
 from ray_ppo.models.tiny import resolve_pretrained
+from ray_ppo.samples import split_samples
 from ray_ppo.tasks.toy import make_prompts
 from ray_ppo.train.loop import RunHandles, train_loop_per_worker
 
@@ -87,12 +88,15 @@ class PPOTrainer(TorchTrainer):
         resume_from: a checkpoint directory (``RUN_DIR/checkpoint``) to continue from: weights,
             optimizer, schedulers, KL controller, RNG, step, policy version and prompt position.
             Every trainer worker reads it, so on a multi-node cluster it must be on shared storage.
+        output_dir: if given, ``fit()`` writes the run files the CLI writes there (``config.yaml``,
+            ``metrics.jsonl``, ``samples.jsonl``, TensorBoard events, ``curves.png``; ``ray_ppo.outputs``).
     """
 
     def __init__(self, config: Config, prompts: Any = None, *, run_config: RunConfig | None = None,
                  metrics_callbacks: Sequence[MetricsCallback] = (), scaling_config: ScalingConfig | None = None,
-                 resume_from: str | Path | None = None, **trainer_kwargs):
+                 resume_from: str | Path | None = None, output_dir: str | Path | None = None, **trainer_kwargs):
         self.ppo_config = resolve_config(config)
+        self.output_dir = Path(output_dir).resolve() if output_dir is not None else None
         self.resume_state = validate_checkpoint(resume_from) if resume_from else None
         self.namespace = f"ray_ppo.{config.name}.{uuid.uuid4().hex[:8]}"
         self.prompts = prompts
@@ -121,6 +125,7 @@ class PPOTrainer(TorchTrainer):
     # -- the run ---------------------------------------------------------------------------------
     def fit(self):
         """Start coordinator and makers, train, stop them; returns the ``ray.train.Result``."""
+        close_outputs = self._open_outputs()
         self._start_actors()
         poller = _MetricsPoller(self.coordinator, self._on_metrics, self._watch_makers)
         poller.start()
@@ -131,9 +136,21 @@ class PPOTrainer(TorchTrainer):
         finally:
             poller.stop()
             self._kill_actors()
+            close_outputs(self.history)
         if not result.metrics and self.history:
             result.metrics = dict(self.history[-1])
         return result
+
+    def _open_outputs(self) -> Callable[[list[dict]], None]:
+        """With ``output_dir``: add the run-file writers to the callbacks; returns their closer."""
+        if self.output_dir is None:
+            return lambda history: None
+        from ray_ppo.outputs import run_outputs
+
+        callbacks, close = run_outputs(self.ppo_config, self.output_dir,
+                                       self.resume_state["step"] if self.resume_state else None, progress=False)
+        self.metrics_callbacks += callbacks
+        return close
 
     def _watch_makers(self) -> None:
         """A maker loop that ended with an error (a dead maker out of restarts, or a raised
@@ -153,7 +170,7 @@ class PPOTrainer(TorchTrainer):
                 self._finished_loops.append(ref)
 
     def _on_metrics(self, metrics: dict) -> None:
-        self.history.append(metrics)
+        self.history.append(split_samples(metrics)[0])
         for callback in self.metrics_callbacks:
             callback(metrics)
 

@@ -24,6 +24,7 @@ from ray_ppo.checkpoint import CheckpointError
 from ray_ppo.config import ConfigError, load_config
 from ray_ppo.data import DataError
 from ray_ppo.preflight import check_run, check_sweep_spec, read_sweep_file
+from ray_ppo.tracking import counts_summary
 
 EXIT_USAGE = 2
 
@@ -120,19 +121,9 @@ def _load(args):
 
 def _run_outputs(cfg, out_dir: Path, resume_after_step: int | None = None):
     """Per-step callbacks (run files, progress) and a closer that also draws ``curves.png``."""
-    from ray_ppo.plots import plot_run
-    from ray_ppo.tracking import LiveLine, Progress, RunDirectory, read_metrics
+    from ray_ppo.outputs import run_outputs
 
-    run_dir = RunDirectory(out_dir, cfg, tensorboard=cfg.logging.tensorboard, resume_after_step=resume_after_step)
-    progress = Progress(cfg.trainer.total_steps) if cfg.logging.progress else LiveLine(cfg.trainer.total_steps)
-
-    def close(history: list[dict]) -> None:
-        if isinstance(progress, Progress):
-            progress.close()
-        run_dir.close()
-        if history:
-            plot_run(read_metrics(out_dir / "metrics.jsonl"), out_dir / "curves.png")
-    return [run_dir, progress], close
+    return run_outputs(cfg, out_dir, resume_after_step)
 
 
 def _summary(history: list[dict], wall_s: float, out_dir: Path) -> str:
@@ -142,8 +133,9 @@ def _summary(history: list[dict], wall_s: float, out_dir: Path) -> str:
     first = sum(m["reward_mean"] for m in history[:n]) / n
     last = sum(m["reward_mean"] for m in history[-n:]) / n
     samples_per_s = sum(m["samples_per_s"] for m in history) / len(history)
+    counts = counts_summary(history[-1])
     return (f"done: {len(history)} steps in {wall_s:.0f} s | reward {first:.3f} (first 10%) -> {last:.3f} (last 10%) "
-            f"| {samples_per_s:.1f} samples/s | run dir {out_dir}")
+            f"| {samples_per_s:.1f} samples/s | {counts + ' | ' if counts else ''}run dir {out_dir}")
 
 
 def _init_ray(args) -> None:

@@ -55,23 +55,15 @@ def _trial(tune_config: dict, base: dict, root: str) -> None:
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from ray_ppo.api import PPOTrainer
-    from ray_ppo.plots import plot_run
-    from ray_ppo.tracking import RunDirectory
 
     trial_id = tune.get_context().get_trial_id()
     cfg = Config.from_dict(base).with_overrides(tune_config)
     run_dir = Path(root) / "trials" / trial_id
     cfg = cfg.with_overrides({"name": f"{cfg.name}-{trial_id}", "logging.output_dir": str(run_dir)})
-    writer = RunDirectory(run_dir, cfg, tensorboard=cfg.logging.tensorboard)
-    trainer = PPOTrainer(cfg, metrics_callbacks=[writer], run_config=RunConfig(
+    trainer = PPOTrainer(cfg, output_dir=run_dir, run_config=RunConfig(
         name=cfg.name, storage_path=str(run_dir / "ray_train"), callbacks=[TuneReportCallback()],
         failure_config=FailureConfig(max_failures=0, controller_failure_limit=0)))
-    try:
-        trainer.fit()
-    finally:
-        writer.close()
-        if trainer.history:
-            plot_run(trainer.history, run_dir / "curves.png")
+    trainer.fit()
 
 
 def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward_mean", mode: str = "max",
