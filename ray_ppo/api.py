@@ -28,6 +28,7 @@ from ray_ppo.coordinator import Coordinator
 from ray_ppo.data import read_prompt_dataset, select_prompt_column
 from ray_ppo.makers.actor import maker_actor_class
 from ray_ppo.models.tiny import resolve_pretrained
+from ray_ppo.preflight import check_run
 from ray_ppo.samples import split_samples
 from ray_ppo.tasks.toy import make_prompts
 from ray_ppo.train.loop import RunHandles, train_loop_per_worker
@@ -125,6 +126,7 @@ class PPOTrainer(TorchTrainer):
     # -- the run ---------------------------------------------------------------------------------
     def fit(self):
         """Start coordinator and makers, train, stop them; returns the ``ray.train.Result``."""
+        check_run(self.ppo_config, self.prompts)  # before any actor starts: one-line errors
         close_outputs = self._open_outputs()
         self._start_actors()
         poller = _MetricsPoller(self.coordinator, self._on_metrics, self._watch_makers)

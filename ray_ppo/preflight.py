@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ray_ppo.config import Config, ConfigError
+from ray_ppo.data import DataError
 
 PROBE_PROMPTS = 2
 """Prompts in the probe batch the reward function must answer."""
@@ -28,6 +29,10 @@ BINARY_SNIFF_BYTES = 8192
 
 class PreflightError(ConfigError):
     """A run that cannot start: one line naming the value and the fix."""
+
+
+class DataPreflightError(PreflightError, DataError):
+    """The prompt data cannot be used (also a ``DataError``, as Ray Data's reading would raise)."""
 
 
 def check_run(cfg: Config, prompts: Any = None) -> None:
@@ -173,23 +178,23 @@ def first_prompts(cfg: Config) -> list[str]:
         if len(found) >= PROBE_PROMPTS:
             break
     if not rows:
-        raise PreflightError(f"data.path={d.path!r} has no rows (only a header, or no records); "
+        raise DataPreflightError(f"data.path={d.path!r} has no rows (only a header, or no records); "
                              f"add prompts to its {d.prompt_column!r} column, one per row")
     if not found:
         where = f"{d.path!r}" if len(files) == 1 else f"the {len(files)} files of {d.path!r}"
-        raise PreflightError(f"data.prompt_column={d.prompt_column!r} of {where} holds no non-blank prompt; "
+        raise DataPreflightError(f"data.prompt_column={d.prompt_column!r} of {where} holds no non-blank prompt; "
                              f"fill in the prompts, or set data.prompt_column to the column that holds them")
     return found[:PROBE_PROMPTS]
 
 
 def _data_files(path: Path, fmt: str) -> list[Path]:
     if not path.exists():
-        raise PreflightError(f"data.path={str(path)!r} does not exist (resolved to {path.resolve()})")
+        raise DataPreflightError(f"data.path={str(path)!r} does not exist (resolved to {path.resolve()})")
     if path.is_file():
         return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith((".", "_")))
     if not files:
-        raise PreflightError(f"data.path={str(path)!r} is an empty directory; put {fmt} prompt files in it")
+        raise DataPreflightError(f"data.path={str(path)!r} is an empty directory; put {fmt} prompt files in it")
     return files
 
 
@@ -197,17 +202,17 @@ def _scan_file(path: Path, fmt: str, column: str, shown: str) -> tuple[list[str]
     """Non-blank prompts (up to ``PROBE_PROMPTS``) of one file and the rows read for them, with one-line
     errors for what is unreadable."""
     if path.stat().st_size == 0:
-        raise PreflightError(f"data.path={shown!r}: {path.name} is empty (0 bytes); give a {fmt} file with a "
+        raise DataPreflightError(f"data.path={shown!r}: {path.name} is empty (0 bytes); give a {fmt} file with a "
                              f"{column!r} column and one prompt per row")
     if fmt != "parquet" and b"\0" in path.open("rb").read(BINARY_SNIFF_BYTES):
-        raise PreflightError(f"data.path={shown!r}: {path.name} is binary, not {fmt} text; give a {fmt} file, "
+        raise DataPreflightError(f"data.path={shown!r}: {path.name} is binary, not {fmt} text; give a {fmt} file, "
                              f"or set data.format to the file's real format (csv, parquet, json)")
     found: list[str] = []
     rows = 0
     try:
         for columns, values in _chunks(path, fmt, column):
             if column not in columns:
-                raise PreflightError(f"data.prompt_column={column!r} is not a column of {shown!r}; columns "
+                raise DataPreflightError(f"data.prompt_column={column!r} is not a column of {shown!r}; columns "
                                      f"present: {list(columns)}; set data.prompt_column to one of them")
             found += [str(v) for v in values if _usable(v)]
             rows += len(values)
@@ -216,10 +221,10 @@ def _scan_file(path: Path, fmt: str, column: str, shown: str) -> tuple[list[str]
     except PreflightError:
         raise
     except UnicodeDecodeError:
-        raise PreflightError(f"data.path={shown!r}: {path.name} is not UTF-8 text ({_first_non_utf8(path)}); "
+        raise DataPreflightError(f"data.path={shown!r}: {path.name} is not UTF-8 text ({_first_non_utf8(path)}); "
                              f"re-save it as UTF-8") from None
     except Exception as e:  # pandas / pyarrow parse errors
-        raise PreflightError(f"data.path={shown!r}: {path.name} cannot be read as {fmt} ({type(e).__name__}: "
+        raise DataPreflightError(f"data.path={shown!r}: {path.name} cannot be read as {fmt} ({type(e).__name__}: "
                              f"{_first_line(e)}); check the file, or set data.format to its real format") from None
     return found, rows
 

@@ -81,10 +81,12 @@ def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward
 
     from ray_ppo.api import resolve_config
     from ray_ppo.plots import plot_sweep, write_trials_csv
+    from ray_ppo.preflight import check_run
     from ray_ppo.tracking import read_metrics
 
     for key, value in param_space.items():  # fail fast on unknown keys, before any trial starts
         base.with_overrides({key: _sample_value(value, base.get(key))})
+    check_run(base)  # once, before any trial starts
     base = resolve_config(base)
     root = Path(output_dir or f"runs/{base.name}-sweep").resolve()
     root.mkdir(parents=True, exist_ok=True)
