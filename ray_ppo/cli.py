@@ -223,7 +223,7 @@ def cmd_tune(args) -> int:
     import ray  # after pre-flight: importing Ray and Ray Tune takes seconds
     from ray import tune
 
-    from ray_ppo.sweep import sweep
+    from ray_ppo.sweep import sweep, trial_lines
 
     scheduler = None
     if args.scheduler == "asha":
@@ -236,7 +236,8 @@ def cmd_tune(args) -> int:
     try:
         outcome = sweep(cfg, {k: tune.grid_search(v) for k, v in spec["grid"].items()}, metric=spec["metric"],
                         mode=spec["mode"], num_samples=spec["num_samples"], scheduler=scheduler,
-                        max_concurrent_trials=args.max_concurrent, output_dir=str(out_dir))
+                        max_concurrent_trials=args.max_concurrent, output_dir=str(out_dir), verbose=0,
+                        callbacks=[trial_lines(list(spec["grid"]), spec["metric"])])
     finally:
         ray.shutdown()
     print(_ranking(outcome.trials, list(spec["grid"]), spec["metric"], spec["mode"]))
