@@ -40,6 +40,10 @@ SHUTDOWN_TIMEOUT_S = 30.0
 POLL_S = 0.5
 KILL_WAIT_S = 10.0
 """How long fit() waits for killed actors to disappear from Ray's list of named actors."""
+COORDINATOR_ENV = {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}
+"""The coordinator's only ``ray.get`` calls are Ray Data's, made while the prompt feed iterates the
+dataset in a worker thread (``asyncio.to_thread``), never on the event loop; Ray's check cannot
+tell the threads apart and would warn anyway (Ray Train turns it off for its controller alike)."""
 OUTSIDE_CALLER_PLACEMENT_GROUP = "DEFAULT"
 """Scheduling strategy of the makers: never captured by the caller's placement group (a
 Tune trial's driver holds one sized for itself alone)."""
@@ -191,7 +195,7 @@ class PPOTrainer(TorchTrainer):
         dataset = self._dataset()
         self.coordinator = ray.remote(num_cpus=0)(Coordinator).options(
             name="coordinator", namespace=self.namespace, lifetime="detached",
-            scheduling_strategy=on_driver_node()).remote(
+            scheduling_strategy=on_driver_node(), runtime_env={"env_vars": COORDINATOR_ENV}).remote(
             num_ranks=cfg.trainer.num_workers, num_makers=cfg.maker.num_makers, buffer_size=cfg.buffer_size,
             max_staleness=cfg.ppo.max_staleness, routing=cfg.topology.routing, prompts=dataset,
             items_per_version=cfg.trainer.update_steps * cfg.trainer.train_batch_size * cfg.trainer.num_workers,

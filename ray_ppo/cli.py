@@ -139,8 +139,13 @@ def _summary(history: list[dict], wall_s: float, out_dir: Path) -> str:
 
 
 def _init_ray(args) -> None:
+    import logging
+
     import ray
 
+    # The driver's one Ray Data execution (reading the prompt file's schema) would log its plan and
+    # progress every 10 s; warnings and errors still show.
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
     if args.address:
         ray.init(address=args.address)
         return

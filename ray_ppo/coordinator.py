@@ -417,6 +417,7 @@ class PromptFeed:
 
     def __init__(self, dataset: Any, batch_size: int, shuffle: bool, seed: int, start: dict | None = None):
         dataset.context.enable_progress_bars = False  # the driver shows the run's progress
+        dataset.context.print_on_execution_start = False  # no plan logged at every epoch
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
         self.epoch = start["epoch"] - 1 if start else -1
         self.start_position = start["position"] if start else 0  # prompts to skip in the first epoch
