@@ -29,6 +29,9 @@ def text_reward(prompts, responses):
 
 def raising_reward(prompts, responses):
     raise KeyError("label")
+
+def nan_on_generated(prompts, responses):  # passes the probe (an empty response, the prompt itself)
+    return [0.0 if not r or r == p else float("nan") for p, r in zip(prompts, responses)]
 '''
 
 pytestmark = pytest.mark.usefixtures("tiny_path")
@@ -199,3 +202,17 @@ def test_unknown_option_is_still_rejected(capsys):
         main(["train", "--config", TINY, "--nope"])
     assert exit_info.value.code == EXIT_USAGE
     assert capsys.readouterr().err.splitlines()[-1] == "ray-ppo: error: unrecognized arguments: --nope"
+
+
+def test_failure_after_start_is_one_line_with_the_traceback_in_the_run_directory(files, tmp_path, capsys):
+    out = tmp_path / "run"
+    status = main(["local", "--config", TINY, "--output", str(out), "trainer.total_steps=1", "maker.batch_size=4",
+                   "trainer.train_batch_size=4", "trainer.mini_batch_size=4", "logging.progress=false",
+                   "model.reward_fn=rewards_mod:nan_on_generated"])
+    (line,) = capsys.readouterr().err.splitlines()
+    log = out / "error.log"
+    assert status == 1
+    assert line.startswith("ray-ppo local: failed: RewardError: model.reward_fn='rewards_mod:nan_on_generated' "
+                           "returned nan for prompt '")
+    assert line.endswith(f" in local; a reward must be one finite float per response (full traceback: {log})")
+    assert "Traceback (most recent call last)" in log.read_text() and "_score" in log.read_text()
