@@ -85,9 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line; ``key=value`` overrides are accepted anywhere, also after options."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    stray = [a for a in extra if a.startswith("-") or "=" not in a]
-    if stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    stray = [a for a in extra if a.startswith("-")]  # anything else is an override (load_config checks its form)
+    if stray or extra and not hasattr(args, "overrides"):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*getattr(args, "overrides", []), *extra]
     return args

@@ -216,3 +216,9 @@ def test_failure_after_start_is_one_line_with_the_traceback_in_the_run_directory
                            "returned nan for prompt '")
     assert line.endswith(f" in local; a reward must be one finite float per response (full traceback: {log})")
     assert "Traceback (most recent call last)" in log.read_text() and "_score" in log.read_text()
+
+
+def test_bad_override_after_an_option_is_named(capsys, tmp_path):
+    assert main(["local", "--config", TINY, "--output", str(tmp_path / "run"), "trainer.total_steps"]) == EXIT_USAGE
+    assert capsys.readouterr().err.splitlines() == [
+        "ray-ppo local: error: bad override 'trainer.total_steps': expected the form key=value, e.g. ppo.kl_coef=0.1"]
