@@ -11,6 +11,7 @@ code raised, whose message is written to be read alone.
 from __future__ import annotations
 
 import datetime
+import re
 import traceback
 from pathlib import Path
 
@@ -45,9 +46,16 @@ def _unwrap_once(exc: BaseException) -> BaseException | None:
 
 
 def one_line(exc: BaseException) -> str:
-    """``Type: first line of the message`` of the root cause."""
+    """``Type: first line of the message`` of the root cause; for an actor whose ``__init__`` raised
+    (Ray keeps only the text of that error), ``<actor> could not start: <its last traceback line>``."""
     cause = root_cause(exc)
     lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    if getattr(cause, "_actor_init_failed", False):
+        actor = re.search(r"ray::(?:([\w.-]+):)?(\w+)\.__init__", str(cause))
+        raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b.*:", line)]
+        if raised:
+            name = (actor.group(1) or actor.group(2)) if actor else "an actor"
+            return f"{name} could not start: {raised[-1]}"
     return f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__
 
 

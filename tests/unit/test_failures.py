@@ -97,3 +97,14 @@ def test_wrong_length_reward_names_the_function(make):
 def test_a_good_reward_passes(make):
     items, stats = make(toy.reward, ["1 2 3", "4 5 6"])
     assert len(items) == 2 and all(0.0 <= r <= 1.0 for r in stats.rewards)
+
+
+def test_an_actor_that_could_not_start_is_named_with_its_error():
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    init_error = _raised(ValueError("cannot load reward function 'm:f': No module named 'm'"))
+    task_error = RayTaskError("maker_1:MakerWorker.__init__", "Traceback (most recent call last):\n  File ...\n"
+                              "ValueError: cannot load reward function 'm:f': No module named 'm'", init_error,
+                              proctitle="ray::maker_1:MakerWorker.__init__()", pid=123, ip="10.0.0.1")
+    died = ActorDiedError(task_error)
+    assert one_line(died) == "maker_1 could not start: ValueError: cannot load reward function 'm:f': No module named 'm'"
