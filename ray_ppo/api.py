@@ -132,7 +132,11 @@ class PPOTrainer(TorchTrainer):
         """Start coordinator and makers, train, stop them; returns the ``ray.train.Result``."""
         check_run(self.ppo_config, self.prompts)  # before any actor starts: one-line errors
         close_outputs = self._open_outputs()
-        self._start_actors()
+        try:
+            self._start_actors()
+        except BaseException:
+            close_outputs(self.history)
+            raise
         poller = _MetricsPoller(self.coordinator, self._on_metrics, self._watch_makers)
         poller.start()
         try:
