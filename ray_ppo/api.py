@@ -28,7 +28,9 @@ from ray_ppo.coordinator import Coordinator
 from ray_ppo.data import read_prompt_dataset, select_prompt_column
 from ray_ppo.makers.actor import maker_actor_class
 from ray_ppo.models.tiny import resolve_pretrained
+from ray_ppo.preflight import check_run
 from ray_ppo.rundir import CheckpointPublisher
+from ray_ppo.samples import split_samples
 from ray_ppo.tasks.toy import make_prompts
 from ray_ppo.train.loop import RunHandles, train_loop_per_worker
 
@@ -41,6 +43,10 @@ ABORT_WAIT_S = 2.0
 """How long fit() waits for Ray Train's controller to acknowledge an abort (Ctrl-C)."""
 KILL_WAIT_S = 10.0
 """How long fit() waits for killed actors to disappear from Ray's list of named actors."""
+COORDINATOR_ENV = {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}
+"""The coordinator's only ``ray.get`` calls are Ray Data's, made while the prompt feed iterates the
+dataset in a worker thread (``asyncio.to_thread``), never on the event loop; Ray's check cannot
+tell the threads apart and would warn anyway (Ray Train turns it off for its controller alike)."""
 OUTSIDE_CALLER_PLACEMENT_GROUP = "DEFAULT"
 """Scheduling strategy of the makers: never captured by the caller's placement group (a
 Tune trial's driver holds one sized for itself alone)."""
@@ -90,12 +96,15 @@ class PPOTrainer(TorchTrainer):
         resume_from: a checkpoint directory (``RUN_DIR/checkpoint``) to continue from: weights,
             optimizer, schedulers, KL controller, RNG, step, policy version and prompt position.
             Every trainer worker reads it, so on a multi-node cluster it must be on shared storage.
+        output_dir: if given, ``fit()`` writes the run files the CLI writes there (``config.yaml``,
+            ``metrics.jsonl``, ``samples.jsonl``, TensorBoard events, ``curves.png``; ``ray_ppo.outputs``).
     """
 
     def __init__(self, config: Config, prompts: Any = None, *, run_config: RunConfig | None = None,
                  metrics_callbacks: Sequence[MetricsCallback] = (), scaling_config: ScalingConfig | None = None,
-                 resume_from: str | Path | None = None, **trainer_kwargs):
+                 resume_from: str | Path | None = None, output_dir: str | Path | None = None, **trainer_kwargs):
         self.ppo_config = resolve_config(config)
+        self.output_dir = Path(output_dir).resolve() if output_dir is not None else None
         self.resume_state = validate_checkpoint(resume_from) if resume_from else None
         self.namespace = f"ray_ppo.{config.name}.{uuid.uuid4().hex[:8]}"
         self.prompts = prompts
@@ -133,8 +142,14 @@ class PPOTrainer(TorchTrainer):
         Each checkpoint is published to ``output_dir/checkpoint`` as soon as Ray Train stored it.
         Ctrl-C (``KeyboardInterrupt``) aborts the run within seconds, sets ``interrupted``, and
         is re-raised once the run's actors are gone."""
-        self._start_actors()
-        publisher = CheckpointPublisher(self.coordinator, Path(self.ppo_config.output_dir).resolve(),
+        check_run(self.ppo_config, self.prompts)  # before any actor starts: one-line errors
+        close_outputs = self._open_outputs()
+        try:
+            self._start_actors()
+        except BaseException:
+            close_outputs(self.history)
+            raise
+        publisher = CheckpointPublisher(self.coordinator, self.output_dir or Path(self.ppo_config.output_dir).resolve(),
                                         self.ppo_config.trainer.keep_checkpoints)
         poller = _MetricsPoller(self.coordinator, self._on_metrics, lambda: (self._watch_makers(), publisher.poll()))
         poller.start()
@@ -150,6 +165,7 @@ class PPOTrainer(TorchTrainer):
             poller.stop()
             publisher.poll()  # what was stored before the run ended, also when it failed
             self._kill_actors()
+            close_outputs(self.history)
         if not result.metrics and self.history:
             result.metrics = dict(self.history[-1])
         if result.checkpoint is not None and "step" in result.metrics:  # in case no rank announced it
@@ -170,6 +186,17 @@ class PPOTrainer(TorchTrainer):
             except Exception:  # already gone
                 pass
 
+    def _open_outputs(self) -> Callable[[list[dict]], None]:
+        """With ``output_dir``: add the run-file writers to the callbacks; returns their closer."""
+        if self.output_dir is None:
+            return lambda history: None
+        from ray_ppo.outputs import run_outputs
+
+        callbacks, close = run_outputs(self.ppo_config, self.output_dir,
+                                       self.resume_state["step"] if self.resume_state else None, progress=False)
+        self.metrics_callbacks += callbacks
+        return close
+
     def _watch_makers(self) -> None:
         """A maker loop that ended with an error (a dead maker out of restarts, or a raised
         exception) is reported to the coordinator, whose next pull ends the run with it."""
@@ -188,7 +215,7 @@ class PPOTrainer(TorchTrainer):
                 self._finished_loops.append(ref)
 
     def _on_metrics(self, metrics: dict) -> None:
-        self.history.append(metrics)
+        self.history.append(split_samples(metrics)[0])
         for callback in self.metrics_callbacks:
             callback(metrics)
 
@@ -207,7 +234,7 @@ class PPOTrainer(TorchTrainer):
         dataset = self._dataset()
         self.coordinator = ray.remote(num_cpus=0)(Coordinator).options(
             name="coordinator", namespace=self.namespace, lifetime="detached",
-            scheduling_strategy=on_driver_node()).remote(
+            scheduling_strategy=on_driver_node(), runtime_env={"env_vars": COORDINATOR_ENV}).remote(
             num_ranks=cfg.trainer.num_workers, num_makers=cfg.maker.num_makers, buffer_size=cfg.buffer_size,
             max_staleness=cfg.ppo.max_staleness, routing=cfg.topology.routing, prompts=dataset,
             items_per_version=cfg.trainer.update_steps * cfg.trainer.train_batch_size * cfg.trainer.num_workers,

@@ -4,8 +4,12 @@
     ray-ppo tune --config configs/tiny.yaml --grid ppo.kl_coef=0.02,0.1 --grid ppo.eps_clip=0.1,0.2
     ray-ppo local --config configs/tiny.yaml [--output DIR] [key=value ...]
     ray-ppo toy-data DIR
+    ray-ppo config [--config FILE] [key=value ...]
 
-Bad input (unknown key, bad value, missing file) prints one line and exits with status 2.
+``key=value`` overrides may come anywhere on the command line. Bad input (unknown key, bad
+value, missing or unreadable file, a model, reward function or prompt file that does not load)
+prints one line and exits with status 2, before any Ray process starts. A run that fails after it
+started ends with one line too; its full traceback is in RUN_DIR/error.log.
 Ctrl-C stops a run within seconds with status 130 and a line saying how to resume it.
 """
 
@@ -20,7 +24,9 @@ from pathlib import Path
 from ray_ppo.checkpoint import CheckpointError
 from ray_ppo.config import ConfigError, load_config
 from ray_ppo.data import DataError
+from ray_ppo.preflight import check_run, check_sweep_spec, read_sweep_file
 from ray_ppo.rundir import RunDirError
+from ray_ppo.tracking import counts_summary
 
 EXIT_USAGE = 2
 
@@ -73,19 +79,42 @@ def build_parser() -> argparse.ArgumentParser:
     toy.add_argument("--num-prompts", type=int, default=512)
     toy.add_argument("--prompt-len", type=int, default=6)
     toy.add_argument("--seed", type=int, default=0)
+    config = sub.add_parser("config", help="list every config key with its value and what it means",
+                            description="Print every config key, its value (the default, or FILE's and the "
+                                        "overrides') and its one-line doc.")
+    _config_args(config)
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; ``key=value`` overrides are accepted anywhere, also after options."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-")]  # anything else is an override (load_config checks its form)
+    if stray or extra and not hasattr(args, "overrides"):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*getattr(args, "overrides", []), *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
+    args.run_dir = None  # set by a command once its run directory is known
     try:
-        return {"train": cmd_train, "tune": cmd_tune, "local": cmd_local, "toy-data": cmd_toy_data}[args.command](args)
+        return {"train": cmd_train, "tune": cmd_tune, "local": cmd_local, "toy-data": cmd_toy_data,
+                "config": cmd_config}[args.command](args)
     except (ConfigError, DataError, CheckpointError, RunDirError, FileNotFoundError) as e:
         print(f"ray-ppo {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"ray-ppo {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a failure after the run started: one line, the traceback in RUN_DIR/error.log
+        from ray_ppo.failures import report_failure
+
+        print(f"ray-ppo {args.command}: failed: {report_failure(e, args.run_dir)}", file=sys.stderr)
+        return 1
 
 
 def _load(args):
@@ -97,19 +126,9 @@ def _load(args):
 
 def _run_outputs(cfg, out_dir: Path, resume_after_step: int | None = None):
     """Per-step callbacks (run files, progress) and a closer that also draws ``curves.png``."""
-    from ray_ppo.plots import plot_run
-    from ray_ppo.tracking import LiveLine, Progress, RunDirectory, read_metrics
+    from ray_ppo.outputs import run_outputs
 
-    run_dir = RunDirectory(out_dir, cfg, tensorboard=cfg.logging.tensorboard, resume_after_step=resume_after_step)
-    progress = Progress(cfg.trainer.total_steps) if cfg.logging.progress else LiveLine(cfg.trainer.total_steps)
-
-    def close(history: list[dict]) -> None:
-        if isinstance(progress, Progress):
-            progress.close()
-        run_dir.close()
-        if history:
-            plot_run(read_metrics(out_dir / "metrics.jsonl"), out_dir / "curves.png")
-    return [run_dir, progress], close
+    return run_outputs(cfg, out_dir, resume_after_step)
 
 
 def _summary(history: list[dict], wall_s: float, out_dir: Path) -> str:
@@ -119,13 +138,19 @@ def _summary(history: list[dict], wall_s: float, out_dir: Path) -> str:
     first = sum(m["reward_mean"] for m in history[:n]) / n
     last = sum(m["reward_mean"] for m in history[-n:]) / n
     samples_per_s = sum(m["samples_per_s"] for m in history) / len(history)
+    counts = counts_summary(history[-1])
     return (f"done: {len(history)} steps in {wall_s:.0f} s | reward {first:.3f} (first 10%) -> {last:.3f} (last 10%) "
-            f"| {samples_per_s:.1f} samples/s | run dir {out_dir}")
+            f"| {samples_per_s:.1f} samples/s | {counts + ' | ' if counts else ''}run dir {out_dir}")
 
 
 def _init_ray(args) -> None:
+    import logging
+
     import ray
 
+    # The driver's one Ray Data execution (reading the prompt file's schema) would log its plan and
+    # progress every 10 s; warnings and errors still show.
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
     if args.address:
         ray.init(address=args.address)
         return
@@ -140,9 +165,6 @@ def _init_ray(args) -> None:
 
 
 def cmd_train(args) -> int:
-    import ray
-
-    from ray_ppo.api import PPOTrainer
     from ray_ppo.rundir import claim_run_dir, nothing_to_do, resume_point, stopped_line
 
     resume_from, resume_state = None, None
@@ -155,7 +177,13 @@ def cmd_train(args) -> int:
     if resume_state and (line := nothing_to_do(args.resume, resume_state["step"], cfg.trainer.total_steps)):
         print(line)
         return 0
+    check_run(cfg)
     claim = claim_run_dir(out_dir, resume=bool(args.resume), overwrite=args.overwrite)
+    args.run_dir = out_dir
+    import ray  # after pre-flight: importing Ray and Ray Train takes seconds
+
+    from ray_ppo.api import PPOTrainer
+
     history: list[dict] = []
     try:
         callbacks, close = _run_outputs(cfg, out_dir, resume_state["step"] if resume_state else None)
@@ -191,18 +219,9 @@ def _parse_grid(entries: list[str]) -> dict[str, list]:
 
 def _sweep_spec(args) -> dict:
     """Grid, metric, mode and samples from --sweep YAML, then --grid/--metric/... on top."""
-    import yaml
-
-    spec: dict = {}
-    if args.sweep:
-        path = Path(args.sweep)
-        if not path.exists():
-            raise ConfigError(f"sweep file {args.sweep!r} does not exist")
-        spec = yaml.safe_load(path.read_text()) or {}
-        unknown = set(spec) - {"grid", "metric", "mode", "num_samples"}
-        if not isinstance(spec, dict) or unknown:
-            raise ConfigError(f"sweep file {args.sweep!r}: unknown keys {sorted(unknown)}; use grid, metric, mode, num_samples")
+    spec = read_sweep_file(args.sweep) if args.sweep else {}
     grid = {**(spec.get("grid") or {}), **_parse_grid(args.grid)}
+    check_sweep_spec({"grid": grid}, "--grid")
     if not grid:
         raise ConfigError("nothing to sweep: give --grid key=v1,v2 or --sweep FILE")
     return {"grid": grid, "metric": args.metric or spec.get("metric", "reward_mean"),
@@ -210,17 +229,19 @@ def _sweep_spec(args) -> dict:
 
 
 def cmd_tune(args) -> int:
-    import ray
-    from ray import tune
-
-    from ray_ppo.sweep import sweep
-
     cfg = _load(args)
     spec = _sweep_spec(args)
     for key, values in spec["grid"].items():  # unknown keys and bad values fail here, in one line
         for value in values:
             cfg.with_overrides({key: value})
+    check_run(cfg)
     out_dir = Path(args.output or f"runs/{cfg.name}-sweep").resolve()
+    args.run_dir = out_dir
+    import ray  # after pre-flight: importing Ray and Ray Tune takes seconds
+    from ray import tune
+
+    from ray_ppo.sweep import sweep, trial_lines
+
     scheduler = None
     if args.scheduler == "asha":
         from ray.tune.schedulers import ASHAScheduler
@@ -232,7 +253,8 @@ def cmd_tune(args) -> int:
     try:
         outcome = sweep(cfg, {k: tune.grid_search(v) for k, v in spec["grid"].items()}, metric=spec["metric"],
                         mode=spec["mode"], num_samples=spec["num_samples"], scheduler=scheduler,
-                        max_concurrent_trials=args.max_concurrent, output_dir=str(out_dir))
+                        max_concurrent_trials=args.max_concurrent, output_dir=str(out_dir), verbose=0,
+                        callbacks=[trial_lines(list(spec["grid"]), spec["metric"])])
     finally:
         ray.shutdown()
     print(_ranking(outcome.trials, list(spec["grid"]), spec["metric"], spec["mode"]))
@@ -260,7 +282,9 @@ def cmd_local(args) -> int:
 
     cfg = _load(args)
     out_dir = Path(cfg.output_dir).resolve()
+    check_run(cfg)
     claim = claim_run_dir(out_dir, overwrite=args.overwrite)
+    args.run_dir = out_dir
     try:
         callbacks, close = _run_outputs(cfg, out_dir)
         start = time.perf_counter()
@@ -272,6 +296,13 @@ def cmd_local(args) -> int:
     finally:
         claim.release()
     print(_summary(history, time.perf_counter() - start, out_dir))
+    return 0
+
+
+def cmd_config(args) -> int:
+    from ray_ppo.config_doc import describe_config
+
+    print(describe_config(_load(args)))
     return 0
 
 

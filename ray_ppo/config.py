@@ -274,6 +274,8 @@ class LoggingConfig:
     """Also log every metric to MLflow (needs the mlflow package; experiment = logging.project)."""
     project: str = "ray_ppo"
     """W&B project / MLflow experiment name."""
+    samples_every: int = 10
+    """Every this many steps, write a few prompt/response/reward samples to samples.jsonl and TensorBoard text; 0 = never."""
 
 
 @dataclass
@@ -406,9 +408,12 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {str(path)!r}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                          f"{exc.start}); re-save it as UTF-8") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror or exc}") from None
     try:
@@ -701,7 +706,7 @@ _RULES: tuple[_Rule, ...] = (
     _one_of("ppo.kl_estimator", KL_ESTIMATORS),
     _positive("ppo.kl_target", 6.0, "for a fixed ppo.kl_coef"),
     _positive("ppo.kl_horizon"),
-    _positive("ppo.eps_clip"),
+    _Rule("ppo.eps_clip", lambda v: 0 < v < 1, "in (0, 1)"),
     _Rule("ppo.dual_clip", lambda v: v > 1, "> 1", 3.0, "to disable dual clipping"),
     _positive("ppo.value_clip", null="to disable value clipping"),
     _non_negative("ppo.entropy_coef"),
@@ -716,6 +721,7 @@ _RULES: tuple[_Rule, ...] = (
     _positive("toy.num_prompts"),
     _positive("toy.prompt_len"),
     _positive("logging.report_every"),
+    _non_negative("logging.samples_every", "0 = never"),
     _non_negative("maker.max_restarts"),
     _non_negative("trainer.max_nonfinite_updates"),
 )

@@ -473,6 +473,7 @@ class PromptFeed:
 def read_texts(dataset: Any, batch_size: int = 4096) -> list[str | None]:
     """Every prompt text of a Ray Dataset with a ``prompt`` column, in the dataset's order."""
     dataset.context.enable_progress_bars = False  # the driver shows the run's progress
+    dataset.context.print_on_execution_start = False  # no plan logged at every read
     dataset.context.execution_options.preserve_order = True
     texts: list[str | None] = []
     for batch in dataset.iter_batches(batch_size=batch_size, batch_format="numpy", drop_last=False):

@@ -96,7 +96,7 @@ def read_prompt_dataset(path: str, prompt_column: str, fmt: str | None = None, n
     _check_local_path(path)
     readers = {"csv": ray.data.read_csv, "parquet": ray.data.read_parquet, "json": ray.data.read_json}
     try:
-        ds = readers[fmt](path, ray_remote_args={"num_cpus": num_cpus})
+        ds = readers[fmt](path, num_cpus=num_cpus)
         columns = ds.schema().names
     except Exception as e:  # Ray wraps reader errors in several types; the path is what the user needs
         raise DataError(f"cannot read data.path={path!r} as {fmt}: {type(e).__name__}: {str(e).splitlines()[0]}") from e

@@ -16,6 +16,7 @@ from ray_ppo.algo import ExperienceBatch, ExperienceItem, make_kl_controller
 from ray_ppo.build import build_actor, build_critic, build_experience_maker, learner_params
 from ray_ppo.config import Config
 from ray_ppo.data import DataError, PromptEncoder, read_prompt_texts
+from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.tasks.toy import make_prompts
 from ray_ppo.train.learner import PPOLearner
 from ray_ppo.train.loop import experience_metrics
@@ -71,7 +72,8 @@ def run_local(cfg: Config, prompts: Sequence[str | None] | None = None,
                        elapsed_s=time.perf_counter() - start)
         history.append(metrics)
         if on_metrics:
-            on_metrics(metrics)
+            due = samples_due(step, cfg.logging.samples_every)
+            on_metrics({**metrics, SAMPLES_KEY: pick_samples(items, maker.tokenizer, step)} if due else metrics)
     return history
 
 

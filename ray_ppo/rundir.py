@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ray_ppo.checkpoint import LINK, CheckpointError, publish_checkpoint, validate_checkpoint
+from ray_ppo.failures import ERROR_LOG
 
 
 class RunDirError(ValueError):
@@ -69,7 +70,8 @@ def claim_run_dir(path: str | Path, *, resume: bool = False, overwrite: bool = F
         return RunDirClaim(path, created=False, set_aside=None, is_started=True)  # nothing to undo
     if path.exists() and not path.is_dir():
         raise RunDirError(f"run directory {path} is a file; give another --output")
-    holds = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    # The error log of attempts that failed before their first step is all such a directory holds.
+    holds = sorted(p.name for p in path.iterdir() if p.name != ERROR_LOG) if path.is_dir() else []
     if not holds:
         path.mkdir(parents=True, exist_ok=True)
         return RunDirClaim(path, created=True, set_aside=None)

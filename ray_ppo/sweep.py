@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence, TextIO
 
 from ray_ppo.config import Config
 
@@ -55,44 +55,40 @@ def _trial(tune_config: dict, base: dict, root: str) -> None:
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from ray_ppo.api import PPOTrainer
-    from ray_ppo.plots import plot_run
-    from ray_ppo.tracking import RunDirectory
 
     trial_id = tune.get_context().get_trial_id()
     cfg = Config.from_dict(base).with_overrides(tune_config)
     run_dir = Path(root) / "trials" / trial_id
     cfg = cfg.with_overrides({"name": f"{cfg.name}-{trial_id}", "logging.output_dir": str(run_dir)})
-    writer = RunDirectory(run_dir, cfg, tensorboard=cfg.logging.tensorboard)
-    trainer = PPOTrainer(cfg, metrics_callbacks=[writer], run_config=RunConfig(
+    trainer = PPOTrainer(cfg, output_dir=run_dir, run_config=RunConfig(
         name=cfg.name, storage_path=str(run_dir / "ray_train"), callbacks=[TuneReportCallback()],
         failure_config=FailureConfig(max_failures=0, controller_failure_limit=0)))
-    try:
-        trainer.fit()
-    finally:
-        writer.close()
-        if trainer.history:
-            plot_run(trainer.history, run_dir / "curves.png")
+    trainer.fit()
 
 
 def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward_mean", mode: str = "max",
           num_samples: int = 1, scheduler: Any = None, search_alg: Any = None,
-          max_concurrent_trials: int | None = None, output_dir: str | None = None) -> SweepOutcome:
+          max_concurrent_trials: int | None = None, output_dir: str | None = None, verbose: int = 1,
+          callbacks: Sequence[Any] = ()) -> SweepOutcome:
     """Run a Tune sweep of PPO runs; every key of ``param_space`` is a dotted config name.
 
     Trials run side by side as far as ``max_concurrent_trials`` allows (default: as many as the
     cluster's CPUs fit, see ``trial_cpus``) and queue otherwise. The run's files go to
     ``output_dir`` (default ``runs/<name>-sweep``): ``trials/<id>/`` per trial, plus
-    ``trials.csv`` and ``sweep.png``.
+    ``trials.csv`` and ``sweep.png``. ``verbose`` and ``callbacks`` pass to ``tune.RunConfig``
+    (the CLI uses ``verbose=0`` and ``trial_lines``: one line per finished trial).
     """
     import ray
     from ray import tune
 
     from ray_ppo.api import resolve_config
     from ray_ppo.plots import plot_sweep, write_trials_csv
+    from ray_ppo.preflight import check_run
     from ray_ppo.tracking import read_metrics
 
     for key, value in param_space.items():  # fail fast on unknown keys, before any trial starts
         base.with_overrides({key: _sample_value(value, base.get(key))})
+    check_run(base)  # once, before any trial starts
     base = resolve_config(base)
     root = Path(output_dir or f"runs/{base.name}-sweep").resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -103,7 +99,8 @@ def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward
         trainable, param_space=dict(param_space),
         tune_config=tune.TuneConfig(metric=metric, mode=mode, num_samples=num_samples, scheduler=scheduler,
                                     search_alg=search_alg, max_concurrent_trials=max_concurrent_trials),
-        run_config=tune.RunConfig(name=f"{base.name}-sweep", storage_path=str(root / "tune"), verbose=1))
+        run_config=tune.RunConfig(name=f"{base.name}-sweep", storage_path=str(root / "tune"), verbose=verbose,
+                                  callbacks=list(callbacks)))
     grid = tuner.fit()
     trials = _trial_rows(grid, list(param_space), metric, root)
     write_trials_csv(trials, root / "trials.csv")
@@ -116,6 +113,33 @@ def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward
         best_config={k: best.config[k] for k in param_space}, best_metric=best.metrics[metric],
         best_checkpoint=best.metrics.get(CHECKPOINT_PATH_KEY), best_trial_dir=best_row["run_dir"],
         trials=trials, result_grid=grid)
+
+
+def trial_lines(keys: Sequence[str], metric: str, stream: TextIO | None = None) -> Any:
+    """A Tune callback printing one line per trial as it ends, in place of Tune's status tables:
+
+        trial 2/4 done: kl_coef=0.1, eps_clip=0.2 | reward_mean 0.4121 at step 20 | 48 s
+    """
+    from ray.tune import Callback
+
+    class TrialLines(Callback):
+        ended = 0
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            self._line(trial, len(trials), "done")
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            self._line(trial, len(trials), "FAILED")
+
+        def _line(self, trial, total: int, status: str) -> None:
+            self.ended += 1
+            result = trial.last_result or {}
+            values = ", ".join(f"{k.split('.')[-1]}={trial.config.get(k)}" for k in keys)
+            score = result.get(metric)
+            shown = f"{metric} {score:.4f} at step {result.get('step')}" if score is not None else "no result"
+            print(f"trial {self.ended}/{total} {status}: {values} | {shown} | {result.get('time_total_s', 0):.0f} s",
+                  file=stream, flush=True)
+    return TrialLines()
 
 
 def _sample_value(value: Any, default: Any) -> Any:

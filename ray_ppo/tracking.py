@@ -11,12 +11,31 @@ from pathlib import Path
 from typing import TextIO
 
 from ray_ppo.config import Config, ConfigError
+from ray_ppo.samples import SamplesFile, split_samples
 
 LIVE_KEYS = (("reward_mean", "reward", "{:.3f}"), ("kl", "kl", "{:.4f}"), ("policy_version", "v", "{:.0f}"),
              ("staleness_mean", "stale", "{:.2f}"), ("samples_per_s", "samples/s", "{:.1f}"))
 
 PROGRESS_KEYS = ("reward_mean", "kl", "samples_per_s")
 """The LIVE_KEYS shown in the postfix of the progress bar."""
+
+COUNT_KEYS = (("prompts_blank", "blank"), ("prompts_truncated", "truncated"), ("prompts_lost", "lost"),
+              ("items_discarded", "discarded"))
+"""Prompts skipped, cut or lost and items dropped so far: shown in the live line once any is non-zero."""
+
+
+def counts_text(metrics: dict) -> str:
+    """``blank 3, discarded 16``: the non-zero COUNT_KEYS of a row ("" if all are zero or absent)."""
+    return ", ".join(f"{label} {int(metrics[key])}" for key, label in COUNT_KEYS if metrics.get(key))
+
+
+def counts_summary(metrics: dict) -> str:
+    """``512 prompts: 3 blank, 2 truncated, 0 lost; 16 items discarded`` from a train run's last row ("" without counters)."""
+    if "prompts_served" not in metrics:
+        return ""
+    n = {key: int(metrics.get(key) or 0) for key, _ in COUNT_KEYS}
+    return (f"{int(metrics['prompts_served'])} prompts: {n['prompts_blank']} blank, {n['prompts_truncated']} truncated, "
+            f"{n['prompts_lost']} lost; {n['items_discarded']} items discarded")
 
 TENSORBOARD_MISSING = ("logging.tensorboard=true needs the tensorboard package: "
                        "pip install tensorboard or set logging.tensorboard=false")
@@ -39,6 +58,7 @@ class TensorBoardWriter:
         except ImportError as exc:
             raise ImportError(TENSORBOARD_MISSING) from exc
         self._writer = SummaryWriter(log_dir=str(directory))
+        self.summary_writer = self._writer  # for text summaries (samples)
 
     def __call__(self, metrics: dict) -> None:
         step = int(metrics["step"])
@@ -134,8 +154,11 @@ class RunDirectory:
             self._metrics = open(metrics, "a")
         else:
             self._metrics = open(metrics, "w")
+        self._samples = SamplesFile(self.path, self._tensorboard.summary_writer if self._tensorboard else None)
 
     def __call__(self, metrics: dict) -> None:
+        metrics, samples = split_samples(metrics)
+        self._samples.write(samples)
         self._metrics.write(json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n")
         self._metrics.flush()
         if self._tensorboard is not None:
@@ -145,6 +168,7 @@ class RunDirectory:
 
     def close(self) -> None:
         self._metrics.close()
+        self._samples.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
         for tracker in self._trackers:
@@ -160,6 +184,7 @@ class LiveLine:
     def __call__(self, metrics: dict) -> None:
         parts = [f"step {int(metrics['step'])}/{self.total_steps}"]
         parts += [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in LIVE_KEYS if key in metrics]
+        parts += [counts] if (counts := counts_text(metrics)) else []
         print(" | ".join(parts), file=self.stream, flush=True)
 
 
@@ -183,9 +208,10 @@ class Progress:
         if self._line is not None:
             self._line(metrics)
             return
-        self._bar.set_postfix_str(", ".join(
-            f"{label} {fmt.format(metrics[key])}" for key, label, fmt in LIVE_KEYS
-            if key in PROGRESS_KEYS and _is_scalar(metrics.get(key))), refresh=False)
+        self._bar.set_postfix_str(", ".join([
+            *(f"{label} {fmt.format(metrics[key])}" for key, label, fmt in LIVE_KEYS
+              if key in PROGRESS_KEYS and _is_scalar(metrics.get(key))),
+            *([counts] if (counts := counts_text(metrics)) else [])]), refresh=False)
         self._bar.update(int(metrics["step"]) - self._bar.n)
 
     def close(self) -> None:

@@ -64,7 +64,7 @@ class MakerWorker:
         self.sent = 0
         self.pause_s = 0.0
         self.pushes_loaded = 0
-        if coordinator is not None and ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed:
+        if coordinator is not None and ray.is_initialized() and _was_restarted():
             # A restarted process: the coordinator counts what died with the old one and resends
             # the latest weights; admission keeps this maker idle until they are loaded.
             ray.get(coordinator.maker_restarted.remote(maker_id))
@@ -191,6 +191,16 @@ def tag_prompt_ids(items: list, prompt_ids: list[int]) -> None:
     per_prompt = len(items) // len(prompt_ids)
     for i, item in enumerate(items):
         item.prompt_id = int(prompt_ids[i // per_prompt])
+
+
+def _was_restarted() -> bool:
+    """Whether this actor process is a restart. Ray's own property reads its deprecated ``actor_id``
+    inside, which would print a RayDeprecationWarning in every maker; the property itself is current."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
 def _check_keys(model: torch.nn.Module, state: dict[str, torch.Tensor], partial: bool, what: str) -> None:

@@ -6,6 +6,8 @@ actor (``ray_ppo.makers.actor``) wraps it.
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -15,6 +17,34 @@ from torch import nn
 
 from ray_ppo.algo import ExperienceBatch, ExperienceItem, compute_gae, compute_kl, kl_penalized_rewards
 from ray_ppo.models import RewardFn, Rollout, SamplingParams, action_log_probs, action_values, generate, model_device
+
+
+class RewardError(ValueError):
+    """A reward function or model gave something other than one finite score per response; the message
+    names the reward and the offending prompt."""
+
+
+def reward_problem(scores, expected: int) -> tuple[str, int | None] | None:
+    """What is wrong with a reward's answer and the index of the offending response, or None if it
+    is one finite real number (or 0-d tensor) per response."""
+    try:
+        values = list(scores)
+    except TypeError:
+        return f"returned {type(scores).__name__}, not a list of floats", None
+    if len(values) != expected:
+        return f"returned {len(values)} scores for {expected} responses", None
+    for i, v in enumerate(values):
+        is_number = isinstance(v, numbers.Real) or getattr(v, "ndim", None) == 0
+        if isinstance(v, bool) or not is_number:
+            return f"returned {v!r} ({type(v).__name__}), not a number,", i
+        if not math.isfinite(float(v)):
+            return f"returned {float(v)}", i
+    return None
+
+
+def reward_name(fn) -> str:
+    """``module:function`` of a rule reward, as ``model.reward_fn`` spells it."""
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 @dataclass
@@ -99,14 +129,30 @@ class ExperienceMaker:
     def _score(self, rollout: Rollout) -> torch.Tensor:
         """One float32 score per sample (B,), on the rollout's device."""
         if self.reward_model is not None:
-            return self.reward_model(rollout.sequences, rollout.attention_mask).float()
+            scores = self.reward_model(rollout.sequences, rollout.attention_mask).float()
+            bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+            if bad:
+                prompts, responses = self._decode(rollout)
+                self._reward_fault(f"the reward model (model.reward_pretrained) returned {scores[bad[0]].item()}",
+                                   bad[0], prompts, responses)
+            return scores
+        prompts, responses = self._decode(rollout)
+        scores = self.reward_fn(prompts, responses)
+        problem = reward_problem(scores, len(responses))
+        if problem:
+            self._reward_fault(f"model.reward_fn={reward_name(self.reward_fn)!r} {problem[0]}", problem[1], prompts,
+                               responses)
+        return torch.tensor([float(s) for s in scores], dtype=torch.float32, device=rollout.sequences.device)
+
+    def _decode(self, rollout: Rollout) -> tuple[list[str], list[str]]:
         sequences = rollout.sequences.cpu()  # decoding reads token ids one by one
-        prompts = self.tokenizer.batch_decode(sequences[:, :rollout.prompt_len], skip_special_tokens=True)
-        responses = self.tokenizer.batch_decode(sequences[:, rollout.prompt_len:], skip_special_tokens=True)
-        scores = list(self.reward_fn(prompts, responses))
-        if len(scores) != len(responses):
-            raise ValueError(f"reward function returned {len(scores)} scores for {len(responses)} responses")
-        return torch.tensor(scores, dtype=torch.float32, device=rollout.sequences.device)
+        return (self.tokenizer.batch_decode(sequences[:, :rollout.prompt_len], skip_special_tokens=True),
+                self.tokenizer.batch_decode(sequences[:, rollout.prompt_len:], skip_special_tokens=True))
+
+    def _reward_fault(self, problem: str, index: int | None, prompts: list[str], responses: list[str]) -> None:
+        where = (f"for prompt {prompts[index]!r} (response {responses[index]!r})" if index is not None
+                 else f"for a batch of {len(prompts)} prompts (the first {prompts[0]!r})")
+        raise RewardError(f"{problem} {where} in {self.name}; a reward must be one finite float per response")
 
     def _ref_log_probs(self, rollout: Rollout) -> torch.Tensor:
         args = (rollout.sequences, rollout.attention_mask, rollout.num_actions, self.sampling.temperature)

@@ -24,6 +24,7 @@ from ray_ppo.build import build_actor, build_critic, learner_params, tokenizer_p
 from ray_ppo.config import Config
 from ray_ppo.models import load_tokenizer
 from ray_ppo.models.lora import trainable_names
+from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.sync import bucket_nbytes, fingerprint, join_state, make_buckets, push_aliases, split_state
 from ray_ppo.train.learner import PPOLearner
 from ray_ppo.train.strategies import make_strategy
@@ -169,7 +170,8 @@ def _train_loop(loop_config: dict) -> None:
     publisher = WeightPublisher(learner, coordinator, cfg.sync.bucket_mb, rank)
     checkpoints = CheckpointWriter(cfg) if rank == 0 else None
     monitor = MakerMonitor(coordinator) if rank == 0 else None
-    pad_token_id = load_tokenizer(tokenizer_path(cfg)).pad_token_id
+    tokenizer = load_tokenizer(tokenizer_path(cfg))
+    pad_token_id = tokenizer.pad_token_id
     first_step, version = 1, 0
     if restored:
         optim_state, run_state = restored[2], restored[3]
@@ -213,8 +215,10 @@ def _train_loop(loop_config: dict) -> None:
                                                        {"kl_coef": kl_ctl.value, "partial": cfg.sync.lora_only})
 
         step_s = time.perf_counter() - step_start
-        metrics.update(train_s=train_s, trainer_idle_ratio=wait_s / step_s, push_s=push_s, push_bytes=float(push_bytes))
+        metrics.update(train_s=train_s, trainer_idle_ratio=wait_s / step_s)
         metrics = reduce_across_ranks(metrics, device)
+        # Only rank 0 pushes, and only rank 0's row is kept: its own time and bytes, never a mean over ranks.
+        metrics.update(push_s=push_s, push_bytes=float(push_bytes))
         metrics.update(step=step, policy_version=version, kl_coef=kl_ctl.value,
                        samples_per_s=cfg.trainer.train_batch_size * world / step_s,
                        elapsed_s=time.perf_counter() - run_start)
@@ -227,7 +231,8 @@ def _train_loop(loop_config: dict) -> None:
                 run_state = {"step": step, "policy_version": version, "kl_ctl": kl_ctl.state_dict(),
                              "data": ray.get(coordinator.data_state.remote(step))}
                 checkpoint = checkpoints.write(state, optim_state, run_state)
-            coordinator.record_metrics.remote(metrics)
+            samples = pick_samples(items, tokenizer, step) if samples_due(step, cfg.logging.samples_every) else []
+            coordinator.record_metrics.remote({**metrics, SAMPLES_KEY: samples} if samples else metrics)
         if is_last or ckpt_due or step % cfg.logging.report_every == 0:
             ray.train.report(metrics, checkpoint=checkpoint)
             if checkpoint is not None:
@@ -311,7 +316,9 @@ class MakerMonitor:
                 "items_discarded": float(counters["discarded"]), "items_in_flight": float(counters["in_flight"]),
                 "items_lost_in_transit": float(counters["lost_in_transit"]),
                 "prompts_trained": float(counters["prompts_trained"]),
-                "prompts_requeued": float(counters["prompts_requeued"])}
+                "prompts_requeued": float(counters["prompts_requeued"]),
+                "prompts_served": float(counters["prompts_served"]), "prompts_blank": float(counters["blank_prompts"]),
+                "prompts_truncated": float(counters["truncated_prompts"]), "prompts_lost": float(counters["lost"])}
 
 
 def _verify_makers(coordinator: Any, version: int, expected: str) -> float:

@@ -43,6 +43,10 @@ def test_ray_ppo_tune_2x2(tmp_path):
     best_line = [line for line in proc.stdout.splitlines() if line.startswith("best: ")]
     assert len(best_line) == 1 and "reward_mean=" in best_line[0] and "checkpoint" in best_line[0]
     assert "rank" in proc.stdout  # the ranking table
+    # at a glance: one line per finished trial (Tune's status tables are off), the ranking, the best
+    finished = [line for line in proc.stdout.splitlines() if line.startswith("trial ")]
+    assert len(finished) == 4 and all(" done: kl_coef=" in line and "reward_mean" in line for line in finished)
+    assert len(proc.stdout.splitlines()) == 4 + 5 + 1, proc.stdout
     assert_png(out / "sweep.png")
     for trial in trials:  # each trial has its own run directory with curves and metrics
         run_dir = Path(trial["run_dir"])

@@ -1,6 +1,7 @@
 """One local Ray cluster for every test under tests/ray (session scope, CPU only)."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,8 @@ def ray_session(tmp_path_factory):
     import ray
 
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    # Actors import test helpers by name (e.g. model.reward_fn=faulty_rewards:...): workers inherit this.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
     ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
              _temp_dir=str(tmp_path_factory.mktemp("ray")))
     yield ray

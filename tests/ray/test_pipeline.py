@@ -1,6 +1,8 @@
 """The detached pipeline end to end on a local CPU cluster: fit() with M makers : N ranks."""
 
 import csv
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,8 @@ import ray
 from ray_ppo.api import PPOTrainer
 from ray_ppo.config import load_config
 from ray_ppo.data import DataError
+from ray_ppo.failures import one_line
+from ray_ppo.preflight import PreflightError
 
 pytestmark = pytest.mark.ray
 
@@ -46,8 +50,9 @@ def run_namespaces() -> set[str]:
 def test_fit_accounts_for_every_item(ray_session, tmp_path, strategy, num_makers, num_workers):
     prompts = messy_prompts(tmp_path / "prompts.csv")
     cfg = small_config(tmp_path, f"trainer.strategy={strategy}", f"maker.num_makers={num_makers}",
-                       f"trainer.num_workers={num_workers}", f"data.path={prompts}", "data.prompt_column=text")
-    trainer = PPOTrainer(cfg)
+                       f"trainer.num_workers={num_workers}", f"data.path={prompts}", "data.prompt_column=text",
+                       "logging.samples_every=2")
+    trainer = PPOTrainer(cfg, output_dir=tmp_path / "run")
     result = trainer.fit()
 
     history = trainer.history
@@ -73,6 +78,23 @@ def test_fit_accounts_for_every_item(ray_session, tmp_path, strategy, num_makers
 
     assert trainer.namespace not in run_namespaces()  # fit() removed the actors it started
     assert_checkpoint_loads(Path(result.checkpoint.path))
+    # rank 0's push, not a mean over ranks: the size of the last push the coordinator relayed
+    assert history[-1]["push_bytes"] == trainer.final_status["pushes"][-1][1]
+    assert 0 < history[-1]["prompts_blank"] <= counters["blank_prompts"]
+    assert 0 < history[-1]["prompts_truncated"] <= counters["truncated_prompts"]
+    assert_run_files(tmp_path / "run")
+
+
+def assert_run_files(run: Path) -> None:
+    """PPOTrainer(output_dir=...) writes what the CLI writes."""
+    from ray_ppo.tracking import read_metrics
+
+    assert [row["step"] for row in read_metrics(run / "metrics.jsonl")] == list(range(1, STEPS + 1))
+    samples = [json.loads(line) for line in open(run / "samples.jsonl")]
+    assert [s["step"] for s in samples] == [2] * 4 + [4] * 4
+    assert all(isinstance(s["response"], str) and 0 <= s["reward"] <= 1 for s in samples)
+    assert load_config(run / "config.yaml").logging.samples_every == 2
+    assert (run / "curves.png").exists() and any((run / "tensorboard").iterdir())
 
 
 def assert_checkpoint_loads(directory: Path) -> None:
@@ -106,12 +128,28 @@ def test_unreadable_file_names_the_path(ray_session, tmp_path):
         PPOTrainer(small_config(tmp_path, f"data.path={broken}")).fit()
 
 
-def test_maker_error_surfaces_in_fit(ray_session, tmp_path):
-    # A reward function with the wrong signature raises TypeError inside the maker's loop.
+def test_reward_that_fails_the_probe_stops_fit_before_any_actor(ray_session, tmp_path):
+    # A reward function with the wrong signature raises TypeError on pre-flight's probe batch.
+    before = run_namespaces()
     cfg = small_config(tmp_path, "model.reward_fn=ray_ppo.tasks.toy:write_prompt_files", "trainer.total_steps=2")
+    with pytest.raises(PreflightError, match=r"^model.reward_fn='ray_ppo.tasks.toy:write_prompt_files' raised TypeError"):
+        PPOTrainer(cfg).fit()
+    assert run_namespaces() == before
+
+
+@pytest.mark.parametrize("reward, problem", [
+    ("nan_on_generated", r"returned nan for prompt '[\d ]+' \(response '[\d ]*'\)"),
+    ("short_on_generated", r"returned 7 scores for 8 responses for a batch of 8 prompts \(the first '[\d ]+'\)"),
+])
+def test_reward_fault_in_a_maker_names_the_function_and_prompt(ray_session, tmp_path, reward, problem):
+    cfg = small_config(tmp_path, f"model.reward_fn=faulty_rewards:{reward}", "trainer.total_steps=2")
     trainer = PPOTrainer(cfg)
-    with pytest.raises(Exception, match=r"maker_\d failed.*TypeError"):
+    with pytest.raises(Exception) as info:
         trainer.fit()
+    line = one_line(info.value)  # what the CLI prints
+    assert re.fullmatch(rf"RuntimeError: maker_\d failed \(\d/2 makers failed\): RewardError: "
+                        rf"model.reward_fn='faulty_rewards:{reward}' {problem} in maker_\d; a reward must be one "
+                        rf"finite float per response \(at experience.py:\d+\)", line), line
     assert trainer.namespace not in run_namespaces()
 
 

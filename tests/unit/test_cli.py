@@ -37,7 +37,7 @@ def test_unknown_key_suggests_the_right_one(capsys, command):
 
 @pytest.mark.parametrize("override, message", [
     ("trainer.total_steps=many", "trainer.total_steps: expected an integer, got 'many'"),
-    ("ppo.eps_clip=-0.1", "ppo.eps_clip=-0.1 is invalid: must be > 0"),
+    ("ppo.eps_clip=-0.1", "ppo.eps_clip=-0.1 is invalid: must be in (0, 1)"),
     ("trainer.mini_batch_size=48", "trainer.train_batch_size=64 is not a multiple of trainer.mini_batch_size=48; "
                                    "set trainer.train_batch_size=96 or trainer.mini_batch_size=32"),
 ])

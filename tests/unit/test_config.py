@@ -93,7 +93,7 @@ def test_tree_names_and_defaults_are_the_public_contract():
         "sync": {"bucket_mb": 64.0, "lora_only": False},
         "topology": {"routing": "round_robin", "buffer_size": 0, "transport": "inline"},
         "logging": {"output_dir": None, "progress": True, "tensorboard": True, "report_every": 10,
-                    "wandb": False, "mlflow": False, "project": "ray_ppo"},
+                    "wandb": False, "mlflow": False, "project": "ray_ppo", "samples_every": 10},
         "toy": {"num_prompts": 512, "prompt_len": 6, "seed": 0},
     }
 
@@ -119,16 +119,16 @@ trainer:
   actor_lr: 1e-5        # PyYAML alone would read this as a string
   critic_lr: 2.0e5
 ppo:
-  eps_clip: 1           # an int is fine for a float field
+  kl_coef: 1            # an int is fine for a float field
   value_clip: null
 """)
     cfg = load_config(path)
     assert cfg.name == "demo"
     assert cfg.model.lora == LoraConfig(rank=8, target_modules=["q_proj", "v_proj"])
     assert cfg.trainer.actor_lr == 1e-5 and cfg.trainer.critic_lr == 2.0e5
-    assert cfg.ppo.eps_clip == 1.0 and isinstance(cfg.ppo.eps_clip, float)
+    assert cfg.ppo.kl_coef == 1.0 and isinstance(cfg.ppo.kl_coef, float)
     assert cfg.ppo.value_clip is None
-    assert cfg.ppo.kl_coef == PPOConfig().kl_coef  # keys left out keep their defaults
+    assert cfg.ppo.eps_clip == PPOConfig().eps_clip  # keys left out keep their defaults
     assert load_config(str(path)) == cfg
 
 
@@ -166,7 +166,7 @@ def test_yaml_duplicate_key_is_rejected(tmp_path):
     (" ppo.kl_coef = 0.3 ", "ppo.kl_coef", 0.3),
     ("trainer.total_steps=7", "trainer.total_steps", 7),
     ("trainer.actor_lr=3e-4", "trainer.actor_lr", 3e-4),
-    ("ppo.eps_clip=1", "ppo.eps_clip", 1.0),
+    ("ppo.kl_coef=1", "ppo.kl_coef", 1.0),
     ("ppo.value_clip=null", "ppo.value_clip", None),
     ("ppo.kl_target=0.5", "ppo.kl_target", 0.5),
     ("maker.wait_for_weights=true", "maker.wait_for_weights", True),
@@ -276,15 +276,22 @@ POSITIVE = [
     "maker.torch_threads", "trainer.num_workers", "trainer.cpus_per_worker", "trainer.total_steps",
     "trainer.update_steps", "trainer.train_batch_size", "trainer.mini_batch_size", "trainer.ppo_epochs",
     "trainer.actor_lr", "trainer.critic_lr", "trainer.torch_threads", "trainer.pull_timeout_s", "ppo.kl_horizon",
-    "ppo.eps_clip", "ppo.value_clip", "model.lora.alpha", "sync.bucket_mb", "toy.num_prompts", "toy.prompt_len", "logging.report_every",
+    "ppo.value_clip", "model.lora.alpha", "sync.bucket_mb", "toy.num_prompts", "toy.prompt_len", "logging.report_every",
     "trainer.keep_checkpoints",
 ]
 NON_NEGATIVE = [
     "model.lora.rank", "maker.top_k", "maker.num_cpus", "maker.num_gpus", "trainer.weight_decay",
     "trainer.warmup_steps", "trainer.max_grad_norm", "trainer.checkpoint_every", "ppo.kl_coef",
     "ppo.entropy_coef", "ppo.max_staleness", "topology.buffer_size", "trainer.max_nonfinite_updates",
-    "maker.max_restarts", "trainer.max_failures",
+    "maker.max_restarts", "trainer.max_failures", "logging.samples_every",
 ]
+
+
+@pytest.mark.parametrize("value", [0, 1, 5, -0.1])
+def test_eps_clip_is_a_fraction(value):
+    message = config_error(Config().with_overrides, {"ppo.eps_clip": value})
+    assert message == (f"ppo.eps_clip={float(value)!r} is invalid: must be in (0, 1); "
+                       f"set e.g. ppo.eps_clip=0.2 (the default)")
 
 
 @pytest.mark.parametrize("key", POSITIVE)

@@ -1,0 +1,334 @@
+"""Pre-flight: everything about a run that can be checked without a Ray cluster, checked before one starts.
+
+    check_run(cfg)            # models and tokenizer, chat template, reward function, prompt file
+    check_sweep_spec(spec, path)
+
+Each failed check raises ``PreflightError``, a ``ConfigError`` whose message is one line naming
+the bad value and the fix; the CLI prints it and exits with status 2 before ``ray.init``. The
+checks are cheap: a model's ``config.json`` and its tokenizer are loaded (never its weights), the
+reward function answers one small probe batch, and at most the first rows of the prompt file up
+to the first usable prompt are read.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from ray_ppo.config import Config, ConfigError
+from ray_ppo.data import DataError
+
+PROBE_PROMPTS = 2
+"""Prompts in the probe batch the reward function must answer."""
+SCAN_ROWS = 1024
+"""Rows read at a time while looking for the first non-blank prompt."""
+BINARY_SNIFF_BYTES = 8192
+"""Bytes of a text file inspected for NUL bytes (a binary file)."""
+
+
+class PreflightError(ConfigError):
+    """A run that cannot start: one line naming the value and the fix."""
+
+
+class DataPreflightError(PreflightError, DataError):
+    """The prompt data cannot be used (also a ``DataError``, as Ray Data's reading would raise)."""
+
+
+def check_run(cfg: Config, prompts: Any = None) -> None:
+    """Every check that needs no cluster; ``prompts`` (a given dataset) skips the prompt file."""
+    m = cfg.model
+    check_model_path("model.pretrained", m.pretrained)
+    for key in ("critic_pretrained", "reward_pretrained"):
+        if getattr(m, key):
+            check_model_path(f"model.{key}", getattr(m, key))
+    if m.reward_pretrained:
+        check_reward_model(m.reward_pretrained)
+    tokenizer = load_tokenizer_checked("model.tokenizer" if m.tokenizer else "model.pretrained", m.tokenizer or m.pretrained)
+    if cfg.data.chat_template:
+        check_chat_template(tokenizer, m.tokenizer or m.pretrained)
+    texts = first_prompts(cfg) if prompts is None else []
+    if m.reward_fn and not m.reward_pretrained:
+        check_reward_fn(m.reward_fn, texts or ["1 2 3", "hello"])
+
+
+# -- models ---------------------------------------------------------------------------------------
+
+
+def _local_looking(path: str) -> bool:
+    """A value the user meant as a local path: absolute, relative with ./ or ../, ~, or existing."""
+    return path.startswith(("/", "./", "../", "~")) or Path(path).exists()
+
+
+def check_model_path(key: str, value: str) -> None:
+    """The model's ``config.json`` loads (a local directory, or a hub name transformers can resolve)."""
+    from ray_ppo.models.tiny import resolve_pretrained
+
+    path = resolve_pretrained(value)
+    if _local_looking(value):
+        local = Path(path).expanduser()
+        if not local.exists():
+            raise PreflightError(f"{key}={value!r} does not exist; set {key} to a model directory "
+                                 f"(one with config.json), a hub name, or tiny for the built-in tiny model")
+        if not (local / "config.json").is_file():
+            raise PreflightError(f"{key}={value!r} has no config.json, so it is not a saved model; set {key} to a "
+                                 f"directory written by save_pretrained, or tiny for the built-in tiny model")
+    from transformers import AutoConfig
+
+    from ray_ppo.models.hf import quiet_transformers
+
+    quiet_transformers()
+    try:
+        AutoConfig.from_pretrained(path)
+    except Exception as e:  # OSError, ValueError, hub errors: the first line is the reason
+        raise PreflightError(f"{key}={value!r} cannot be loaded ({_first_line(e)}); set {key} to a local model "
+                             f"directory or a hub name this machine can reach") from None
+
+
+def check_reward_model(value: str) -> None:
+    from transformers import AutoConfig
+
+    from ray_ppo.models.tiny import resolve_pretrained
+
+    config = AutoConfig.from_pretrained(resolve_pretrained(value))
+    if getattr(config, "num_labels", 1) != 1:
+        raise PreflightError(f"model.reward_pretrained={value!r} has num_labels={config.num_labels}; a reward model "
+                             f"is a sequence classifier with exactly one label")
+
+
+def load_tokenizer_checked(key: str, path: str):
+    from ray_ppo.models.hf import load_tokenizer
+
+    try:
+        return load_tokenizer(path)
+    except Exception as e:
+        raise PreflightError(f"{key}={path!r}: its tokenizer cannot be loaded ({_first_line(e)}); "
+                             f"set model.tokenizer to a directory or hub name that has one") from None
+
+
+def check_chat_template(tokenizer, path: str) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise PreflightError(f"data.chat_template=true, but the tokenizer of {path!r} has no chat template; "
+                             f"set data.chat_template=false, or model.tokenizer to a chat model's tokenizer")
+
+
+# -- reward function ------------------------------------------------------------------------------
+
+
+def check_reward_fn(spec: str, prompts: Sequence[str]) -> None:
+    """``spec`` imports, and answers a probe batch with one finite number per response."""
+    from ray_ppo.makers.experience import reward_problem
+    from ray_ppo.models.hf import load_reward_fn
+
+    try:
+        fn = load_reward_fn(spec)
+    except ValueError as e:
+        raise PreflightError(f"model.reward_fn={spec!r} {_import_problem(e)}; set model.reward_fn to "
+                             f"module:function of an importable module (e.g. ray_ppo.tasks.toy:reward)") from None
+    probe = list(prompts[:PROBE_PROMPTS])
+    responses = ["" if i % 2 == 0 else p for i, p in enumerate(probe)]  # an empty and a non-empty response
+    try:
+        scores = fn(probe, responses)
+    except Exception as e:
+        raise PreflightError(f"model.reward_fn={spec!r} raised {type(e).__name__}: {_first_line(e)} on a probe "
+                             f"batch of {len(probe)} prompts (e.g. {probe[0]!r}); fix the function so it "
+                             f"accepts (prompts, responses) lists of strings") from None
+    problem = reward_problem(scores, len(responses))
+    if problem:
+        message, i = problem
+        where = f"for the probe prompt {probe[i]!r} (response {responses[i]!r})" if i is not None else \
+            f"for a probe batch of {len(probe)} prompts"
+        raise PreflightError(f"model.reward_fn={spec!r} {message} {where}; it must return one finite float "
+                             f"per response")
+
+
+def _import_problem(e: Exception) -> str:
+    cause = e.__cause__
+    if isinstance(cause, ModuleNotFoundError):
+        return f"cannot be imported: no module named {cause.name!r}"
+    if isinstance(cause, AttributeError):
+        return f"cannot be imported: {_first_line(cause)}"
+    return _first_line(e).replace(f"reward function {e.args[0]!r} ", "") if e.args else "is invalid"
+
+
+# -- prompt data ----------------------------------------------------------------------------------
+
+
+def first_prompts(cfg: Config) -> list[str]:
+    """Up to ``PROBE_PROMPTS`` non-blank prompts of the run's data (the toy prompts without a file).
+
+    Checks that a local prompt file reads as its format, has ``data.prompt_column`` and at least
+    one non-blank prompt. A remote URI is left to Ray Data."""
+    d = cfg.data
+    if not d.path:
+        from ray_ppo.tasks.toy import make_prompts
+
+        return make_prompts(PROBE_PROMPTS, cfg.toy.prompt_len, cfg.toy.seed)
+    if "://" in d.path:
+        return []
+    from ray_ppo.data import infer_format
+
+    fmt = infer_format(d.path, d.format)
+    files = _data_files(Path(d.path), fmt)
+    found: list[str] = []
+    rows = 0
+    for path in files:
+        file_found, file_rows = _scan_file(path, fmt, d.prompt_column, d.path)
+        found, rows = found + file_found, rows + file_rows
+        if len(found) >= PROBE_PROMPTS:
+            break
+    if not rows:
+        raise DataPreflightError(f"data.path={d.path!r} has no rows (only a header, or no records); "
+                             f"add prompts to its {d.prompt_column!r} column, one per row")
+    if not found:
+        where = f"{d.path!r}" if len(files) == 1 else f"the {len(files)} files of {d.path!r}"
+        raise DataPreflightError(f"data.prompt_column={d.prompt_column!r} of {where} holds no non-blank prompt; "
+                             f"fill in the prompts, or set data.prompt_column to the column that holds them")
+    return found[:PROBE_PROMPTS]
+
+
+def _data_files(path: Path, fmt: str) -> list[Path]:
+    if not path.exists():
+        raise DataPreflightError(f"data.path={str(path)!r} does not exist (resolved to {path.resolve()})")
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith((".", "_")))
+    if not files:
+        raise DataPreflightError(f"data.path={str(path)!r} is an empty directory; put {fmt} prompt files in it")
+    return files
+
+
+def _scan_file(path: Path, fmt: str, column: str, shown: str) -> tuple[list[str], int]:
+    """Non-blank prompts (up to ``PROBE_PROMPTS``) of one file and the rows read for them, with one-line
+    errors for what is unreadable."""
+    if path.stat().st_size == 0:
+        raise DataPreflightError(f"data.path={shown!r}: {path.name} is empty (0 bytes); give a {fmt} file with a "
+                             f"{column!r} column and one prompt per row")
+    if fmt != "parquet" and b"\0" in path.open("rb").read(BINARY_SNIFF_BYTES):
+        raise DataPreflightError(f"data.path={shown!r}: {path.name} is binary, not {fmt} text; give a {fmt} file, "
+                             f"or set data.format to the file's real format (csv, parquet, json)")
+    found: list[str] = []
+    rows = 0
+    try:
+        for columns, values in _chunks(path, fmt, column):
+            if column not in columns:
+                raise DataPreflightError(f"data.prompt_column={column!r} is not a column of {shown!r}; columns "
+                                     f"present: {list(columns)}; set data.prompt_column to one of them")
+            found += [str(v) for v in values if _usable(v)]
+            rows += len(values)
+            if len(found) >= PROBE_PROMPTS:
+                break
+    except PreflightError:
+        raise
+    except UnicodeDecodeError:
+        raise DataPreflightError(f"data.path={shown!r}: {path.name} is not UTF-8 text ({_first_non_utf8(path)}); "
+                             f"re-save it as UTF-8") from None
+    except Exception as e:  # pandas / pyarrow parse errors
+        raise DataPreflightError(f"data.path={shown!r}: {path.name} cannot be read as {fmt} ({type(e).__name__}: "
+                             f"{_first_line(e)}); check the file, or set data.format to its real format") from None
+    return found, rows
+
+
+def _first_non_utf8(path: Path, block: int = 1 << 20) -> str:
+    """``byte 0xe9 at offset 123``: where a file stops being UTF-8 (the reader's offset is per chunk)."""
+    import codecs
+
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with path.open("rb") as f:
+        while data := f.read(block):
+            try:
+                decoder.decode(data)
+            except UnicodeDecodeError as e:
+                return f"byte 0x{e.object[e.start]:02x} at offset {offset + e.start}"
+            offset += len(data)
+    return "truncated at the end"
+
+
+def _usable(value: Any) -> bool:
+    """A prompt the makers will not skip: not missing (None, NaN), not blank."""
+    if value is None or isinstance(value, float) and math.isnan(value):
+        return False
+    return bool(str(value).strip())
+
+
+def _chunks(path: Path, fmt: str, column: str):
+    """(columns, prompt values) per chunk of ``SCAN_ROWS`` rows; a file without rows yields its header only."""
+    import pandas as pd
+
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        file = pq.ParquetFile(path)
+        names = file.schema_arrow.names
+        yield names, []
+        if column in names:
+            for batch in file.iter_batches(batch_size=SCAN_ROWS, columns=[column]):
+                yield names, batch.column(0).to_pylist()
+        return
+    if fmt == "csv":
+        reader = pd.read_csv(path, dtype=str, chunksize=SCAN_ROWS, encoding="utf-8")
+    else:
+        reader = pd.read_json(path, lines=True, dtype=False, chunksize=SCAN_ROWS, encoding="utf-8")
+    with reader:
+        for frame in reader:
+            yield list(frame.columns), (frame[column].tolist() if column in frame.columns else [])
+    if fmt == "csv":  # a header-only CSV yields no chunk: report its columns
+        yield list(pd.read_csv(path, dtype=str, nrows=0, encoding="utf-8").columns), []
+
+
+# -- sweep files ----------------------------------------------------------------------------------
+
+SWEEP_KEYS = ("grid", "metric", "mode", "num_samples")
+
+
+def read_sweep_file(path: str) -> dict:
+    """The mapping of a ``--sweep`` YAML file, checked for shape: {grid: {key: [values]}, metric, mode, num_samples}."""
+    import yaml
+
+    file = Path(path)
+    if not file.is_file():
+        raise PreflightError(f"sweep file {path!r} does not exist; give a YAML file such as "
+                             f"'grid: {{ppo.kl_coef: [0.02, 0.1]}}'")
+    try:
+        spec = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise PreflightError(f"sweep file {path!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                             f"{e.start}); re-save it as UTF-8") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise PreflightError(f"sweep file {path!r} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+    spec = {} if spec is None else spec
+    check_sweep_spec(spec, f"sweep file {path!r}")
+    return spec
+
+
+def check_sweep_spec(spec: Any, where: str) -> None:
+    example = "grid: {ppo.kl_coef: [0.02, 0.1]}"
+    if not isinstance(spec, dict):
+        raise PreflightError(f"{where}: the top level must be a mapping with keys {', '.join(SWEEP_KEYS)}, "
+                             f"got a {type(spec).__name__}; e.g. '{example}'")
+    unknown = sorted(str(k) for k in spec if k not in SWEEP_KEYS)
+    if unknown:
+        raise PreflightError(f"{where}: unknown keys {unknown}; use {', '.join(SWEEP_KEYS)}")
+    grid = spec.get("grid") or {}
+    if not isinstance(grid, dict):
+        raise PreflightError(f"{where}: grid must map config keys to lists of values, got a "
+                             f"{type(grid).__name__}; e.g. '{example}'")
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise PreflightError(f"{where}: grid.{key} must be a non-empty list of values, got {values!r}; "
+                                 f"e.g. '{key}: [{values!r}, ...]'" if not isinstance(values, list) else
+                                 f"{where}: grid.{key} is an empty list; give at least one value")
+    if spec.get("mode") not in (None, "max", "min"):
+        raise PreflightError(f"{where}: mode={spec['mode']!r} must be max or min")
+    samples = spec.get("num_samples")
+    if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 1):
+        raise PreflightError(f"{where}: num_samples={samples!r} must be a positive integer")
+    if spec.get("metric") is not None and not isinstance(spec["metric"], str):
+        raise PreflightError(f"{where}: metric={spec['metric']!r} must be the name of a metric, e.g. reward_mean")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

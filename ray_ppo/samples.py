@@ -1,0 +1,75 @@
+"""What the policy writes: every ``logging.samples_every`` steps a few prompt/response/reward samples.
+
+The trainer's rank 0 (or the local loop) decodes ``SAMPLES_PER_STEP`` of the step's items and
+attaches them to the step's metrics row under ``SAMPLES_KEY``; on the driver ``SamplesFile``
+appends them to ``RUN_DIR/samples.jsonl`` (one JSON object per sample) and, with TensorBoard on,
+as a text summary (tag ``samples``). ``metrics.jsonl``, trackers and ``ray.train.report`` never
+see the key: ``split_samples`` takes it off the row first.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+SAMPLES_KEY = "samples"
+"""Key of a metrics row that carries the step's samples from the trainer to the driver."""
+SAMPLES_PER_STEP = 4
+SAMPLES_FILE = "samples.jsonl"
+
+
+def samples_due(step: int, every: int) -> bool:
+    """Whether step ``step`` writes samples (``logging.samples_every``; 0 = never)."""
+    return every > 0 and step % every == 0
+
+
+def pick_samples(items: Sequence[Any], tokenizer, step: int, n: int = SAMPLES_PER_STEP) -> list[dict]:
+    """The first ``n`` items of a step as {step, prompt, response, reward, policy_version, uid}, decoded
+    without special tokens."""
+    return [{"step": step, "prompt": tokenizer.decode(it.prompt_ids.tolist(), skip_special_tokens=True),
+             "response": tokenizer.decode(it.response_ids.tolist(), skip_special_tokens=True),
+             "reward": float(it.reward), "policy_version": int(it.policy_version), "uid": it.uid}
+            for it in list(items)[:n]]
+
+
+def split_samples(metrics: dict) -> tuple[dict, list[dict]]:
+    """(the metrics row without samples, the samples it carried)."""
+    if SAMPLES_KEY not in metrics:
+        return metrics, []
+    row = dict(metrics)
+    return row, row.pop(SAMPLES_KEY) or []
+
+
+def samples_markdown(samples: Sequence[dict]) -> str:
+    """A Markdown table of samples (TensorBoard renders text summaries as Markdown)."""
+    def cell(text: Any) -> str:
+        return str(text).replace("|", "\\|").replace("\n", " ")
+    rows = [f"| {cell(s['prompt'])} | {cell(s['response'])} | {s['reward']:.3f} |" for s in samples]
+    return "\n".join(["| prompt | response | reward |", "|---|---|---|", *rows])
+
+
+class SamplesFile:
+    """Appends samples to ``directory/samples.jsonl`` (opened on the first samples, so a run that
+    writes none leaves no file) and to a TensorBoard ``SummaryWriter`` if given."""
+
+    def __init__(self, directory: str | Path, tensorboard: Any = None):
+        self.path = Path(directory) / SAMPLES_FILE
+        self.tensorboard = tensorboard
+        self._file = None
+
+    def write(self, samples: Sequence[dict]) -> None:
+        if not samples:
+            return
+        if self._file is None:
+            self._file = open(self.path, "a")
+        for sample in samples:
+            self._file.write(json.dumps(sample) + "\n")
+        self._file.flush()
+        if self.tensorboard is not None:
+            self.tensorboard.add_text(SAMPLES_KEY, samples_markdown(samples), global_step=int(samples[0]["step"]))
+            self.tensorboard.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
