@@ -143,3 +143,31 @@ def test_retention_keeps_the_newest_and_publishing_is_idempotent(checkpoint, tmp
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000015"]
     # hard links: the published files share their bytes with the source (no second copy on disk)
     assert os.stat(run / "checkpoint" / "state.json").st_ino == os.stat(directory / "state.json").st_ino
+
+
+def test_a_full_disk_on_the_trainer_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    """Rank 0 writes a checkpoint into a temporary directory first: ENOSPC there removes it and
+    ends the run with a line that says the previous checkpoint is intact."""
+    import errno
+    import tempfile
+    from pathlib import Path
+
+    import ray_ppo.train.loop as loop
+    from ray_ppo.build import build_actor, build_critic
+    from ray_ppo.config import load_config
+    from ray_ppo.sync import join_state
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "tiny.yaml")
+    state = join_state(build_actor(cfg).state_dict(), build_critic(cfg).state_dict())
+
+    def disk_full(directory, *args):
+        (directory / "trainer").mkdir()
+        (directory / "trainer" / "actor.safetensors").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(loop, "write_trainer_state", disk_full)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(OSError, match=r"the checkpoint of step 3 could not be written \(\[Errno 28\] No space left "
+                                      r"on device\); RUN_DIR/checkpoint still holds the previous one"):
+        loop.CheckpointWriter(cfg).write(state, {}, {"step": 3})
+    assert list(tmp_path.iterdir()) == []
