@@ -7,7 +7,8 @@ three concurrency groups of one thread each:
   - ``experience_io``: ``send_loop`` — send items to the coordinator (blocks on back-pressure
     while ``run`` goes on generating the next batch);
   - ``model_io``: ``weights_start`` / ``weights_chunk`` / ``weights_end`` — stage a push while
-    generation continues; only the final swap takes the model lock.
+    generation continues (each bucket is copied into fresh tensors as it arrives); only the
+    final swap, which rebinds the parameters to the staged tensors, takes the model lock.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from ray_ppo.config import Config
 from ray_ppo.data import PromptEncoder
 from ray_ppo.models.quantize import quantize_for_generation
-from ray_ppo.sync import StagedPush, fingerprint, join_state, split_state, tied_aliases
+from ray_ppo.sync import StagedPush, assign_state, fingerprint, join_state, split_state, tied_aliases
 from ray_ppo.transport import ExperienceChunk
 
 CONCURRENCY_GROUPS = {"compute": 1, "experience_io": 1, "model_io": 1}
@@ -139,11 +140,13 @@ class MakerWorker:
     @ray.method(concurrency_group="model_io")
     def weights_start(self, version: int, num_chunks: int, meta: dict) -> None:
         """chunk_start: begin staging push ``version`` (any unfinished earlier push is dropped)."""
-        self.staging = StagedPush(version, num_chunks, meta)
+        targets = join_state(self.float_actor.state_dict(), self.maker.critic.state_dict())
+        self.staging = StagedPush(version, num_chunks, meta, targets)
 
     @ray.method(concurrency_group="model_io")
     def weights_chunk(self, version: int, index: int, bucket_ref: list) -> None:
-        """One bucket of push ``version``; the ref comes nested so it is fetched here, zero-copy."""
+        """One bucket of push ``version``; the ref comes nested so it is fetched here, zero-copy,
+        and copied into staged tensors on the maker's device while generation goes on."""
         if self.staging is None or self.staging.version != version:
             return
         self.staging.add(index, ray.get(bucket_ref[0]))
@@ -160,10 +163,10 @@ class MakerWorker:
         _check_keys(self.maker.critic, critic_state, partial, "critic")
         start = time.perf_counter()
         with self.model_lock:
-            # The staged tensors are CPU views of read-only shared memory; loading copies them
-            # into the models' own parameters, on the GPU for a GPU maker.
-            self.float_actor.load_state_dict(actor_state, strict=False)  # keys were checked above
-            self.maker.critic.load_state_dict(critic_state, strict=False)
+            # The staged tensors are the maker's own copies, already on its device and in its
+            # dtype: the swap rebinds parameters (and re-ties tied ones), it copies nothing.
+            assign_state(self.float_actor, actor_state)  # keys were checked above
+            assign_state(self.maker.critic, critic_state)
             if self.cfg.maker.quantization:
                 self.maker.actor = quantize_for_generation(self.float_actor, self.cfg.maker.quantization)
             if "kl_coef" in staged.meta:

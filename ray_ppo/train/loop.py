@@ -23,7 +23,7 @@ from ray_ppo.build import build_actor, build_critic, learner_params, tokenizer_p
 from ray_ppo.config import Config
 from ray_ppo.models import load_tokenizer
 from ray_ppo.models.lora import trainable_names
-from ray_ppo.sync import bucket_nbytes, fingerprint, join_state, make_buckets, push_aliases, split_state
+from ray_ppo.sync import fingerprint, join_state, make_buckets, push_aliases, push_size, split_state
 from ray_ppo.train.learner import PPOLearner
 from ray_ppo.train.strategies import make_strategy
 from ray_ppo.transport import resolve
@@ -71,8 +71,9 @@ def reduce_across_ranks(metrics: dict[str, float], device: torch.device) -> dict
 
 
 class WeightPublisher:
-    """Rank 0 side of a push: gather full state dicts, cut buckets, ``ray.put`` each once, hand the
-    refs to the coordinator. Every rank must call ``gather`` (it is a collective)."""
+    """Rank 0 side of a push: gather full state dicts, cut buckets, ``ray.put`` each once and hand
+    its ref to the coordinator at once (makers stage bucket k while rank 0 puts k+1). Every rank
+    must call ``gather`` (it is a collective)."""
 
     def __init__(self, learner: PPOLearner, coordinator: Any, bucket_mb: float, rank: int):
         self.learner, self.coordinator, self.bucket_mb, self.rank = learner, coordinator, bucket_mb, rank
@@ -93,13 +94,14 @@ class WeightPublisher:
         return {k: v for k, v in state.items() if k in keep}
 
     def publish(self, state: dict[str, torch.Tensor], version: int, meta: dict) -> tuple[float, int]:
-        """Put the buckets and start the relay; returns (seconds, bytes). Rank 0 only."""
+        """Put the buckets, each handed on as soon as it is put; returns (seconds, bytes) once the
+        coordinator holds them all (makers may still be staging). Rank 0 only."""
         start = time.perf_counter()
-        refs, nbytes = [], 0
-        for bucket in make_buckets(state, self.bucket_mb):
-            refs.append(ray.put(bucket))
-            nbytes += bucket_nbytes(bucket)
-        ray.get(self.coordinator.publish_weights.remote(version, refs, nbytes, meta))
+        num_chunks, nbytes = push_size(state, self.bucket_mb)
+        ray.get(self.coordinator.publish_start.remote(version, num_chunks, nbytes, meta))
+        handed = [self.coordinator.publish_chunk.remote(version, index, [ray.put(bucket)])
+                  for index, bucket in enumerate(make_buckets(state, self.bucket_mb))]
+        ray.get(handed)
         return time.perf_counter() - start, nbytes
 
 

@@ -59,7 +59,7 @@ def new_weights(worker: MakerWorker) -> tuple[dict[str, torch.Tensor], dict[str,
 
 def load_push(worker: MakerWorker, version: int, state: dict[str, torch.Tensor]) -> bool:
     worker.weights_start(version, 1, {})
-    worker.staging.tensors.update(state)  # what weights_chunk stages from the object store
+    worker.staging.stage(state)  # what weights_chunk does with each bucket from the object store
     worker.staging.seen.add(0)
     return worker.weights_end(version)
 
