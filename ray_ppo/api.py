@@ -87,16 +87,23 @@ class PPOTrainer(TorchTrainer):
         resume_from: a checkpoint directory (``RUN_DIR/checkpoint``) to continue from: weights,
             optimizer, schedulers, KL controller, RNG, step, policy version and prompt position.
             Every trainer worker reads it, so on a multi-node cluster it must be on shared storage.
+        experience_maker_factory: builds each maker's ``ExperienceMaker`` as
+            ``factory(cfg, name=, device=)`` (default ``build.build_experience_maker``).
+        learner_factory: builds each trainer rank's learner as ``factory(actor, critic, strategy,
+            params, seed=)`` (default ``PPOLearner``). Both are extension points for simulations
+            and benchmarks (``benchmarks/overlap_sim.py``): they must be picklable.
     """
 
     def __init__(self, config: Config, prompts: Any = None, *, run_config: RunConfig | None = None,
                  metrics_callbacks: Sequence[MetricsCallback] = (), scaling_config: ScalingConfig | None = None,
-                 resume_from: str | Path | None = None, **trainer_kwargs):
+                 resume_from: str | Path | None = None, experience_maker_factory: Callable | None = None,
+                 learner_factory: Callable | None = None, **trainer_kwargs):
         self.ppo_config = resolve_config(config)
         self.resume_state = validate_checkpoint(resume_from) if resume_from else None
         self.namespace = f"ray_ppo.{config.name}.{uuid.uuid4().hex[:8]}"
         self.prompts = prompts
         self.metrics_callbacks = list(metrics_callbacks)
+        self.experience_maker_factory = experience_maker_factory
         self.history: list[dict] = []
         t = self.ppo_config.trainer
         worker_resources = {"CPU": t.cpus_per_worker, **({t.node_resource: 1} if t.node_resource else {})}
@@ -111,7 +118,8 @@ class PPOTrainer(TorchTrainer):
         super().__init__(
             train_loop_per_worker,
             train_loop_config={"config": self.ppo_config.to_dict(), "handles": dataclasses.asdict(RunHandles(self.namespace)),
-                               "resume_from": str(Path(resume_from).resolve()) if resume_from else None},
+                               "resume_from": str(Path(resume_from).resolve()) if resume_from else None,
+                               "learner_factory": learner_factory},
             scaling_config=scaling_config, run_config=run_config, **trainer_kwargs)
         self.coordinator = None
         self.makers: dict[int, Any] = {}
@@ -184,7 +192,7 @@ class PPOTrainer(TorchTrainer):
         self.makers = {
             i: maker_cls.options(name=f"maker_{i}", namespace=self.namespace, lifetime="detached",
                                  scheduling_strategy=OUTSIDE_CALLER_PLACEMENT_GROUP).remote(
-                i, cfg.to_dict(), self.coordinator)
+                i, cfg.to_dict(), self.coordinator, self.experience_maker_factory)
             for i in range(cfg.maker.num_makers)}
         try:
             ray.get(self.coordinator.register_makers.remote(self.makers), timeout=ACTOR_READY_TIMEOUT_S)

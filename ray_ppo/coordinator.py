@@ -61,6 +61,8 @@ class MakerState:
     failed: str | None = None
     generate_s: float = 0.0
     idle_s: float = 0.0
+    admission_s: float = 0.0  # of idle_s: waiting for prompts (admission control); the rest is back-pressure
+    pause_s: float = 0.0      # generation paused for weight swaps
     tokens: int = 0
     reserved: int = 0   # prompts handed out whose items have not come back
     restarts: int = 0
@@ -205,6 +207,8 @@ class Coordinator:
         state = self.maker_state[maker_id]
         state.generate_s += stats.get("generate_s", 0.0)
         state.idle_s += stats.get("idle_s", 0.0)
+        state.admission_s += stats.get("admission_s", 0.0)
+        state.pause_s += stats.get("pause_s", 0.0)
         state.tokens += stats.get("num_tokens", 0)
         self.counters.blank_prompts += stats.get("blank", 0)
         self.counters.truncated_prompts += stats.get("truncated", 0)

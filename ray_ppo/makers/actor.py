@@ -40,7 +40,9 @@ class MakerWorker:
     coordinator fed, and swap in new weights atomically (a push that never completes leaves
     the previous weights in place)."""
 
-    def __init__(self, maker_id: int, config: dict, coordinator: Any):
+    def __init__(self, maker_id: int, config: dict, coordinator: Any, maker_factory: Any = None):
+        """``maker_factory(cfg, name=, device=)`` builds the ``ExperienceMaker`` (default
+        ``build.build_experience_maker``); benchmarks pass one that simulates generation."""
         from ray_ppo.build import build_experience_maker, maker_device
 
         self.cfg = Config.from_dict(config)
@@ -48,7 +50,7 @@ class MakerWorker:
         torch.manual_seed(self.cfg.seed + 1000 * (maker_id + 1))
         self.maker_id, self.coordinator = maker_id, coordinator
         self.device = maker_device(self.cfg)  # cuda:0 (the GPU Ray gave this actor) if maker.num_gpus > 0
-        self.maker = build_experience_maker(self.cfg, name=f"maker_{maker_id}", device=self.device)
+        self.maker = (maker_factory or build_experience_maker)(self.cfg, name=f"maker_{maker_id}", device=self.device)
         self.maker.actor.eval()
         self.maker.critic.eval()
         self.float_actor = self.maker.actor  # receives pushes; generation may use a quantized copy
@@ -64,6 +66,7 @@ class MakerWorker:
         self.made = 0
         self.sent = 0
         self.pause_s = 0.0
+        self._unreported_pause_s = 0.0
         self.pushes_loaded = 0
         if coordinator is not None and ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed:
             # A restarted process: the coordinator counts what died with the old one and resends
@@ -118,6 +121,8 @@ class MakerWorker:
             items = []
         start = time.perf_counter()
         stats["idle_s"], self._unreported_idle_s = waited_s + self._unreported_idle_s, 0.0
+        stats["admission_s"] = waited_s  # of idle_s: the wait for a prompt batch (admission control)
+        stats["pause_s"], self._unreported_pause_s = self._unreported_pause_s, 0.0
         self.outbox.put((items, stats))
         self._unreported_idle_s += time.perf_counter() - start  # reported with the next batch
 
@@ -174,6 +179,7 @@ class MakerWorker:
             self.version = version
             self.pushes_loaded += 1
         self.pause_s += time.perf_counter() - start
+        self._unreported_pause_s += time.perf_counter() - start
         return True
 
     def weights_fingerprint(self) -> tuple[int, str]:

@@ -159,7 +159,8 @@ def _train_loop(loop_config: dict) -> None:
         actor.load_state_dict(restored[0])
         critic.load_state_dict(restored[1])
     strategy = make_strategy(cfg.trainer.strategy, device, cfg.trainer.max_grad_norm)
-    learner = PPOLearner(actor, critic, strategy, learner_params(cfg), seed=cfg.seed + rank)
+    learner_factory = loop_config.get("learner_factory") or PPOLearner  # benchmarks may simulate the update
+    learner = learner_factory(actor, critic, strategy, learner_params(cfg), seed=cfg.seed + rank)
     kl_ctl = make_kl_controller(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
     publisher = WeightPublisher(learner, coordinator, cfg.sync.bucket_mb, rank)
     checkpoints = CheckpointWriter(cfg) if rank == 0 else None
