@@ -32,7 +32,7 @@ from ray_ppo.tasks.toy import make_prompts
 from ray_ppo.train.loop import RunHandles, train_loop_per_worker
 
 ACTOR_READY_TIMEOUT_S = 300.0
-"""How long makers may take to load their models before ``fit()`` gives up."""
+"""How long the coordinator may take to start before ``fit()`` gives up."""
 SHUTDOWN_TIMEOUT_S = 30.0
 """How long makers get to finish their loops after the last step before they are killed."""
 POLL_S = 0.5
@@ -196,10 +196,12 @@ class PPOTrainer(TorchTrainer):
             for i in range(cfg.maker.num_makers)}
         try:
             ray.get(self.coordinator.register_makers.remote(self.makers), timeout=ACTOR_READY_TIMEOUT_S)
-            ray.get([m.ping.remote() for m in self.makers.values()], timeout=ACTOR_READY_TIMEOUT_S)
         except Exception:
             self._kill_actors()
             raise
+        # Makers are not awaited: they build their models while Ray Train starts the worker group
+        # (start-up overlaps). One that fails to start ends its loops with the error, which
+        # _watch_makers reports to the coordinator, whose next pull ends the run with it.
         self._finished_loops: list = []
         self._loops = {m.run.remote(): i for i, m in self.makers.items()}
         self._loops.update({m.send_loop.remote(): i for i, m in self.makers.items()})
