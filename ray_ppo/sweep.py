@@ -18,6 +18,7 @@ dotted config names; schedulers (e.g. ASHA) and search algorithms pass straight 
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from ray_ppo.config import Config
 
 TRIAL_DRIVER_CPUS = 0.01
 """CPUs Tune reserves for a trial's driver process, which only waits on its TorchTrainer."""
+PRESET_KEY = "preset"
+"""A search-space key whose values are whole dicts of dotted overrides (a grid over named settings)."""
 CHECKPOINT_PATH_KEY = "checkpoint_path"
 """Key under which ``TuneReportCallback`` puts the path of a trial's reported checkpoint."""
 
@@ -59,16 +62,19 @@ def _trial(tune_config: dict, base: dict, root: str) -> None:
     from ray_ppo.tracking import RunDirectory
 
     trial_id = tune.get_context().get_trial_id()
-    cfg = Config.from_dict(base).with_overrides(tune_config)
+    cfg = Config.from_dict(base).with_overrides(_overrides(tune_config))
     run_dir = Path(root) / "trials" / trial_id
     cfg = cfg.with_overrides({"name": f"{cfg.name}-{trial_id}", "logging.output_dir": str(run_dir)})
     writer = RunDirectory(run_dir, cfg, tensorboard=cfg.logging.tensorboard)
     trainer = PPOTrainer(cfg, metrics_callbacks=[writer], run_config=RunConfig(
         name=cfg.name, storage_path=str(run_dir / "ray_train"), callbacks=[TuneReportCallback()],
         failure_config=FailureConfig(max_failures=0, controller_failure_limit=0)))
+    # A trial that Tune stops early (ASHA) ends its process: its detached coordinator and makers go too.
+    atexit.register(trainer._kill_actors)
     try:
         trainer.fit()
     finally:
+        atexit.unregister(trainer._kill_actors)
         writer.close()
         if trainer.history:
             plot_run(trainer.history, run_dir / "curves.png")
@@ -92,7 +98,7 @@ def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward
     from ray_ppo.tracking import read_metrics
 
     for key, value in param_space.items():  # fail fast on unknown keys, before any trial starts
-        base.with_overrides({key: _sample_value(value, base.get(key))})
+        base.with_overrides(_overrides({key: _sample_value(value, {} if key == PRESET_KEY else base.get(key))}))
     base = resolve_config(base)
     root = Path(output_dir or f"runs/{base.name}-sweep").resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -116,6 +122,13 @@ def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward
         best_config={k: best.config[k] for k in param_space}, best_metric=best.metrics[metric],
         best_checkpoint=best.metrics.get(CHECKPOINT_PATH_KEY), best_trial_dir=best_row["run_dir"],
         trials=trials, result_grid=grid)
+
+
+def _overrides(tune_config: Mapping[str, Any]) -> dict[str, Any]:
+    """A trial's dotted overrides: its swept keys, with a ``PRESET_KEY`` dict expanded in place."""
+    out = {k: v for k, v in tune_config.items() if k != PRESET_KEY}
+    out.update(tune_config.get(PRESET_KEY) or {})
+    return out
 
 
 def _sample_value(value: Any, default: Any) -> Any:

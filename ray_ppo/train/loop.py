@@ -195,7 +195,7 @@ def _train_loop(loop_config: dict) -> None:
         metrics.update(experience_metrics(items, version))
         kl_ctl.update(metrics["kl"], cfg.trainer.train_batch_size * world)
 
-        is_last = step == cfg.trainer.total_steps
+        is_last = step == cfg.trainer.total_steps or _over_budget(cfg.trainer.time_budget_s, run_start, device)
         push_due = step % cfg.trainer.update_steps == 0 or is_last
         ckpt_due = is_last or (cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0)
         state = publisher.gather() if push_due or ckpt_due else {}
@@ -225,6 +225,19 @@ def _train_loop(loop_config: dict) -> None:
             coordinator.record_metrics.remote(metrics)
         if is_last or ckpt_due or step % cfg.logging.report_every == 0:
             ray.train.report(metrics, checkpoint=checkpoint)
+        if is_last:
+            break
+
+
+def _over_budget(budget_s: float, run_start: float, device: torch.device) -> bool:
+    """The loop has run ``budget_s`` seconds (0 = no budget), decided alike on every rank (rank 0's
+    clock: a collective when a process group exists)."""
+    if not budget_s:
+        return False
+    over = torch.tensor([float(time.perf_counter() - run_start >= budget_s)], device=device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.broadcast(over, src=0)
+    return bool(over.item())
 
 
 def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float) -> list[ExperienceItem]:
