@@ -23,8 +23,9 @@ ratio / ideal = ideal step / measured step (steps after the first ``--skip``, fr
 
 Where the time went, per measured step: trainer ``wait`` (pull: waiting for experience),
 ``train``, ``push`` (rank 0 putting and handing over the weights), ``other`` (the rest of the
-step: gather, batch merge, metrics relay and report); per maker over the whole run (shares of
-the trainer loop's wall time): ``gen`` busy, ``admission`` (waiting for a prompt batch:
+step: gather, batch merge, metrics relay and report); per maker over the measured window (shares
+of makers x window; maker totals from the coordinator when the driver sees the window's first
+and last step): ``gen`` busy, ``admission`` (waiting for a prompt batch:
 staleness admission), ``back-pressure`` (waiting for the sender / buffer space), ``pause``
 (generation held for weight swaps).
 """
@@ -41,6 +42,7 @@ import time
 import _common  # noqa: F401
 from _common import init_ray, median, table, tiny_config
 
+import ray
 import torch
 
 from ray_ppo.algo import ExperienceItem
@@ -118,18 +120,25 @@ def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, 
 
     batches_per_step = ITEMS_PER_RANK * ranks / PROMPTS_PER_BATCH
     gen_s = ratio * train_s / batches_per_step  # one maker makes a step's samples in ratio * train_s
+    snapshots = {}
+
+    def snapshot(metrics: dict) -> None:  # maker totals (and the time) when the measured window opens and closes
+        if metrics["step"] in (skip, steps):
+            snapshots[metrics["step"]] = (time.perf_counter(), ray.get(trainer.coordinator.status.remote())["makers"])
+
     with tempfile.TemporaryDirectory() as out:
         trainer = PPOTrainer(cell_config(out, makers, ranks, steps), experience_maker_factory=SimMakerFactory(gen_s),
-                             learner_factory=SimLearnerFactory(train_s))
+                             learner_factory=SimLearnerFactory(train_s), metrics_callbacks=[snapshot])
         trainer.fit()
     h = sorted(trainer.history, key=lambda m: m["step"])
     kept = h[skip:]
     step_s = (kept[-1]["elapsed_s"] - h[skip - 1]["elapsed_s"]) / len(kept)
-    states = trainer.final_status["makers"].values()
+    (t0, first), (t1, last) = snapshots[skip], snapshots[steps]
+    states = [{k: v - first[i][k] for k, v in last[i].items() if isinstance(v, (int, float))} for i in last]
     batches = sum(s["tokens"] for s in states) / (RESPONSE_LEN * PROMPTS_PER_BATCH)
     t_gen = sum(s["generate_s"] for s in states) / batches * batches_per_step
     t_train = median([m["train_s"] for m in kept])
-    wall = h[-1]["elapsed_s"] * makers
+    wall = (t1 - t0) * makers  # maker time between the two snapshots
     steps_s = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(h[skip - 1:], kept)]
     wait = median([m["trainer_idle_ratio"] * s for m, s in zip(kept, steps_s)])
     push = median([m["push_s"] for m in kept])

@@ -45,8 +45,8 @@ import ray
 import torch
 
 from ray_ppo.coordinator import Coordinator
-from ray_ppo.sync import (StagedPush, assign_state, bucket_nbytes, fingerprint, make_buckets, push_size, split_state,
-                          tied_aliases)
+from ray_ppo.sync import (StagedPush, assign_state, bucket_nbytes, fingerprint, make_buckets, push_size, replaced_tensors,
+                          split_state, tied_aliases)
 
 SHAPES = {"100M": dict(n_layer=4, n_embd=256, n_head=4), "1G": dict(n_layer=16, n_embd=1024, n_head=16),
           "500M": dict(n_layer=8, n_embd=1024, n_head=16)}
@@ -78,14 +78,18 @@ class Receiver:
                 p.zero_()
         self.model_lock = threading.Lock()
         self.staging = None
+        self.spares = {}
         self.version = 0
         self.log = {}
 
     @ray.method(concurrency_group="model_io")
     def weights_start(self, version: int, num_chunks: int, meta: dict) -> None:
         self.log[version] = {"start": time.time()}
-        targets = {f"actor.{k}": v for k, v in self.model.state_dict().items()} if meta["pipelined"] else None
-        self.staging = StagedPush(version, num_chunks, meta, targets)
+        if meta["pipelined"]:  # as MakerWorker: staged copies shaped like the model, into last push's spares
+            targets = {f"actor.{k}": v for k, v in self.model.state_dict().items()}
+            self.staging, self.spares = StagedPush(version, num_chunks, meta, targets, spares=self.spares), {}
+        else:  # the serial push stages views and copies at the swap (its spares stay for the next pipelined push)
+            self.staging = StagedPush(version, num_chunks, meta)
 
     @ray.method(concurrency_group="model_io")
     def weights_chunk(self, version: int, index: int, bucket_ref: list) -> None:
@@ -103,6 +107,7 @@ class Receiver:
         with self.model_lock:
             if staged.meta["pipelined"]:
                 assign_state(self.model, state)  # as MakerWorker: rebinds to the staged copies, re-ties lm_head
+                self.spares = replaced_tensors(staged.targets, staged.tensors)  # reused by the next push
             else:
                 self.model.load_state_dict(state, strict=False)  # the copy; tied lm_head comes through wte
             self.version = version

@@ -129,13 +129,16 @@ class StagedPush:
     a fresh tensor with its target's dtype and device, ready to be swapped in by ``assign_state``
     without a second copy; the models are not touched, so dropping a StagedPush leaves the
     previous weights. A tensor without a matching target (unknown name, other shape) stays a
-    view of the pushed buffer, for the receiver's key and shape checks to refuse.
+    view of the pushed buffer, for the receiver's key and shape checks to refuse. ``spares``
+    (name -> tensor no longer used by any model, e.g. the previous push's swapped-out weights) are
+    copied into instead of fresh tensors when they match: no new memory to allocate and fault in.
     """
 
     version: int
     num_chunks: int
     meta: dict
     targets: Mapping[str, torch.Tensor] | None = None
+    spares: dict[str, torch.Tensor] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     seen: set[int] = field(default_factory=set)
 
@@ -147,9 +150,10 @@ class StagedPush:
         """Hold ``tensors`` (copies shaped like their targets, if any) for the swap."""
         targets = self.targets or {}
         for name, tensor in tensors.items():
-            like = targets.get(name)
+            like, spare = targets.get(name), self.spares.pop(name, None)
             if like is not None and like.shape == tensor.shape:
-                tensor = torch.empty_like(like).copy_(tensor)
+                fits = spare is not None and (spare.shape, spare.dtype, spare.device) == (like.shape, like.dtype, like.device)
+                tensor = (spare if fits else torch.empty_like(like)).copy_(tensor)
             self.tensors[name] = tensor
 
     def complete(self, version: int) -> bool:
@@ -181,6 +185,16 @@ def assign_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> N
         for alias in aliases:
             owner, _, attr = alias.rpartition(".")
             setattr(model.get_submodule(owner), attr, param)
+
+
+def replaced_tensors(before: dict[str, torch.Tensor], pushed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors a swap of ``pushed`` took out of the models: no model uses them any more. Tied
+    names (one tensor under two names) are left out, so no buffer is handed out twice."""
+    counts: dict[int, int] = {}
+    for tensor in before.values():
+        counts[tensor.data_ptr()] = counts.get(tensor.data_ptr(), 0) + 1
+    return {name: before[name] for name in pushed
+            if name in before and before[name].numel() and counts[before[name].data_ptr()] == 1}
 
 
 def bucket_nbytes(bucket: Bucket) -> int:

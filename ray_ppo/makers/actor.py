@@ -27,7 +27,8 @@ import torch
 from ray_ppo.config import Config
 from ray_ppo.data import PromptEncoder
 from ray_ppo.models.quantize import quantize_for_generation
-from ray_ppo.sync import StagedPush, assign_state, fingerprint, join_state, split_state, tied_aliases
+from ray_ppo.sync import (StagedPush, assign_state, fingerprint, join_state, replaced_tensors, split_state,
+                          tied_aliases)
 from ray_ppo.transport import ExperienceChunk
 
 CONCURRENCY_GROUPS = {"compute": 1, "experience_io": 1, "model_io": 1}
@@ -63,6 +64,7 @@ class MakerWorker:
         self.model_lock = threading.Lock()
         self.outbox: queue.Queue = queue.Queue(maxsize=SEND_QUEUE_BATCHES)
         self.staging: StagedPush | None = None
+        self.spares: dict[str, torch.Tensor] = {}  # CPU makers: the weights the last swap replaced, reused for staging
         self.made = 0
         self.sent = 0
         self.pause_s = 0.0
@@ -146,7 +148,8 @@ class MakerWorker:
     def weights_start(self, version: int, num_chunks: int, meta: dict) -> None:
         """chunk_start: begin staging push ``version`` (any unfinished earlier push is dropped)."""
         targets = join_state(self.float_actor.state_dict(), self.maker.critic.state_dict())
-        self.staging = StagedPush(version, num_chunks, meta, targets)
+        self.staging = StagedPush(version, num_chunks, meta, targets, spares=self.spares)
+        self.spares = {}  # the staging owns them now; dropped with it if the push never completes
 
     @ray.method(concurrency_group="model_io")
     def weights_chunk(self, version: int, index: int, bucket_ref: list) -> None:
@@ -172,6 +175,8 @@ class MakerWorker:
             # dtype: the swap rebinds parameters (and re-ties tied ones), it copies nothing.
             assign_state(self.float_actor, actor_state)  # keys were checked above
             assign_state(self.maker.critic, critic_state)
+            if self.device.type == "cpu":  # on a GPU the caching allocator reuses the memory anyway
+                self.spares = replaced_tensors(staged.targets, staged.tensors)
             if self.cfg.maker.quantization:
                 self.maker.actor = quantize_for_generation(self.float_actor, self.cfg.maker.quantization)
             if "kl_coef" in staged.meta:

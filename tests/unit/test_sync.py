@@ -220,3 +220,27 @@ def test_assign_state_keeps_the_models_dtype():
     assign_state(model, {"weight": torch.ones(2, 2), "bias": torch.zeros(2)})
     assert model.weight.dtype == model.bias.dtype == torch.bfloat16
     assert model.weight.requires_grad
+
+
+def test_staging_reuses_matching_spares_and_a_swap_frees_only_untied_replaced_tensors(tiny_path):
+    from ray_ppo.models import load_actor
+    from ray_ppo.sync import StagedPush, assign_state, replaced_tensors
+
+    actor, donor = load_actor(tiny_path), load_actor(tiny_path)
+    pushed = {k: v for k, v in donor.state_dict().items() if k != "lm_head.weight"}
+    before = actor.state_dict()
+    staged = StagedPush(1, 1, {}, before)
+    staged.stage(pushed)
+    assign_state(actor, staged.tensors)
+    spares = replaced_tensors(before, staged.tensors)
+    assert "transformer.wte.weight" not in spares  # tied to lm_head: two names, one buffer, never handed out
+    assert set(spares) == set(pushed) - {"transformer.wte.weight"}
+    live = {t.data_ptr() for t in actor.state_dict().values()}
+    assert not live & {t.data_ptr() for t in spares.values()}  # no model uses them any more
+
+    second = StagedPush(2, 1, {}, actor.state_dict(), spares=dict(spares))
+    second.stage(pushed)
+    name = "transformer.h.0.attn.c_attn.weight"
+    assert second.tensors[name].data_ptr() == spares[name].data_ptr()  # copied into the spare, not a fresh tensor
+    assign_state(actor, second.tensors)
+    assert fingerprint(actor.state_dict()) == fingerprint(donor.state_dict())
