@@ -77,6 +77,7 @@ class WeightPublisher:
 
     def __init__(self, learner: PPOLearner, coordinator: Any, bucket_mb: float, rank: int):
         self.learner, self.coordinator, self.bucket_mb, self.rank = learner, coordinator, bucket_mb, rank
+        self.handed: list = []  # the coordinator's acknowledgements of the last push, checked at the next one
         unwrap = learner.strategy.unwrap
         self.trainable = {f"actor.{n}" for n in trainable_names(unwrap(learner.actor))}
         self.trainable |= {f"critic.{n}" for n in trainable_names(unwrap(learner.critic))}
@@ -94,14 +95,16 @@ class WeightPublisher:
         return {k: v for k, v in state.items() if k in keep}
 
     def publish(self, state: dict[str, torch.Tensor], version: int, meta: dict) -> tuple[float, int]:
-        """Put the buckets, each handed on as soon as it is put; returns (seconds, bytes) once the
-        coordinator holds them all (makers may still be staging). Rank 0 only."""
+        """Put the buckets, each handed on as soon as it is put; returns (seconds, bytes). Rank 0 only.
+
+        The calls are not waited for: the coordinator runs them in order, before this rank's next
+        call, and the next push checks that the previous one's calls succeeded."""
         start = time.perf_counter()
+        ray.get(self.handed)
         num_chunks, nbytes = push_size(state, self.bucket_mb)
-        ray.get(self.coordinator.publish_start.remote(version, num_chunks, nbytes, meta))
-        handed = [self.coordinator.publish_chunk.remote(version, index, [ray.put(bucket)])
-                  for index, bucket in enumerate(make_buckets(state, self.bucket_mb))]
-        ray.get(handed)
+        self.handed = [self.coordinator.publish_start.remote(version, num_chunks, nbytes, meta)]
+        self.handed += [self.coordinator.publish_chunk.remote(version, index, [ray.put(bucket)])
+                        for index, bucket in enumerate(make_buckets(state, self.bucket_mb))]
         return time.perf_counter() - start, nbytes
 
 
@@ -188,6 +191,8 @@ def _train_loop(loop_config: dict) -> None:
         step_start = time.perf_counter()
         items = _pull(coordinator, rank, cfg.trainer.train_batch_size, version, cfg.trainer.pull_timeout_s)
         wait_s = time.perf_counter() - step_start
+        if monitor:
+            monitor.request()  # answered while this rank trains
 
         train_start = time.perf_counter()
         metrics = learner.train_step(ExperienceBatch.merge(items, pad_token_id))
@@ -282,9 +287,15 @@ class MakerMonitor:
     def __init__(self, coordinator: Any):
         self.coordinator = coordinator
         self.last = {"tokens": 0.0, "generate_s": 0.0, "idle_s": 0.0}
+        self.pending = None
+
+    def request(self) -> None:
+        """Ask for the coordinator's totals now; ``metrics`` reads the answer (no wait on the step's path)."""
+        self.pending = self.coordinator.status.remote()
 
     def metrics(self, step_s: float) -> dict[str, float]:
-        status = ray.get(self.coordinator.status.remote())
+        status = ray.get(self.pending if self.pending is not None else self.coordinator.status.remote())
+        self.pending = None
         makers = status["makers"].values()
         totals = {key: sum(m[key] for m in makers) for key in self.last}
         delta = {key: totals[key] - self.last[key] for key in totals}
