@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import collections
 import itertools
+import os
 import sys
 import tempfile
 import time
@@ -164,6 +165,7 @@ def main():
     args = ap.parse_args()
     ratios = {r: (lambda a, b: a / b)(*map(float, r.split(":"))) for r in args.ratios.split(",")}
     cells = list(itertools.product(map(int, args.ranks.split(",")), map(int, args.makers.split(",")), ratios))
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")  # as `ray-ppo train` sets it
     init_ray(num_cpus=16)
     runs = collections.defaultdict(list)
     run_cell(1, 1, 1.0, args.train_s, args.skip + 2, args.skip)  # warm-up: model cache, Ray Train start-up
@@ -173,6 +175,10 @@ def main():
             res = run_cell(makers, ranks, ratios[r], args.train_s, args.steps, args.skip)
             runs[(ranks, makers, r)].append(res)
             print(f"RUN rep={rep} ranks={ranks} makers={makers} ratio={r} {res}", file=sys.stderr, flush=True)
+        print_table(cells, runs, ratios, args, rep + 1, time.perf_counter() - started)  # usable if cut short
+
+
+def print_table(cells, runs, ratios, args, rounds: int, elapsed_s: float) -> None:
     rows = []
     for ranks, makers, r in cells:
         rs = runs[(ranks, makers, r)]
@@ -188,11 +194,11 @@ def main():
                      "yes" if all(x["in_sync"] == 1.0 for x in rs) else "NO"])
     print(f"\nSimulated-device overlap: T_train {args.train_s:g} s, {ITEMS_PER_RANK} items per rank per step, "
           f"{PROMPTS_PER_BATCH} prompts per generation batch, {args.steps} steps of which the first {args.skip} "
-          f"excluded, median of {args.repeats} interleaved rounds ({(time.perf_counter() - started) / 60:.1f} min)\n")
+          f"excluded, median of {rounds} interleaved rounds ({elapsed_s / 60:.1f} min)\n", flush=True)
     print(table(["ranks", "makers", "T_gen:T_train", "T_gen s", "T_train s", "ideal step s", "step s",
                  "ideal speedup", "speedup vs sync", "ratio / ideal", ">= 0.95", "trainer wait s", "train s",
                  "push s", "other s", "maker gen share", "maker admission share", "maker back-pressure share",
-                 "maker pause share", "staleness", "weights in sync"], rows))
+                 "maker pause share", "staleness", "weights in sync"], rows), flush=True)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,7 @@ def main():
     ap.add_argument("--set", nargs="*", default=[], help="extra dotted overrides")
     args = ap.parse_args()
     t = time.time()
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")  # as `ray-ppo train` sets it
     init_ray(num_cpus=8)
     ray_init_s = time.time() - t
     one_fit(args.config, args.set)  # warm-up: the tiny model's build cache, Ray's worker pool
