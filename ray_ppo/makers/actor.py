@@ -169,8 +169,8 @@ class MakerWorker:
         partial = bool(staged.meta.get("partial"))  # LoRA-only: adapters and value head
         _check_keys(self.float_actor, actor_state, partial, "actor")  # before touching any weight
         _check_keys(self.maker.critic, critic_state, partial, "critic")
-        start = time.perf_counter()
-        with self.model_lock:
+        with self.model_lock:  # generation is paused from here (a batch being made finishes first)
+            start = time.perf_counter()
             # The staged tensors are the maker's own copies, already on its device and in its
             # dtype: the swap rebinds parameters (and re-ties tied ones), it copies nothing.
             assign_state(self.float_actor, actor_state)  # keys were checked above
@@ -183,8 +183,9 @@ class MakerWorker:
                 self.maker.advantage.kl_coef = staged.meta["kl_coef"]
             self.version = version
             self.pushes_loaded += 1
-        self.pause_s += time.perf_counter() - start
-        self._unreported_pause_s += time.perf_counter() - start
+            paused = time.perf_counter() - start
+        self.pause_s += paused
+        self._unreported_pause_s += paused
         return True
 
     def weights_fingerprint(self) -> tuple[int, str]:
