@@ -1,14 +1,23 @@
 """Weight sync: trainer state dict -> buckets -> ray.put -> Coordinator.publish_weights -> makers.
 
-    python benchmarks/weight_sync.py [--repeats 3] [--sizes 100M,1G] [--makers 1,2,4]
+    python benchmarks/weight_sync.py [--repeats 3] [--sizes 100M,1G] [--makers 1,2,4] [--variants serial,pipelined]
 
-The driver plays rank 0 (``WeightPublisher.publish``: ``make_buckets`` + one ``ray.put`` per
-bucket + ``Coordinator.publish_weights``). The real ``Coordinator`` actor relays the refs with
-``_push_to`` (weights_start, one weights_chunk per bucket with the ref nested, weights_end).
-The receivers are small actors with the same concurrency groups as ``MakerWorker``, staging
-with the same ``sync.StagedPush`` and then ``load_state_dict`` under a lock, holding a ``GPT2LMHeadModel`` of the pushed shape: a real
-``MakerWorker`` builds its models from a Config, which would add a reference model, critic and
-tokenizer the sync path does not touch. Models: random weights in GPT-2 shapes from
+Two variants of the push, interleaved in every round:
+
+- ``pipelined`` (what ``WeightPublisher.publish`` and ``MakerWorker`` do): the driver plays rank 0
+  (``Coordinator.publish_start``, then ``ray.put`` of each bucket handed on at once with
+  ``publish_chunk``); the receivers copy each bucket into staged tensors as it arrives
+  (``sync.StagedPush`` with the model's state dict as targets) and swap them in under the lock
+  with ``sync.assign_state`` (no copy; tied weights re-tied).
+- ``serial`` (the previous protocol, kept here as the before): every bucket put first, then
+  ``Coordinator.publish_weights`` with all refs; receivers stage zero-copy views and
+  ``load_state_dict`` (the copy) under the lock.
+
+The real ``Coordinator`` actor relays the refs with ``_push_to`` (weights_start, one
+weights_chunk per bucket with the ref nested, weights_end). The receivers are small actors with
+the same concurrency groups as ``MakerWorker`` and the same staging and swap code, holding a
+``GPT2LMHeadModel`` of the pushed shape: a real ``MakerWorker`` builds its models from a Config,
+which would add a reference model, critic and tokenizer the sync path does not touch. Models: random weights in GPT-2 shapes from
 ``GPT2Config`` (no training): ~100 MB = 4 layers x 256 wide, ~1 GB = 16 layers x 1024 wide
 (vocab 50257; the tied ``lm_head.weight`` is not pushed, as in the pipeline: ``WeightPublisher.to_push``).
 
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import sys
 import threading
 import time
@@ -35,7 +45,8 @@ import ray
 import torch
 
 from ray_ppo.coordinator import Coordinator
-from ray_ppo.sync import StagedPush, bucket_nbytes, make_buckets, split_state, tied_aliases
+from ray_ppo.sync import (StagedPush, assign_state, bucket_nbytes, fingerprint, make_buckets, push_size, replaced_tensors,
+                          split_state, tied_aliases)
 
 SHAPES = {"100M": dict(n_layer=4, n_embd=256, n_head=4), "1G": dict(n_layer=16, n_embd=1024, n_head=16),
           "500M": dict(n_layer=8, n_embd=1024, n_head=16)}
@@ -67,13 +78,18 @@ class Receiver:
                 p.zero_()
         self.model_lock = threading.Lock()
         self.staging = None
+        self.spares = {}
         self.version = 0
         self.log = {}
 
     @ray.method(concurrency_group="model_io")
     def weights_start(self, version: int, num_chunks: int, meta: dict) -> None:
         self.log[version] = {"start": time.time()}
-        self.staging = StagedPush(version, num_chunks, meta)
+        if meta["pipelined"]:  # as MakerWorker: staged copies shaped like the model, into last push's spares
+            targets = {f"actor.{k}": v for k, v in self.model.state_dict().items()}
+            self.staging, self.spares = StagedPush(version, num_chunks, meta, targets, spares=self.spares), {}
+        else:  # the serial push stages views and copies at the swap (its spares stay for the next pipelined push)
+            self.staging = StagedPush(version, num_chunks, meta)
 
     @ray.method(concurrency_group="model_io")
     def weights_chunk(self, version: int, index: int, bucket_ref: list) -> None:
@@ -89,7 +105,11 @@ class Receiver:
         state, _ = split_state(staged.tensors)
         start = time.perf_counter()
         with self.model_lock:
-            self.model.load_state_dict(state, strict=False)  # tied lm_head comes through wte, as in MakerWorker
+            if staged.meta["pipelined"]:
+                assign_state(self.model, state)  # as MakerWorker: rebinds to the staged copies, re-ties lm_head
+                self.spares = replaced_tensors(staged.targets, staged.tensors)  # reused by the next push
+            else:
+                self.model.load_state_dict(state, strict=False)  # the copy; tied lm_head comes through wte
             self.version = version
         self.log[version].update(pause_s=time.perf_counter() - start, end=time.time())
         return True
@@ -103,20 +123,35 @@ class Receiver:
     def result(self, version: int) -> dict:
         return self.log[version]
 
-    def checksum(self) -> float:
+    def reset(self) -> None:
+        """Zero the weights, so the next push is checked on its own."""
         with self.model_lock, torch.no_grad():
-            return float(sum(p.double().sum() for p in self.model.parameters()))
+            for p in self.model.parameters():
+                p.zero_()
+
+    def fingerprint(self) -> str:
+        with self.model_lock:
+            return fingerprint(self.model.state_dict())  # lm_head.weight included: it must be re-tied
 
 
-def push(coordinator, state: dict, version: int) -> tuple[float, int, float]:
-    """WeightPublisher.publish, then wait until every receiver loaded it."""
+def push(coordinator, state: dict, version: int, pipelined: bool) -> tuple[float, int, float]:
+    """WeightPublisher.publish (or the serial push before it), then wait until every receiver
+    loaded it; returns (end to end s, bytes, s until rank 0 is done putting)."""
     start = time.perf_counter()
-    refs, nbytes = [], 0
-    for bucket in make_buckets(state, BUCKET_MB):
-        refs.append(ray.put(bucket))
-        nbytes += bucket_nbytes(bucket)
-    put_s = time.perf_counter() - start
-    ray.get(coordinator.publish_weights.remote(version, refs, nbytes, {}))
+    meta = {"pipelined": pipelined}
+    if pipelined:
+        num_chunks, nbytes = push_size(state, BUCKET_MB)
+        ray.get(coordinator.publish_start.remote(version, num_chunks, nbytes, meta))
+        ray.get([coordinator.publish_chunk.remote(version, index, [ray.put(bucket)])
+                 for index, bucket in enumerate(make_buckets(state, BUCKET_MB))])
+        put_s = time.perf_counter() - start
+    else:
+        refs, nbytes = [], 0
+        for bucket in make_buckets(state, BUCKET_MB):
+            refs.append(ray.put(bucket))
+            nbytes += bucket_nbytes(bucket)
+        put_s = time.perf_counter() - start
+        ray.get(coordinator.publish_weights.remote(version, refs, nbytes, meta))
     versions = ray.get(coordinator.wait_for_version.remote(version, 600.0))
     elapsed = time.perf_counter() - start
     assert all(v >= version for v in versions.values()), versions
@@ -148,10 +183,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sizes", default="100M,1G")
     ap.add_argument("--makers", default="1,2,4")
+    ap.add_argument("--variants", default="serial,pipelined")
     ap.add_argument("--naive-max-makers", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(1)
     makers = [int(x) for x in args.makers.split(",")]
+    variants = args.variants.split(",")
     init_ray(num_cpus=8, object_store_gb=4)
     rows = []
     for size in args.sizes.split(","):
@@ -165,24 +202,32 @@ def main():
         local = build_model(size)
         receivers = [Receiver.remote(size) for _ in range(max(makers))]
         ray.get([r.__ray_ready__.remote() for r in receivers])
-        expected = float(sum(p.detach().double().sum() for p in trainer.parameters()))
+        expected = fingerprint(trainer.state_dict())
         version = 0
         res = collections.defaultdict(list)
+        equal: dict = {}
         for rep in range(args.repeats + 1):  # first round is the warm-up
-            for n in makers:  # interleaved: every maker count (and baseline) once per round
+            for n, variant in itertools.product(makers, variants):  # interleaved: every cell once per round
+                check = rep == args.repeats  # last round: each receiver starts from zeros and must end exact
+                if check:
+                    ray.get([r.reset.remote() for r in receivers[:n]])
                 coord = ray.remote(num_cpus=0)(Coordinator).remote(
                     num_ranks=1, num_makers=n, buffer_size=1, max_staleness=1, items_per_version=1)
                 ray.get(coord.register_makers.remote({i: receivers[i] for i in range(n)}))
                 version += 1
-                elapsed, nbytes, put_s = push(coord, state, version)
+                elapsed, nbytes, put_s = push(coord, state, version, variant == "pipelined")
                 logs = ray.get([r.result.remote(version) for r in receivers[:n]])
                 ray.kill(coord)
+                if check:
+                    equal[(n, variant)] = all(fp == expected for fp in ray.get([r.fingerprint.remote() for r in receivers[:n]]))
                 if rep:
-                    res[(n, "e2e")].append(elapsed)
-                    res[(n, "put")].append(put_s)
-                    res[(n, "per")].append(median([nbytes / (l["end"] - l["start"]) for l in logs]))
-                    res[(n, "pause")].append(max(l["pause_s"] for l in logs))
+                    key = (n, variant)
+                    res[(key, "e2e")].append(elapsed)
+                    res[(key, "put")].append(put_s)
+                    res[(key, "per")].append(median([nbytes / (l["end"] - l["start"]) for l in logs]))
+                    res[(key, "pause")].append(max(l["pause_s"] for l in logs))
                     res["nbytes"] = [nbytes]
+            for n in makers:
                 if n <= args.naive_max_makers and rep:
                     res[(n, "naive")].append(naive_push(receivers[:n], trainer))
             t = time.perf_counter()
@@ -190,24 +235,25 @@ def main():
             if rep:
                 res["local"].append(time.perf_counter() - t)
                 res["memcpy"].append(memcpy_s(res["nbytes"][0], 1))
-        ok = all(abs(c - expected) < 1e-3 * max(1.0, abs(expected)) for c in ray.get([r.checksum.remote() for r in receivers]))
         nbytes = res["nbytes"][0]
         memcpy_gbs = nbytes / median(res["memcpy"]) / 1e9
         local_s = median(res["local"])
-        for n in makers:
-            e2e = median(res[(n, "e2e")])
+        for n, variant in itertools.product(makers, variants):
+            key = (n, variant)
+            e2e = median(res[(key, "e2e")])
             naive = median(res[(n, "naive")]) if res[(n, "naive")] else float("nan")
-            rows.append([size, f"{nbytes / 1e6:,.0f}", n, nbytes * n / e2e / 1e9, nbytes / e2e / 1e9,
-                         median(res[(n, "per")]) / 1e9, memcpy_gbs, nbytes / e2e / 1e9 / memcpy_gbs,
-                         1e3 * median(res[(n, "put")]), 1e3 * median(res[(n, "pause")]), 1e3 * local_s, median(res[(n, "pause")]) / local_s,
-                         nbytes * n / naive / 1e9 if naive == naive else naive, "yes" if ok else "NO"])
+            rows.append([size, f"{nbytes / 1e6:,.0f}", n, variant, nbytes * n / e2e / 1e9, nbytes / e2e / 1e9,
+                         median(res[(key, "per")]) / 1e9, memcpy_gbs, nbytes / e2e / 1e9 / memcpy_gbs,
+                         1e3 * median(res[(key, "put")]), 1e3 * median(res[(key, "pause")]), 1e3 * local_s,
+                         median(res[(key, "pause")]) / local_s,
+                         nbytes * n / naive / 1e9 if naive == naive else naive, {True: "yes", False: "NO"}.get(equal.get(key), "not checked")])
         for r in receivers:
             ray.kill(r)
         del trainer, local, state, plain
         print(".", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     print(f"Weight sync: {BUCKET_MB:g} MiB buckets, median of {args.repeats} interleaved pushes after a warm-up\n")
-    print(table(["model", "MB pushed", "makers", "e2e GB/s (all makers' bytes)", "e2e GB/s (bytes once)",
+    print(table(["model", "MB pushed", "makers", "push", "e2e GB/s (all makers' bytes)", "e2e GB/s (bytes once)",
                  "per-maker GB/s", "memcpy GB/s", "e2e / memcpy", "pack+put ms", "pause ms (max)", "local load_state_dict ms",
                  "pause / local", "naive per-param GB/s", "weights equal"], rows))
 

@@ -35,7 +35,7 @@ from ray_ppo.tasks.toy import make_prompts
 from ray_ppo.train.loop import RunHandles, train_loop_per_worker
 
 ACTOR_READY_TIMEOUT_S = 300.0
-"""How long makers may take to load their models before ``fit()`` gives up."""
+"""How long the coordinator may take to start before ``fit()`` gives up."""
 SHUTDOWN_TIMEOUT_S = 30.0
 """How long makers get to finish their loops after the last step before they are killed."""
 POLL_S = 0.5
@@ -98,17 +98,25 @@ class PPOTrainer(TorchTrainer):
             Every trainer worker reads it, so on a multi-node cluster it must be on shared storage.
         output_dir: if given, ``fit()`` writes the run files the CLI writes there (``config.yaml``,
             ``metrics.jsonl``, ``samples.jsonl``, TensorBoard events, ``curves.png``; ``ray_ppo.outputs``).
+        experience_maker_factory: builds each maker's ``ExperienceMaker`` as
+            ``factory(cfg, name=, device=)`` (default ``build.build_experience_maker``).
+        learner_factory: builds each trainer rank's learner as ``factory(actor, critic, strategy,
+            params, seed=)`` (default ``PPOLearner``). Both are extension points for simulations
+            and benchmarks (``benchmarks/overlap_sim.py``): they must be picklable.
     """
 
     def __init__(self, config: Config, prompts: Any = None, *, run_config: RunConfig | None = None,
                  metrics_callbacks: Sequence[MetricsCallback] = (), scaling_config: ScalingConfig | None = None,
-                 resume_from: str | Path | None = None, output_dir: str | Path | None = None, **trainer_kwargs):
+                 resume_from: str | Path | None = None, output_dir: str | Path | None = None,
+                 experience_maker_factory: Callable | None = None, learner_factory: Callable | None = None,
+                 **trainer_kwargs):
         self.ppo_config = resolve_config(config)
         self.output_dir = Path(output_dir).resolve() if output_dir is not None else None
         self.resume_state = validate_checkpoint(resume_from) if resume_from else None
         self.namespace = f"ray_ppo.{config.name}.{uuid.uuid4().hex[:8]}"
         self.prompts = prompts
         self.metrics_callbacks = list(metrics_callbacks)
+        self.experience_maker_factory = experience_maker_factory
         self.history: list[dict] = []
         t = self.ppo_config.trainer
         worker_resources = {"CPU": t.cpus_per_worker, **({t.node_resource: 1} if t.node_resource else {})}
@@ -126,7 +134,8 @@ class PPOTrainer(TorchTrainer):
         super().__init__(
             train_loop_per_worker,
             train_loop_config={"config": self.ppo_config.to_dict(), "handles": dataclasses.asdict(RunHandles(self.namespace)),
-                               "resume_from": str(Path(resume_from).resolve()) if resume_from else None},
+                               "resume_from": str(Path(resume_from).resolve()) if resume_from else None,
+                               "learner_factory": learner_factory},
             scaling_config=scaling_config, run_config=run_config, **trainer_kwargs)
         self.coordinator = None
         self.makers: dict[int, Any] = {}
@@ -246,14 +255,16 @@ class PPOTrainer(TorchTrainer):
         self.makers = {
             i: maker_cls.options(name=f"maker_{i}", namespace=self.namespace, lifetime="detached",
                                  scheduling_strategy=OUTSIDE_CALLER_PLACEMENT_GROUP).remote(
-                i, cfg.to_dict(), self.coordinator)
+                i, cfg.to_dict(), self.coordinator, self.experience_maker_factory)
             for i in range(cfg.maker.num_makers)}
         try:
             ray.get(self.coordinator.register_makers.remote(self.makers), timeout=ACTOR_READY_TIMEOUT_S)
-            ray.get([m.ping.remote() for m in self.makers.values()], timeout=ACTOR_READY_TIMEOUT_S)
         except Exception:
             self._kill_actors()
             raise
+        # Makers are not awaited: they build their models while Ray Train starts the worker group
+        # (start-up overlaps). One that fails to start ends its loops with the error, which
+        # _watch_makers reports to the coordinator, whose next pull ends the run with it.
         self._finished_loops: list = []
         self._loops = {m.run.remote(): i for i, m in self.makers.items()}
         self._loops.update({m.send_loop.remote(): i for i, m in self.makers.items()})

@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="trials running at once (default: as many as the cluster's CPUs fit)")
     tune.add_argument("--scheduler", choices=["fifo", "asha"], default="fifo",
                       help="trial scheduler: fifo runs every trial to the end, asha stops weak trials early")
+    tune.add_argument("--async-search", type=float, default=None, metavar="BUDGET_S",
+                      help="search the pipeline's knobs (maker.num_makers, ppo.max_staleness, trainer.update_steps, "
+                           "maker.batch_size, or the --grid keys) for the best reward after BUDGET_S seconds of "
+                           "training per trial (ASHA), then rerun the pick and the default to measure the gain")
+    tune.add_argument("--confirm-repeats", type=int, default=1,
+                      help="with --async-search: runs each of the pick and the default in the confirmation")
     tune.add_argument("--address", help="attach to a running Ray cluster instead of starting a local one")
     tune.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the local Ray cluster")
     local = sub.add_parser("local", help="the synchronous single-process PPO loop (no Ray)",
@@ -229,6 +235,8 @@ def _sweep_spec(args) -> dict:
 
 
 def cmd_tune(args) -> int:
+    if args.async_search is not None:
+        return cmd_async_search(args)
     cfg = _load(args)
     spec = _sweep_spec(args)
     for key, values in spec["grid"].items():  # unknown keys and bad values fail here, in one line
@@ -261,6 +269,32 @@ def cmd_tune(args) -> int:
     print(f"best: {outcome.best_config} {spec['metric']}={outcome.best_metric:.4f} | checkpoint "
           f"{outcome.best_checkpoint} | {len(outcome.trials)} trials in {time.perf_counter() - start:.0f} s | "
           f"{out_dir / 'trials.csv'}, {out_dir / 'sweep.png'}")
+    return 0
+
+
+def cmd_async_search(args) -> int:
+    import ray
+
+    from ray_ppo.async_search import ASYNC_SPACE, async_search, budgeted
+
+    cfg = _load(args)
+    space = _parse_grid(args.grid) or ASYNC_SPACE
+    for key, values in space.items():  # unknown keys and bad values fail here, in one line
+        for value in values:
+            budgeted(cfg, args.async_search).with_overrides({key: value})
+    check_run(cfg)
+    out_dir = Path(args.output or f"runs/{cfg.name}-async-search").resolve()
+    args.run_dir = out_dir
+    _init_ray(args)
+    start = time.perf_counter()
+    try:
+        pick = async_search(cfg, args.async_search, space, num_samples=args.num_samples or 8,
+                            repeats=args.confirm_repeats, max_concurrent_trials=args.max_concurrent, output_dir=str(out_dir))
+    finally:
+        ray.shutdown()
+    print(_ranking(pick.search_trials, list(space), "reward_mean", "max"))
+    print(pick.summary())
+    print(f"{len(pick.search_trials)} search trials + confirmation in {time.perf_counter() - start:.0f} s | {out_dir}")
     return 0
 
 

@@ -170,6 +170,8 @@ class TrainerConfig:
     """Custom Ray resource each training worker takes 1 unit of, to place workers on the nodes that advertise it."""
     total_steps: int = 50
     """Training steps; one step = one batch of train_batch_size items per rank, ppo_epochs passes."""
+    time_budget_s: float = 0.0
+    """Seconds of training after which the step that ends is the last (0 = no limit; total_steps still caps)."""
     update_steps: int = 1
     """Push weights to the makers every this many steps."""
     train_batch_size: int = 32
@@ -701,6 +703,7 @@ _RULES: tuple[_Rule, ...] = (
     _non_negative("trainer.checkpoint_every", "0 = checkpoint only at the end"),
     _positive("trainer.keep_checkpoints"),
     _non_negative("trainer.max_failures", "0 = a failed worker group ends the run"),
+    _non_negative("trainer.time_budget_s", "0 = no limit"),
     _positive("trainer.pull_timeout_s"),
     _non_negative("ppo.kl_coef"),
     _one_of("ppo.kl_estimator", KL_ESTIMATORS),

@@ -71,6 +71,8 @@ class MakerState:
     failed: str | None = None
     generate_s: float = 0.0
     idle_s: float = 0.0
+    admission_s: float = 0.0  # of idle_s: waiting for prompts (admission control); the rest is back-pressure
+    pause_s: float = 0.0      # generation paused for weight swaps
     tokens: int = 0
     reserved: int = 0   # prompts handed out whose items have not come back
     restarts: int = 0
@@ -78,12 +80,15 @@ class MakerState:
 
 @dataclass
 class Push:
-    """A weight push in progress: the refs of its buckets and where each maker stands."""
+    """A weight push: the refs of its buckets as rank 0 hands them in (index -> ref), relayed to
+    makers as they arrive; ``arrived`` wakes the relays."""
 
     version: int
-    bucket_refs: list[Any]
+    num_chunks: int
     nbytes: int
     meta: dict
+    bucket_refs: dict[int, Any] = field(default_factory=dict)
+    arrived: asyncio.Condition = field(default_factory=asyncio.Condition)
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -216,6 +221,8 @@ class Coordinator:
         state = self.maker_state[maker_id]
         state.generate_s += stats.get("generate_s", 0.0)
         state.idle_s += stats.get("idle_s", 0.0)
+        state.admission_s += stats.get("admission_s", 0.0)
+        state.pause_s += stats.get("pause_s", 0.0)
         state.tokens += stats.get("num_tokens", 0)
         self.counters.blank_prompts += stats.get("blank", 0)
         self.counters.truncated_prompts += stats.get("truncated", 0)
@@ -344,12 +351,16 @@ class Coordinator:
         self.maker_state[maker_id].failed = error
 
     # -- weights --------------------------------------------------------------------------------
-    async def publish_weights(self, version: int, bucket_refs: list, nbytes: int, meta: dict) -> None:
-        """Start relaying a push to every maker; returns at once (the trainer does not wait)."""
+    async def publish_start(self, version: int, num_chunks: int, nbytes: int, meta: dict) -> None:
+        """Open push ``version`` of ``num_chunks`` buckets and start relaying it to every maker;
+        its buckets follow one by one (``publish_chunk``), each relayed as soon as it arrives."""
         self._set_trainer_version(version)
-        push = Push(version, bucket_refs, nbytes, meta)
+        superseded, push = self.latest_push, Push(version, num_chunks, nbytes, meta)
         self.latest_push = push  # older pushes' refs are released here
         self.push_log.append((version, nbytes))
+        if superseded is not None:  # its relays still waiting for buckets give up
+            async with superseded.arrived:
+                superseded.arrived.notify_all()
         for maker_id, handle in self.makers.items():
             task = asyncio.get_running_loop().create_task(self._push_to(maker_id, handle, push))
             self.push_tasks.add(task)
@@ -357,14 +368,34 @@ class Coordinator:
         async with self.changed:
             self.changed.notify_all()
 
+    async def publish_chunk(self, version: int, index: int, bucket_ref: list) -> None:
+        """Bucket ``index`` of push ``version`` (the ref nested, so it is not fetched here)."""
+        push = self.latest_push
+        if push is None or push.version != version:
+            return  # a newer push started: this one is abandoned
+        push.bucket_refs[index] = bucket_ref[0]
+        async with push.arrived:
+            push.arrived.notify_all()
+
+    async def publish_weights(self, version: int, bucket_refs: list, nbytes: int, meta: dict) -> None:
+        """A push whose buckets are all put already: ``publish_start`` and every ``publish_chunk``."""
+        await self.publish_start(version, len(bucket_refs), nbytes, meta)
+        for index, ref in enumerate(bucket_refs):
+            await self.publish_chunk(version, index, [ref])
+
     async def _push_to(self, maker_id: int, handle: Any, push: Push) -> None:
-        """chunk_start, one chunk call per bucket, chunk_end: ordered calls in the maker's ``model_io`` group."""
-        if self.latest_push is not None and self.latest_push.version > push.version:
-            return  # superseded before it started: the maker gets the newer one
+        """chunk_start, one chunk call per bucket as it arrives, chunk_end: ordered calls in the
+        maker's ``model_io`` group. A push superseded before all its buckets arrived is not ended
+        (the maker drops its staging at the newer chunk_start)."""
         try:
-            handle.weights_start.remote(push.version, len(push.bucket_refs), push.meta)
-            for index, ref in enumerate(push.bucket_refs):
-                handle.weights_chunk.remote(push.version, index, [ref])  # nested: the maker fetches it
+            handle.weights_start.remote(push.version, push.num_chunks, push.meta)
+            for index in range(push.num_chunks):
+                if index not in push.bucket_refs:
+                    async with push.arrived:
+                        await push.arrived.wait_for(lambda: index in push.bucket_refs or self._superseded(push))
+                if self._superseded(push):
+                    return
+                handle.weights_chunk.remote(push.version, index, [push.bucket_refs[index]])  # nested: the maker fetches it
             loaded = await handle.weights_end.remote(push.version)
         except Exception as e:
             self.maker_state[maker_id].failed = f"weight push v{push.version} failed: {type(e).__name__}: {e}"
@@ -373,6 +404,9 @@ class Coordinator:
             if loaded:
                 self.maker_state[maker_id].version = max(self.maker_state[maker_id].version, push.version)
             self.changed.notify_all()
+
+    def _superseded(self, push: Push) -> bool:
+        return self.latest_push is not None and self.latest_push.version > push.version
 
     async def wait_for_version(self, version: int, timeout_s: float) -> dict[int, int]:
         """Wait until every live maker has loaded ``version``; returns each maker's version."""

@@ -18,7 +18,7 @@ dotted config names; schedulers (e.g. ASHA) and search algorithms pass straight 
 
 from __future__ import annotations
 
-import dataclasses
+import atexit
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
@@ -27,6 +27,8 @@ from ray_ppo.config import Config
 
 TRIAL_DRIVER_CPUS = 0.01
 """CPUs Tune reserves for a trial's driver process, which only waits on its TorchTrainer."""
+PRESET_KEY = "preset"
+"""A search-space key whose values are whole dicts of dotted overrides (a grid over named settings)."""
 CHECKPOINT_PATH_KEY = "checkpoint_path"
 """Key under which ``TuneReportCallback`` puts the path of a trial's reported checkpoint."""
 
@@ -57,13 +59,18 @@ def _trial(tune_config: dict, base: dict, root: str) -> None:
     from ray_ppo.api import PPOTrainer
 
     trial_id = tune.get_context().get_trial_id()
-    cfg = Config.from_dict(base).with_overrides(tune_config)
+    cfg = Config.from_dict(base).with_overrides(_overrides(tune_config))
     run_dir = Path(root) / "trials" / trial_id
     cfg = cfg.with_overrides({"name": f"{cfg.name}-{trial_id}", "logging.output_dir": str(run_dir)})
     trainer = PPOTrainer(cfg, output_dir=run_dir, run_config=RunConfig(
         name=cfg.name, storage_path=str(run_dir / "ray_train"), callbacks=[TuneReportCallback()],
         failure_config=FailureConfig(max_failures=0, controller_failure_limit=0)))
-    trainer.fit()
+    # A trial that Tune stops early (ASHA) ends its process: its detached coordinator and makers go too.
+    atexit.register(trainer._kill_actors)
+    try:
+        trainer.fit()
+    finally:
+        atexit.unregister(trainer._kill_actors)
 
 
 def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward_mean", mode: str = "max",
@@ -87,7 +94,7 @@ def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward
     from ray_ppo.tracking import read_metrics
 
     for key, value in param_space.items():  # fail fast on unknown keys, before any trial starts
-        base.with_overrides({key: _sample_value(value, base.get(key))})
+        base.with_overrides(_overrides({key: _sample_value(value, {} if key == PRESET_KEY else base.get(key))}))
     check_run(base)  # once, before any trial starts
     base = resolve_config(base)
     root = Path(output_dir or f"runs/{base.name}-sweep").resolve()
@@ -140,6 +147,13 @@ def trial_lines(keys: Sequence[str], metric: str, stream: TextIO | None = None) 
             print(f"trial {self.ended}/{total} {status}: {values} | {shown} | {result.get('time_total_s', 0):.0f} s",
                   file=stream, flush=True)
     return TrialLines()
+
+
+def _overrides(tune_config: Mapping[str, Any]) -> dict[str, Any]:
+    """A trial's dotted overrides: its swept keys, with a ``PRESET_KEY`` dict expanded in place."""
+    out = {k: v for k, v in tune_config.items() if k != PRESET_KEY}
+    out.update(tune_config.get(PRESET_KEY) or {})
+    return out
 
 
 def _sample_value(value: Any, default: Any) -> Any:

@@ -6,6 +6,11 @@ of a bucket then makes the only copy, straight into the object store (NumPy arra
 out-of-band buffers), and every process on a node reads the arrays back zero-copy, so a bucket
 is stored once however many makers read it. Dtypes travel as names and bytes verbatim: bf16
 stays bf16 (NumPy has no bf16; the bytes do not care). Torch and NumPy only: no Ray import.
+
+A push is pipelined: rank 0 hands each bucket on as soon as it is put, and a maker copies
+bucket k into fresh tensors of its own (``StagedPush.add``: the one copy a maker makes, done while
+it generates) while rank 0 puts bucket k+1. The swap (``assign_state``) then only rebinds the
+model's parameters to the staged tensors, so a maker pauses for pointer swaps, not a copy.
 """
 
 from __future__ import annotations
@@ -88,6 +93,12 @@ def push_aliases(actor: torch.nn.Module, critic: torch.nn.Module) -> set[str]:
     return set(join_state(dict.fromkeys(tied_aliases(actor)), dict.fromkeys(tied_aliases(critic))))
 
 
+def push_size(state: Mapping[str, torch.Tensor], bucket_mb: float) -> tuple[int, int]:
+    """(number of buckets, bytes) that ``make_buckets`` will yield, without packing anything."""
+    plan = _plan(state, max(1, int(bucket_mb * 2**20)))
+    return len(plan), sum(state[n].numel() * state[n].element_size() for names in plan for n in names)
+
+
 def make_buckets(state: Mapping[str, torch.Tensor], bucket_mb: float) -> Iterable[Bucket]:
     """Yield the buckets of ``state`` one at a time (so a caller can ``ray.put`` and free each)."""
     for names in _plan(state, max(1, int(bucket_mb * 2**20))):
@@ -112,21 +123,78 @@ def unpack_bucket(bucket: Bucket) -> dict[str, torch.Tensor]:
 @dataclass
 class StagedPush:
     """A weight push being received, from chunk_start to chunk_end: the tensors of the buckets
-    that arrived (views of the pushed buffers, no copy) until all ``num_chunks`` are in."""
+    that arrived until all ``num_chunks`` are in.
+
+    With ``targets`` (the receiving model's state dict), each tensor is copied as it arrives into
+    a fresh tensor with its target's dtype and device, ready to be swapped in by ``assign_state``
+    without a second copy; the models are not touched, so dropping a StagedPush leaves the
+    previous weights. A tensor without a matching target (unknown name, other shape) stays a
+    view of the pushed buffer, for the receiver's key and shape checks to refuse. ``spares``
+    (name -> tensor no longer used by any model, e.g. the previous push's swapped-out weights) are
+    copied into instead of fresh tensors when they match: no new memory to allocate and fault in.
+    """
 
     version: int
     num_chunks: int
     meta: dict
+    targets: Mapping[str, torch.Tensor] | None = None
+    spares: dict[str, torch.Tensor] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     seen: set[int] = field(default_factory=set)
 
     def add(self, index: int, bucket: Bucket) -> None:
-        self.tensors.update(unpack_bucket(bucket))
+        self.stage(unpack_bucket(bucket))
         self.seen.add(index)
+
+    def stage(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Hold ``tensors`` (copies shaped like their targets, if any) for the swap."""
+        targets = self.targets or {}
+        for name, tensor in tensors.items():
+            like, spare = targets.get(name), self.spares.pop(name, None)
+            if like is not None and like.shape == tensor.shape:
+                fits = spare is not None and (spare.shape, spare.dtype, spare.device) == (like.shape, like.dtype, like.device)
+                tensor = (spare if fits else torch.empty_like(like)).copy_(tensor)
+            self.tensors[name] = tensor
 
     def complete(self, version: int) -> bool:
         """Every bucket of push ``version`` arrived."""
         return version == self.version and len(self.seen) == self.num_chunks
+
+
+def tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Names sharing one parameter, canonical name first (the one ``named_parameters`` keeps):
+    e.g. ``[["transformer.wte.weight", "lm_head.weight"]]`` for GPT-2."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(param), []).append(name)
+    return [names for names in by_tensor.values() if len(names) > 1]
+
+
+def assign_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Swap ``state``'s tensors in as the model's parameters and buffers (no copy), then re-tie
+    tied parameters to their canonical tensor. Tensors whose dtype or device differ from the
+    model's are converted first, so the model keeps its own dtype and device.
+
+    Keys are not checked here (``strict=False``): callers check them before swapping."""
+    groups = tied_groups(model)
+    current = model.state_dict()
+    own = {k: v.to(dtype=current[k].dtype, device=current[k].device) if k in current else v for k, v in state.items()}
+    model.load_state_dict(own, strict=False, assign=True)
+    for canonical, *aliases in groups:
+        param = model.get_parameter(canonical)
+        for alias in aliases:
+            owner, _, attr = alias.rpartition(".")
+            setattr(model.get_submodule(owner), attr, param)
+
+
+def replaced_tensors(before: dict[str, torch.Tensor], pushed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors a swap of ``pushed`` took out of the models: no model uses them any more. Tied
+    names (one tensor under two names) are left out, so no buffer is handed out twice."""
+    counts: dict[int, int] = {}
+    for tensor in before.values():
+        counts[tensor.data_ptr()] = counts.get(tensor.data_ptr(), 0) + 1
+    return {name: before[name] for name in pushed
+            if name in before and before[name].numel() and counts[before[name].data_ptr()] == 1}
 
 
 def bucket_nbytes(bucket: Bucket) -> int:

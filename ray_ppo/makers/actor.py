@@ -7,7 +7,8 @@ three concurrency groups of one thread each:
   - ``experience_io``: ``send_loop`` — send items to the coordinator (blocks on back-pressure
     while ``run`` goes on generating the next batch);
   - ``model_io``: ``weights_start`` / ``weights_chunk`` / ``weights_end`` — stage a push while
-    generation continues; only the final swap takes the model lock.
+    generation continues (each bucket is copied into fresh tensors as it arrives); only the
+    final swap, which rebinds the parameters to the staged tensors, takes the model lock.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import torch
 from ray_ppo.config import Config
 from ray_ppo.data import PromptEncoder
 from ray_ppo.models.quantize import quantize_for_generation
-from ray_ppo.sync import StagedPush, fingerprint, join_state, split_state, tied_aliases
+from ray_ppo.sync import (StagedPush, assign_state, fingerprint, join_state, replaced_tensors, split_state,
+                          tied_aliases)
 from ray_ppo.transport import ExperienceChunk
 
 CONCURRENCY_GROUPS = {"compute": 1, "experience_io": 1, "model_io": 1}
@@ -39,7 +41,9 @@ class MakerWorker:
     coordinator fed, and swap in new weights atomically (a push that never completes leaves
     the previous weights in place)."""
 
-    def __init__(self, maker_id: int, config: dict, coordinator: Any):
+    def __init__(self, maker_id: int, config: dict, coordinator: Any, maker_factory: Any = None):
+        """``maker_factory(cfg, name=, device=)`` builds the ``ExperienceMaker`` (default
+        ``build.build_experience_maker``); benchmarks pass one that simulates generation."""
         from ray_ppo.build import build_experience_maker, maker_device
 
         self.cfg = Config.from_dict(config)
@@ -47,7 +51,7 @@ class MakerWorker:
         torch.manual_seed(self.cfg.seed + 1000 * (maker_id + 1))
         self.maker_id, self.coordinator = maker_id, coordinator
         self.device = maker_device(self.cfg)  # cuda:0 (the GPU Ray gave this actor) if maker.num_gpus > 0
-        self.maker = build_experience_maker(self.cfg, name=f"maker_{maker_id}", device=self.device)
+        self.maker = (maker_factory or build_experience_maker)(self.cfg, name=f"maker_{maker_id}", device=self.device)
         self.maker.actor.eval()
         self.maker.critic.eval()
         self.float_actor = self.maker.actor  # receives pushes; generation may use a quantized copy
@@ -60,9 +64,11 @@ class MakerWorker:
         self.model_lock = threading.Lock()
         self.outbox: queue.Queue = queue.Queue(maxsize=SEND_QUEUE_BATCHES)
         self.staging: StagedPush | None = None
+        self.spares: dict[str, torch.Tensor] = {}  # CPU makers: the weights the last swap replaced, reused for staging
         self.made = 0
         self.sent = 0
         self.pause_s = 0.0
+        self._unreported_pause_s = 0.0
         self.pushes_loaded = 0
         if coordinator is not None and ray.is_initialized() and _was_restarted():
             # A restarted process: the coordinator counts what died with the old one and resends
@@ -121,6 +127,8 @@ class MakerWorker:
             items = []
         start = time.perf_counter()
         stats["idle_s"], self._unreported_idle_s = waited_s + self._unreported_idle_s, 0.0
+        stats["admission_s"] = waited_s  # of idle_s: the wait for a prompt batch (admission control)
+        stats["pause_s"], self._unreported_pause_s = self._unreported_pause_s, 0.0
         self.outbox.put((items, stats))
         self._unreported_idle_s += time.perf_counter() - start  # reported with the next batch
 
@@ -143,11 +151,14 @@ class MakerWorker:
     @ray.method(concurrency_group="model_io")
     def weights_start(self, version: int, num_chunks: int, meta: dict) -> None:
         """chunk_start: begin staging push ``version`` (any unfinished earlier push is dropped)."""
-        self.staging = StagedPush(version, num_chunks, meta)
+        targets = join_state(self.float_actor.state_dict(), self.maker.critic.state_dict())
+        self.staging = StagedPush(version, num_chunks, meta, targets, spares=self.spares)
+        self.spares = {}  # the staging owns them now; dropped with it if the push never completes
 
     @ray.method(concurrency_group="model_io")
     def weights_chunk(self, version: int, index: int, bucket_ref: list) -> None:
-        """One bucket of push ``version``; the ref comes nested so it is fetched here, zero-copy."""
+        """One bucket of push ``version``; the ref comes nested so it is fetched here, zero-copy,
+        and copied into staged tensors on the maker's device while generation goes on."""
         if self.staging is None or self.staging.version != version:
             return
         self.staging.add(index, ray.get(bucket_ref[0]))
@@ -162,19 +173,23 @@ class MakerWorker:
         partial = bool(staged.meta.get("partial"))  # LoRA-only: adapters and value head
         _check_keys(self.float_actor, actor_state, partial, "actor")  # before touching any weight
         _check_keys(self.maker.critic, critic_state, partial, "critic")
-        start = time.perf_counter()
-        with self.model_lock:
-            # The staged tensors are CPU views of read-only shared memory; loading copies them
-            # into the models' own parameters, on the GPU for a GPU maker.
-            self.float_actor.load_state_dict(actor_state, strict=False)  # keys were checked above
-            self.maker.critic.load_state_dict(critic_state, strict=False)
+        with self.model_lock:  # generation is paused from here (a batch being made finishes first)
+            start = time.perf_counter()
+            # The staged tensors are the maker's own copies, already on its device and in its
+            # dtype: the swap rebinds parameters (and re-ties tied ones), it copies nothing.
+            assign_state(self.float_actor, actor_state)  # keys were checked above
+            assign_state(self.maker.critic, critic_state)
+            if self.device.type == "cpu":  # on a GPU the caching allocator reuses the memory anyway
+                self.spares = replaced_tensors(staged.targets, staged.tensors)
             if self.cfg.maker.quantization:
                 self.maker.actor = quantize_for_generation(self.float_actor, self.cfg.maker.quantization)
             if "kl_coef" in staged.meta:
                 self.maker.advantage.kl_coef = staged.meta["kl_coef"]
             self.version = version
             self.pushes_loaded += 1
-        self.pause_s += time.perf_counter() - start
+            paused = time.perf_counter() - start
+        self.pause_s += paused
+        self._unreported_pause_s += paused
         return True
 
     def weights_fingerprint(self) -> tuple[int, str]:

@@ -25,7 +25,7 @@ from ray_ppo.config import Config
 from ray_ppo.models import load_tokenizer
 from ray_ppo.models.lora import trainable_names
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
-from ray_ppo.sync import bucket_nbytes, fingerprint, join_state, make_buckets, push_aliases, split_state
+from ray_ppo.sync import fingerprint, join_state, make_buckets, push_aliases, push_size, split_state
 from ray_ppo.train.learner import PPOLearner
 from ray_ppo.train.strategies import make_strategy
 from ray_ppo.transport import resolve
@@ -73,11 +73,13 @@ def reduce_across_ranks(metrics: dict[str, float], device: torch.device) -> dict
 
 
 class WeightPublisher:
-    """Rank 0 side of a push: gather full state dicts, cut buckets, ``ray.put`` each once, hand the
-    refs to the coordinator. Every rank must call ``gather`` (it is a collective)."""
+    """Rank 0 side of a push: gather full state dicts, cut buckets, ``ray.put`` each once and hand
+    its ref to the coordinator at once (makers stage bucket k while rank 0 puts k+1). Every rank
+    must call ``gather`` (it is a collective)."""
 
     def __init__(self, learner: PPOLearner, coordinator: Any, bucket_mb: float, rank: int):
         self.learner, self.coordinator, self.bucket_mb, self.rank = learner, coordinator, bucket_mb, rank
+        self.handed: list = []  # the coordinator's acknowledgements of the last push, checked at the next one
         unwrap = learner.strategy.unwrap
         self.trainable = {f"actor.{n}" for n in trainable_names(unwrap(learner.actor))}
         self.trainable |= {f"critic.{n}" for n in trainable_names(unwrap(learner.critic))}
@@ -95,13 +97,16 @@ class WeightPublisher:
         return {k: v for k, v in state.items() if k in keep}
 
     def publish(self, state: dict[str, torch.Tensor], version: int, meta: dict) -> tuple[float, int]:
-        """Put the buckets and start the relay; returns (seconds, bytes). Rank 0 only."""
+        """Put the buckets, each handed on as soon as it is put; returns (seconds, bytes). Rank 0 only.
+
+        The calls are not waited for: the coordinator runs them in order, before this rank's next
+        call, and the next push checks that the previous one's calls succeeded."""
         start = time.perf_counter()
-        refs, nbytes = [], 0
-        for bucket in make_buckets(state, self.bucket_mb):
-            refs.append(ray.put(bucket))
-            nbytes += bucket_nbytes(bucket)
-        ray.get(self.coordinator.publish_weights.remote(version, refs, nbytes, meta))
+        ray.get(self.handed)
+        num_chunks, nbytes = push_size(state, self.bucket_mb)
+        self.handed = [self.coordinator.publish_start.remote(version, num_chunks, nbytes, meta)]
+        self.handed += [self.coordinator.publish_chunk.remote(version, index, [ray.put(bucket)])
+                        for index, bucket in enumerate(make_buckets(state, self.bucket_mb))]
         return time.perf_counter() - start, nbytes
 
 
@@ -165,7 +170,8 @@ def _train_loop(loop_config: dict) -> None:
         actor.load_state_dict(restored[0])
         critic.load_state_dict(restored[1])
     strategy = make_strategy(cfg.trainer.strategy, device, cfg.trainer.max_grad_norm)
-    learner = PPOLearner(actor, critic, strategy, learner_params(cfg), seed=cfg.seed + rank)
+    learner_factory = loop_config.get("learner_factory") or PPOLearner  # benchmarks may simulate the update
+    learner = learner_factory(actor, critic, strategy, learner_params(cfg), seed=cfg.seed + rank)
     kl_ctl = make_kl_controller(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
     publisher = WeightPublisher(learner, coordinator, cfg.sync.bucket_mb, rank)
     checkpoints = CheckpointWriter(cfg) if rank == 0 else None
@@ -195,6 +201,8 @@ def _train_loop(loop_config: dict) -> None:
         step_start = time.perf_counter()
         items = _pull(coordinator, rank, cfg.trainer.train_batch_size, version, cfg.trainer.pull_timeout_s, step)
         wait_s = time.perf_counter() - step_start
+        if monitor:
+            monitor.request()  # answered while this rank trains
 
         train_start = time.perf_counter()
         metrics = learner.train_step(ExperienceBatch.merge(items, pad_token_id))
@@ -202,7 +210,7 @@ def _train_loop(loop_config: dict) -> None:
         metrics.update(experience_metrics(items, version))
         kl_ctl.update(metrics["kl"], cfg.trainer.train_batch_size * world)
 
-        is_last = step == cfg.trainer.total_steps
+        is_last = step == cfg.trainer.total_steps or _over_budget(cfg.trainer.time_budget_s, run_start, device)
         push_due = step % cfg.trainer.update_steps == 0 or is_last
         ckpt_due = is_last or (cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0)
         state = publisher.gather() if push_due or ckpt_due else {}
@@ -237,6 +245,19 @@ def _train_loop(loop_config: dict) -> None:
             ray.train.report(metrics, checkpoint=checkpoint)
             if checkpoint is not None:
                 _announce_checkpoint(coordinator, step)
+        if is_last:
+            break
+
+
+def _over_budget(budget_s: float, run_start: float, device: torch.device) -> bool:
+    """The loop has run ``budget_s`` seconds (0 = no budget), decided alike on every rank (rank 0's
+    clock: a collective when a process group exists)."""
+    if not budget_s:
+        return False
+    over = torch.tensor([float(time.perf_counter() - run_start >= budget_s)], device=device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.broadcast(over, src=0)
+    return bool(over.item())
 
 
 def _announce_checkpoint(coordinator: Any, step: int) -> None:
@@ -301,9 +322,15 @@ class MakerMonitor:
     def __init__(self, coordinator: Any):
         self.coordinator = coordinator
         self.last = {"tokens": 0.0, "generate_s": 0.0, "idle_s": 0.0}
+        self.pending = None
+
+    def request(self) -> None:
+        """Ask for the coordinator's totals now; ``metrics`` reads the answer (no wait on the step's path)."""
+        self.pending = self.coordinator.status.remote()
 
     def metrics(self, step_s: float) -> dict[str, float]:
-        status = ray.get(self.coordinator.status.remote())
+        status = ray.get(self.pending if self.pending is not None else self.coordinator.status.remote())
+        self.pending = None
         makers = status["makers"].values()
         totals = {key: sum(m[key] for m in makers) for key in self.last}
         delta = {key: totals[key] - self.last[key] for key in totals}

@@ -92,6 +92,28 @@ def test_coordinator_relays_pushes_as_refs(ray_session, cfg):
     assert ray.get(coordinator.maker_fingerprints.remote()) == {0: (1, fingerprint(state))}
 
 
+def test_streamed_push_interrupted_midway_keeps_the_previous_weights(ray_session, cfg):
+    """Rank 0 hands buckets in one by one (``WeightPublisher.publish``) and dies before the last:
+    the maker staged the others but never swaps them in; the next push (tied ``lm_head`` left
+    out, as the trainer sends it) loads exactly, re-tied."""
+    coordinator, maker = start(cfg)
+    before = ray.get(maker.weights_fingerprint.remote())
+    state = perturbed_state(cfg, seed=4)
+    refs = put_buckets(state)
+    ray.get(coordinator.publish_start.remote(1, len(refs), 0, {}))
+    ray.get([coordinator.publish_chunk.remote(1, i, [ref]) for i, ref in enumerate(refs[:-1])])
+    assert ray.get(coordinator.wait_for_version.remote(1, 2)) == {0: 0}
+    assert ray.get(maker.weights_fingerprint.remote()) == before
+
+    newer = perturbed_state(cfg, seed=5)
+    aliases = {"actor.lm_head.weight"}
+    newer_refs = put_buckets({k: v for k, v in newer.items() if k not in aliases})
+    ray.get(coordinator.publish_start.remote(2, len(newer_refs), 0, {}))
+    ray.get([coordinator.publish_chunk.remote(2, i, [ref]) for i, ref in enumerate(newer_refs)])
+    assert ray.get(coordinator.wait_for_version.remote(2, 30)) == {0: 2}
+    assert ray.get(coordinator.maker_fingerprints.remote()) == {0: (2, fingerprint(newer))}
+
+
 def test_slow_trainer_makes_makers_wait_and_loses_nothing(ray_session, cfg):
     prompts = ray.data.from_items([{"prompt": "1 2 3"}] * 64)
     coordinator, maker = start(cfg, buffer_size=8, prompts=prompts)

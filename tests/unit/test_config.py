@@ -83,7 +83,7 @@ def test_tree_names_and_defaults_are_the_public_contract():
                   "top_p": 1.0, "quantization": None, "num_cpus": 0.5, "num_gpus": 0.0, "torch_threads": 1,
                   "wait_for_weights": False, "max_restarts": 3, "node_resource": None},
         "trainer": {"strategy": "ddp", "num_workers": 1, "use_gpu": False, "cpus_per_worker": 1.0, "node_resource": None,
-                    "total_steps": 50, "update_steps": 1, "train_batch_size": 32, "mini_batch_size": 16,
+                    "total_steps": 50, "time_budget_s": 0.0, "update_steps": 1, "train_batch_size": 32, "mini_batch_size": 16,
                     "ppo_epochs": 1, "actor_lr": 1e-5, "critic_lr": 1e-5, "weight_decay": 0.0,
                     "lr_schedule": "constant", "warmup_steps": 0, "max_grad_norm": 1.0, "torch_threads": 1,
                     "checkpoint_every": 0, "keep_checkpoints": 2, "max_failures": 0, "pull_timeout_s": 120.0, "max_nonfinite_updates": 10},

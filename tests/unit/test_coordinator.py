@@ -413,6 +413,64 @@ def test_publish_weights_relays_the_buckets_in_order_and_tracks_versions():
     asyncio.run(main())
 
 
+def test_each_bucket_is_relayed_as_soon_as_rank_0_hands_it_in():
+    async def main():
+        coord = coordinator(num_makers=1)
+        maker = FakeMaker()
+        coord.register_makers({0: maker})
+        await coord.publish_start(1, 3, 96, {})
+        await asyncio.sleep(SHORT_S)
+        assert maker.calls == [("start", 1, 3, {})] and coord.status()["trainer_version"] == 1
+        await coord.publish_chunk(1, 0, ["ref-a"])
+        await asyncio.sleep(SHORT_S)  # bucket 0 reaches the maker before bucket 1 is even put
+        assert maker.calls[-1] == ("chunk", 1, 0, ["ref-a"])
+        await coord.publish_chunk(1, 2, ["ref-c"])  # out of order: held until bucket 1 is in
+        await asyncio.sleep(SHORT_S)
+        assert maker.calls[-1] == ("chunk", 1, 0, ["ref-a"])
+        await coord.publish_chunk(1, 1, ["ref-b"])
+        assert await coord.wait_for_version(1, timeout_s=1.0) == {0: 1}
+        assert maker.calls[1:] == [("chunk", 1, 0, ["ref-a"]), ("chunk", 1, 1, ["ref-b"]),
+                                   ("chunk", 1, 2, ["ref-c"]), ("end", 1)]
+
+    asyncio.run(main())
+
+
+def test_a_push_interrupted_midway_is_never_ended_and_the_next_one_completes():
+    """Rank 0 died after bucket 0 of push 1: the relay waits, then gives push 1 up when push 2
+    starts; the maker gets no chunk_end for push 1 (it keeps its weights) and loads push 2."""
+    async def main():
+        coord = coordinator(num_makers=1)
+        maker = FakeMaker()
+        coord.register_makers({0: maker})
+        await coord.publish_start(1, 2, 64, {})
+        await coord.publish_chunk(1, 0, ["old-a"])
+        assert await coord.wait_for_version(1, timeout_s=SHORT_S) == {0: 0}
+        await coord.publish_weights(2, ["new-a", "new-b"], 64, {})
+        await coord.publish_chunk(1, 1, ["old-b"])  # a late bucket of the abandoned push: ignored
+        assert await coord.wait_for_version(2, timeout_s=1.0) == {0: 2}
+        await asyncio.sleep(SHORT_S)
+        assert ("end", 1) not in maker.calls and ("chunk", 1, 1, ["old-b"]) not in maker.calls
+        assert maker.calls[-4:] == [("start", 2, 2, {}), ("chunk", 2, 0, ["new-a"]), ("chunk", 2, 1, ["new-b"]), ("end", 2)]
+        assert not coord.push_tasks  # no relay left waiting
+
+    asyncio.run(main())
+
+
+def test_a_restarted_maker_gets_the_latest_push_again():
+    async def main():
+        coord = coordinator(num_makers=1)
+        maker = FakeMaker()
+        coord.register_makers({0: maker})
+        await coord.publish_weights(1, ["ref-a"], 32, {})
+        assert await coord.wait_for_version(1, timeout_s=1.0) == {0: 1}
+        await coord.maker_restarted(0)
+        assert coord.maker_state[0].version == 0
+        assert await coord.wait_for_version(1, timeout_s=1.0) == {0: 1}
+        assert maker.calls[-3:] == [("start", 1, 1, {}), ("chunk", 1, 0, ["ref-a"]), ("end", 1)]
+
+    asyncio.run(main())
+
+
 def test_a_failed_weight_push_fails_the_maker():
     async def main():
         coord = coordinator(num_makers=2)

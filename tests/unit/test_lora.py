@@ -83,3 +83,30 @@ def test_lora_reference_is_the_base_model(cfg):
     expected = action_log_probs(plain, batch.sequences, batch.attention_mask, batch.num_actions) * batch.action_mask
     torch.testing.assert_close(batch.ref_log_probs, expected, atol=1e-5, rtol=0)
     assert not torch.allclose(batch.action_log_probs, batch.ref_log_probs)
+
+
+def test_lora_only_pushes_through_a_maker_swap_in_only_the_adapters(cfg):
+    """The maker's own push path (staged copies, then a swap of the parameters): base weights
+    keep their tensors, adapters and value head take the pushed values, twice in a row."""
+    from ray_ppo.makers.actor import MakerWorker
+    from ray_ppo.sync import join_state
+
+    worker = MakerWorker(0, cfg.to_dict(), coordinator=None)
+    trainer_actor, trainer_critic = copy.deepcopy(worker.float_actor), copy.deepcopy(worker.maker.critic)
+    base_name = "base_model.model.transformer.h.0.attn.c_attn.base_layer.weight"
+    base_tensor = worker.float_actor.get_parameter(base_name)
+    for version in (1, 2):
+        with torch.no_grad():
+            for p in [*trainer_actor.parameters(), *trainer_critic.parameters()]:
+                if p.requires_grad:
+                    p.add_(0.05 * torch.randn_like(p))
+        state = join_state(lora_push(trainer_actor), {k: v for k, v in trainer_critic.state_dict().items()
+                                                       if k in trainable_names(trainer_critic)})
+        worker.weights_start(version, 1, {"partial": True})
+        worker.staging.stage(state)
+        worker.staging.seen.add(0)
+        assert worker.weights_end(version) is True
+    assert worker.float_actor.get_parameter(base_name) is base_tensor  # not swapped, not copied
+    for k, v in {**lora_push(trainer_actor)}.items():
+        assert torch.equal(worker.float_actor.state_dict()[k], v), k
+    torch.testing.assert_close(merged(worker.float_actor), merged(trainer_actor), rtol=0, atol=0)

@@ -59,7 +59,7 @@ def new_weights(worker: MakerWorker) -> tuple[dict[str, torch.Tensor], dict[str,
 
 def load_push(worker: MakerWorker, version: int, state: dict[str, torch.Tensor]) -> bool:
     worker.weights_start(version, 1, {})
-    worker.staging.tensors.update(state)  # what weights_chunk stages from the object store
+    worker.staging.stage(state)  # what weights_chunk does with each bucket from the object store
     worker.staging.seen.add(0)
     return worker.weights_end(version)
 
@@ -115,6 +115,13 @@ def test_read_only_push_loads_and_fingerprints_match(cfg):
     full, push = new_weights(worker)
     assert load_push(worker, 1, push)
     assert worker.weights_fingerprint() == (1, fingerprint(full))
+    # the second push stages into the tensors the first one replaced (spares): still exact
+    assert worker.spares and worker.float_actor.lm_head.weight is worker.float_actor.transformer.wte.weight
+    full2, push2 = new_weights(worker)
+    assert load_push(worker, 2, push2)
+    assert worker.weights_fingerprint() == (2, fingerprint(full2)) and full2.keys() == full.keys()
+    assert fingerprint(full2) != fingerprint(full)
+    assert_cpu_and_finite(worker.maker.make_experience(PROMPTS, policy_version=2)[0])
 
 
 # -- on a GPU ------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ def test_push_to_quantized_maker_requantizes(tiny_path):
     state = {f"actor.{k}": v for k, v in new.state_dict().items()}
     state.update({f"critic.{k}": v for k, v in worker.maker.critic.state_dict().items()})
     worker.weights_start(1, 1, {})
-    worker.staging.tensors.update(state)  # what weights_chunk stages from the object store
+    worker.staging.stage(state)  # what weights_chunk does with each bucket from the object store
     worker.staging.seen.add(0)
     assert worker.weights_end(1) is True
     assert worker.version == 1 and worker.maker.actor is not old_generator

@@ -175,3 +175,72 @@ def test_tied_aliases_of_gpt2_are_sent_once(tiny_path):
     actor.load_state_dict(pushed, strict=False)
     assert torch.equal(actor.lm_head.weight, donor.lm_head.weight)
     assert fingerprint(actor.state_dict()) == fingerprint(donor.state_dict())
+
+
+def test_staging_copies_each_tensor_into_its_targets_dtype_and_device():
+    from ray_ppo.sync import StagedPush
+
+    source = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    view = torch.from_numpy(source.numpy().copy())  # stands in for a read-only object-store view
+    targets = {"w": torch.zeros(2, 3, dtype=torch.bfloat16), "other_shape": torch.zeros(4)}
+    staged = StagedPush(1, 1, {}, targets)
+    staged.stage({"w": view, "other_shape": view, "unknown": view})
+    assert staged.tensors["w"].dtype == torch.bfloat16
+    assert staged.tensors["w"].data_ptr() not in (view.data_ptr(), targets["w"].data_ptr())  # a fresh copy
+    assert torch.equal(staged.tensors["w"], source.to(torch.bfloat16))
+    # no matching target: left as it came, for the receiver's key and shape checks to refuse
+    assert staged.tensors["other_shape"] is view and staged.tensors["unknown"] is view
+
+
+def test_assign_state_swaps_staged_tensors_in_without_copy_and_reties(tiny_path):
+    from ray_ppo.models import load_actor
+    from ray_ppo.sync import StagedPush, assign_state, tied_groups
+
+    actor, donor = load_actor(tiny_path), load_actor(tiny_path)
+    assert tied_groups(actor) == [["transformer.wte.weight", "lm_head.weight"]]
+    with torch.no_grad():
+        for p in donor.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    pushed = {k: v for k, v in donor.state_dict().items() if k != "lm_head.weight"}  # aliases are not sent
+    staged = StagedPush(1, 1, {}, actor.state_dict())
+    staged.stage(pushed)
+    assign_state(actor, staged.tensors)
+    wte = actor.transformer.wte.weight
+    assert isinstance(wte, torch.nn.Parameter) and wte.data_ptr() == staged.tensors["transformer.wte.weight"].data_ptr()
+    assert actor.lm_head.weight is wte  # re-tied to the swapped-in tensor
+    assert fingerprint(actor.state_dict()) == fingerprint(donor.state_dict())
+    x = torch.tensor([[3, 4, 5]])
+    torch.testing.assert_close(actor(x).logits, donor(x).logits, rtol=0, atol=0)
+
+
+def test_assign_state_keeps_the_models_dtype():
+    from ray_ppo.sync import assign_state
+
+    model = torch.nn.Linear(2, 2).to(torch.bfloat16)
+    assign_state(model, {"weight": torch.ones(2, 2), "bias": torch.zeros(2)})
+    assert model.weight.dtype == model.bias.dtype == torch.bfloat16
+    assert model.weight.requires_grad
+
+
+def test_staging_reuses_matching_spares_and_a_swap_frees_only_untied_replaced_tensors(tiny_path):
+    from ray_ppo.models import load_actor
+    from ray_ppo.sync import StagedPush, assign_state, replaced_tensors
+
+    actor, donor = load_actor(tiny_path), load_actor(tiny_path)
+    pushed = {k: v for k, v in donor.state_dict().items() if k != "lm_head.weight"}
+    before = actor.state_dict()
+    staged = StagedPush(1, 1, {}, before)
+    staged.stage(pushed)
+    assign_state(actor, staged.tensors)
+    spares = replaced_tensors(before, staged.tensors)
+    assert "transformer.wte.weight" not in spares  # tied to lm_head: two names, one buffer, never handed out
+    assert set(spares) == set(pushed) - {"transformer.wte.weight"}
+    live = {t.data_ptr() for t in actor.state_dict().values()}
+    assert not live & {t.data_ptr() for t in spares.values()}  # no model uses them any more
+
+    second = StagedPush(2, 1, {}, actor.state_dict(), spares=dict(spares))
+    second.stage(pushed)
+    name = "transformer.h.0.attn.c_attn.weight"
+    assert second.tensors[name].data_ptr() == spares[name].data_ptr()  # copied into the spare, not a fresh tensor
+    assign_state(actor, second.tensors)
+    assert fingerprint(actor.state_dict()) == fingerprint(donor.state_dict())

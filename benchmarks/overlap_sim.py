@@ -1,0 +1,209 @@
+"""Simulated-device overlap: the real pipeline with generation and the train step replaced by waits.
+
+    python benchmarks/overlap_sim.py [--repeats 3] [--ratios 1:2,1:1,2:1,4:1] [--makers 1,2,4] [--ranks 1,2]
+                                     [--train-s 0.4] [--steps 12] [--skip 4]
+
+Everything is the product's code path (``PPOTrainer.fit``: coordinator, maker actors with their
+prompt fetch, admission, send loop and weight swaps, the ``TorchTrainer`` worker group with its
+pull, merge, metrics, report and weight pushes of the tiny model), except two things injected
+through ``PPOTrainer``'s extension points (no config flag):
+
+- ``experience_maker_factory``: ``SimExperienceMaker`` holds the real tiny actor and critic
+  (they receive the pushes) and makes each generation batch by sleeping ``gen_s`` with the
+  model lock held, as a GPU kernel would hold the device while the CPU is free, then returning
+  items of the toy task's shape;
+- ``learner_factory``: ``SimLearner`` is ``PPOLearner`` whose ``train_step`` sleeps ``train_s``.
+
+T_gen = one maker's time to make one step's samples for all ranks (``train_batch_size x ranks``);
+T_train = one rank's train step. The synchronous loop would take T_gen + T_train per step; the
+ideal detached step is max(T_gen / makers, T_train); ideal speedup = their ratio. T_gen and
+T_train are taken from the run itself (measured sleeps: maker ``generate_s`` per batch, trainer
+``train_s``), so oversleeping on a loaded machine does not count as pipeline loss.
+ratio / ideal = ideal step / measured step (steps after the first ``--skip``, from ``elapsed_s``).
+
+Where the time went, per measured step: trainer ``wait`` (pull: waiting for experience),
+``train``, ``push`` (rank 0 putting and handing over the weights), ``other`` (the rest of the
+step: gather, batch merge, metrics relay and report); per maker over the measured window (shares
+of makers x window; maker totals from the coordinator when the driver sees the window's first
+and last step): ``gen`` busy, ``admission`` (waiting for a prompt batch:
+staleness admission), ``back-pressure`` (waiting for the sender / buffer space), ``pause``
+(generation held for weight swaps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import os
+import sys
+import tempfile
+import time
+
+import _common  # noqa: F401
+from _common import init_ray, median, table, tiny_config
+
+import ray
+import torch
+
+from ray_ppo.algo import ExperienceItem
+from ray_ppo.makers.experience import AdvantageParams, MakeStats
+from ray_ppo.train.learner import PPOLearner
+
+PROMPTS_PER_BATCH = 16   # maker.batch_size
+ITEMS_PER_RANK = 32      # trainer.train_batch_size
+RESPONSE_LEN = 8
+
+
+class SimExperienceMaker:
+    """An ``ExperienceMaker`` whose rollout is a wait of ``gen_s`` per call (the CPU is free
+    meanwhile); its actor and critic are the real tiny models, so weight pushes are real."""
+
+    def __init__(self, cfg, name: str, device, gen_s: float):
+        from ray_ppo.build import build_actor, build_critic, tokenizer_path
+        from ray_ppo.models import load_tokenizer
+
+        self.actor, self.critic, self.ref, self.reward_model = build_actor(cfg), build_critic(cfg), None, None
+        self.tokenizer = load_tokenizer(tokenizer_path(cfg))
+        self.advantage = AdvantageParams()
+        self.name, self.gen_s, self._counter = name, gen_s, 0
+
+    def make_experience(self, prompt_ids: list[list[int]], policy_version: int):
+        start = time.perf_counter()
+        time.sleep(self.gen_s)
+        waited = time.perf_counter() - start
+        self._counter += 1
+        zeros = torch.zeros(RESPONSE_LEN)
+        items = [ExperienceItem(prompt_ids=torch.tensor(ids), response_ids=torch.full((RESPONSE_LEN,), 5),
+                                action_log_probs=zeros, ref_log_probs=zeros, values=zeros, rewards=zeros,
+                                advantages=zeros, returns=zeros, reward=0.0, policy_version=policy_version,
+                                uid=f"{self.name}-{self._counter}-{i}") for i, ids in enumerate(prompt_ids)]
+        return items, MakeStats(num_samples=len(items), num_tokens=RESPONSE_LEN * len(items), generate_s=waited)
+
+
+class SimMakerFactory:
+    def __init__(self, gen_s: float):
+        self.gen_s = gen_s
+
+    def __call__(self, cfg, name: str, device):
+        return SimExperienceMaker(cfg, name, device, self.gen_s)
+
+
+class SimLearner(PPOLearner):
+    """``PPOLearner`` (optimizers, state dicts, checkpoints all real) whose update is a wait."""
+
+    train_s = 0.0
+
+    def train_step(self, batch) -> dict[str, float]:
+        time.sleep(self.train_s)
+        return {"policy_loss": 0.0, "value_loss": 0.0}
+
+
+class SimLearnerFactory:
+    def __init__(self, train_s: float):
+        self.train_s = train_s
+
+    def __call__(self, actor, critic, strategy, params, seed: int = 0):
+        learner = SimLearner(actor, critic, strategy, params, seed=seed)
+        learner.train_s = self.train_s
+        return learner
+
+
+def cell_config(out: str, makers: int, ranks: int, steps: int):
+    return tiny_config(out, {"maker.num_makers": makers, "maker.num_cpus": 0.25, "maker.batch_size": PROMPTS_PER_BATCH,
+                             "trainer.num_workers": ranks, "trainer.train_batch_size": ITEMS_PER_RANK,
+                             "trainer.mini_batch_size": ITEMS_PER_RANK, "trainer.total_steps": steps})
+
+
+def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, skip: int) -> dict:
+    """One detached run; returns measured T_gen, T_train, step time and the breakdown."""
+    from ray_ppo.api import PPOTrainer
+
+    batches_per_step = ITEMS_PER_RANK * ranks / PROMPTS_PER_BATCH
+    gen_s = ratio * train_s / batches_per_step  # one maker makes a step's samples in ratio * train_s
+    snapshots = {}
+
+    def snapshot(metrics: dict) -> None:  # maker totals (and the time) when the measured window opens and closes
+        if metrics["step"] in (skip, steps):
+            snapshots[metrics["step"]] = (time.perf_counter(), ray.get(trainer.coordinator.status.remote())["makers"])
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = PPOTrainer(cell_config(out, makers, ranks, steps), experience_maker_factory=SimMakerFactory(gen_s),
+                             learner_factory=SimLearnerFactory(train_s), metrics_callbacks=[snapshot])
+        trainer.fit()
+    h = sorted(trainer.history, key=lambda m: m["step"])
+    kept = h[skip:]
+    step_s = (kept[-1]["elapsed_s"] - h[skip - 1]["elapsed_s"]) / len(kept)
+    (t0, first), (t1, last) = snapshots[skip], snapshots[steps]
+    states = [{k: v - first[i][k] for k, v in last[i].items() if isinstance(v, (int, float))} for i in last]
+    batches = sum(s["tokens"] for s in states) / (RESPONSE_LEN * PROMPTS_PER_BATCH)
+    t_gen = sum(s["generate_s"] for s in states) / batches * batches_per_step
+    t_train = median([m["train_s"] for m in kept])
+    wall = (t1 - t0) * makers  # maker time between the two snapshots
+    steps_s = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(h[skip - 1:], kept)]
+    wait = median([m["trainer_idle_ratio"] * s for m, s in zip(kept, steps_s)])
+    push = median([m["push_s"] for m in kept])
+    return {"t_gen": t_gen, "t_train": t_train, "step_s": step_s, "median_step_s": median(steps_s), "wait": wait, "train": t_train, "push": push,
+            "other": median([s - m["trainer_idle_ratio"] * s - m["train_s"] - m["push_s"] for m, s in zip(kept, steps_s)]),
+            "gen_share": sum(s["generate_s"] for s in states) / wall,
+            "admission": sum(s["admission_s"] for s in states) / wall,
+            "backpressure": sum(s["idle_s"] - s["admission_s"] for s in states) / wall,
+            "pause": sum(s["pause_s"] for s in states) / wall,
+            "staleness": median([m["staleness_mean"] for m in kept]),
+            "in_sync": h[-1].get("weights_in_sync")}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ratios", default="1:2,1:1,2:1,4:1", help="T_gen:T_train")
+    ap.add_argument("--makers", default="1,2,4")
+    ap.add_argument("--ranks", default="1,2")
+    ap.add_argument("--train-s", type=float, default=0.4, help="T_train: one rank's simulated train step")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--skip", type=int, default=4)
+    args = ap.parse_args()
+    ratios = {r: (lambda a, b: a / b)(*map(float, r.split(":"))) for r in args.ratios.split(",")}
+    # ranks vary fastest, then ratios, then makers: a run cut short still covers both rank counts
+    cells = [(ranks, makers, r) for makers, r, ranks in
+             itertools.product(map(int, args.makers.split(",")), ratios, map(int, args.ranks.split(",")))]
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")  # as `ray-ppo train` sets it
+    init_ray(num_cpus=16)
+    runs = collections.defaultdict(list)
+    run_cell(1, 1, 1.0, args.train_s, args.skip + 2, args.skip)  # warm-up: model cache, Ray Train start-up
+    started = time.perf_counter()
+    for rep in range(args.repeats):  # interleaved: every cell once per round
+        for ranks, makers, r in cells:
+            res = run_cell(makers, ranks, ratios[r], args.train_s, args.steps, args.skip)
+            runs[(ranks, makers, r)].append(res)
+            print(f"RUN rep={rep} ranks={ranks} makers={makers} ratio={r} {res}", file=sys.stderr, flush=True)
+        print_table(cells, runs, ratios, args, rep + 1, time.perf_counter() - started)  # usable if cut short
+
+
+def print_table(cells, runs, ratios, args, rounds: int, elapsed_s: float) -> None:
+    rows = []
+    for ranks, makers, r in cells:
+        rs = runs[(ranks, makers, r)]
+        m = {k: median([x[k] for x in rs]) for k in rs[0] if k != "in_sync"}
+        ideal_step = max(m["t_gen"] / makers, m["t_train"])
+        ideal_speedup = (m["t_gen"] + m["t_train"]) / ideal_step
+        speedup = (m["t_gen"] + m["t_train"]) / m["step_s"]
+        ratio_ideal = ideal_step / m["step_s"]
+        rows.append([ranks, makers, r, m["t_gen"], m["t_train"], ideal_step, m["step_s"], m["median_step_s"],
+                     ideal_speedup, speedup,
+                     ratio_ideal, "met" if ratio_ideal >= 0.95 else "missed",
+                     m["wait"], m["train"], m["push"], m["other"],
+                     m["gen_share"], m["admission"], m["backpressure"], m["pause"], m["staleness"],
+                     "yes" if all(x["in_sync"] == 1.0 for x in rs) else "NO"])
+    print(f"\nSimulated-device overlap: T_train {args.train_s:g} s, {ITEMS_PER_RANK} items per rank per step, "
+          f"{PROMPTS_PER_BATCH} prompts per generation batch, {args.steps} steps of which the first {args.skip} "
+          f"excluded, median of {rounds} interleaved rounds ({elapsed_s / 60:.1f} min)\n", flush=True)
+    print(table(["ranks", "makers", "T_gen:T_train", "T_gen s", "T_train s", "ideal step s", "step s (mean)",
+                 "step s (median)",
+                 "ideal speedup", "speedup vs sync", "ratio / ideal", ">= 0.95", "trainer wait s", "train s",
+                 "push s", "other s", "maker gen share", "maker admission share", "maker back-pressure share",
+                 "maker pause share", "staleness", "weights in sync"], rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()
