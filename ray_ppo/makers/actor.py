@@ -25,6 +25,7 @@ import torch
 
 from ray_ppo.config import Config
 from ray_ppo.data import PromptEncoder
+from ray_ppo.makers.vllm_engine import hf_weights
 from ray_ppo.models.quantize import quantize_for_generation
 from ray_ppo.sync import StagedPush, fingerprint, join_state, split_state, tied_aliases
 from ray_ppo.transport import ExperienceChunk
@@ -55,6 +56,7 @@ class MakerWorker:
             if self.maker.ref is None:  # LoRA: the reference stays the float base model
                 self.maker.ref = self.float_actor
             self.maker.actor = quantize_for_generation(self.float_actor, self.cfg.maker.quantization)
+        self.engine = self._build_engine() if self.cfg.maker.engine == "vllm" else None
         self.encoder = PromptEncoder(self.maker.tokenizer, self.cfg.data.max_prompt_len, self.cfg.data.chat_template)
         self.version = 0
         self.model_lock = threading.Lock()
@@ -72,6 +74,15 @@ class MakerWorker:
 
     def ping(self) -> int:
         return os.getpid()
+
+    def _build_engine(self):
+        """maker.engine=vllm: a vLLM engine in this process generates; the HF models score."""
+        from ray_ppo.makers.vllm_engine import build_engine
+
+        engine = build_engine(self.cfg, self.cfg.model.pretrained, self.cfg.seed + 1000 * (self.maker_id + 1),
+                              on_gpu=self.device.type == "cuda")
+        self.maker.engine, self.maker.engine_logprobs = engine, self.cfg.maker.engine_logprobs
+        return engine
 
     # -- compute --------------------------------------------------------------------------------
     @ray.method(concurrency_group="compute")
@@ -113,6 +124,8 @@ class MakerWorker:
                 items, made = self.maker.make_experience(encoded.ids, self.version)
             self.made += len(items)
             stats.update(generate_s=made.generate_s + made.score_s, num_tokens=made.num_tokens)
+            if made.logprob_gap is not None:
+                stats["logprob_gap"] = made.logprob_gap
         else:
             items = []
         start = time.perf_counter()
@@ -166,6 +179,8 @@ class MakerWorker:
             self.maker.critic.load_state_dict(critic_state, strict=False)
             if self.cfg.maker.quantization:
                 self.maker.actor = quantize_for_generation(self.float_actor, self.cfg.maker.quantization)
+            if self.engine is not None:  # after the HF copy swapped in the push, load it into the engine
+                self.engine.load(hf_weights(self.float_actor).items(), version)
             if "kl_coef" in staged.meta:
                 self.maker.advantage.kl_coef = staged.meta["kl_coef"]
             self.version = version
@@ -174,9 +189,11 @@ class MakerWorker:
         return True
 
     def weights_fingerprint(self) -> tuple[int, str]:
-        """(version, fingerprint of the actor and critic weights) for consistency checks."""
+        """(version, fingerprint of the actor and critic weights) for consistency checks. With an
+        engine, the actor's weights are those read back from the engine, not the HF copy's."""
         with self.model_lock:
-            return self.version, fingerprint(join_state(self.float_actor.state_dict(), self.maker.critic.state_dict()))
+            actor_state = self.float_actor.state_dict() if self.engine is None else self.engine.hf_state()
+            return self.version, fingerprint(join_state(actor_state, self.maker.critic.state_dict()))
 
 
 def _check_keys(model: torch.nn.Module, state: dict[str, torch.Tensor], partial: bool, what: str) -> None:

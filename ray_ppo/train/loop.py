@@ -266,6 +266,7 @@ class MakerMonitor:
     def __init__(self, coordinator: Any):
         self.coordinator = coordinator
         self.last = {"tokens": 0.0, "generate_s": 0.0, "idle_s": 0.0}
+        self.gaps_seen = 0
 
     def metrics(self, step_s: float) -> dict[str, float]:
         status = ray.get(self.coordinator.status.remote())
@@ -279,7 +280,17 @@ class MakerMonitor:
                 "maker_idle_ratio": min(1.0, delta["idle_s"] / (n * step_s)),
                 "items_produced": float(counters["produced"]), "items_consumed": float(counters["consumed"]),
                 "items_discarded": float(counters["discarded"]), "items_in_flight": float(counters["in_flight"]),
-                "items_lost_in_transit": float(counters["lost_in_transit"])}
+                "items_lost_in_transit": float(counters["lost_in_transit"]), **self._logprob_gap()}
+
+    def _logprob_gap(self) -> dict[str, float]:
+        """engine_logprob_gap_mean / _max over the tokens sampled by vLLM makers since the previous step."""
+        gaps = ray.get(self.coordinator.logprob_gaps_since.remote(self.gaps_seen))
+        self.gaps_seen += len(gaps)
+        tokens = sum(n for _, _, n in gaps)
+        if not tokens:
+            return {}
+        return {"engine_logprob_gap_mean": sum(s for s, _, _ in gaps) / tokens,
+                "engine_logprob_gap_max": max(m for _, m, _ in gaps)}
 
 
 def _verify_makers(coordinator: Any, version: int, expected: str) -> float:

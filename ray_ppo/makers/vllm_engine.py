@@ -1,0 +1,157 @@
+"""A vLLM engine inside a maker (``maker.engine=vllm``): generation, weight reloads, read-back.
+
+The maker's ``ExperienceMaker`` asks its ``engine`` for a ``Rollout`` instead of calling HF
+``generate``; everything after generation (reward, behaviour and reference log-probs, values,
+advantages) stays the HF code path. The engine runs in the maker's own process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a weight push is a function call into it:
+
+  - ``load(weights, version)``: the complete actor state in Hugging Face names (tied
+    ``lm_head.weight`` included, LoRA adapters merged) goes through vLLM's ``reload_weights``
+    (which re-runs the CPU backend's weight repacking), then the prefix cache is reset and the
+    engine's weight version set. The maker calls it under its model lock, after its HF copy
+    took the push, so no batch ever sees two versions.
+  - ``read_back()``: the engine's parameters as the worker holds them, for the sync check.
+
+vLLM is imported only here, and only when a maker builds an engine.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from ray_ppo.config import VLLM_INSTALL_HINT, Config
+from ray_ppo.models.generation import Rollout, SamplingParams, left_pad
+
+LOGPROBS_MODE = "processed_logprobs"
+"""vLLM's log-probs after temperature (and top-k/top-p) scaling: the distribution the tokens were
+sampled from, as our HF ``action_log_probs`` computes it (vLLM's default, raw_logprobs, ignores
+the temperature)."""
+
+
+class EngineError(RuntimeError):
+    """vLLM cannot run here or cannot run this model; the message is one line."""
+
+
+def _import_vllm():
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+    try:
+        import vllm
+    except ImportError as e:
+        raise EngineError(f"maker.engine=vllm needs the vllm package ({e}); {VLLM_INSTALL_HINT}") from None
+    return vllm
+
+
+def _one_line(error: BaseException) -> str:
+    """The innermost cause's message, first line: vLLM wraps its real reason (an unsupported
+    head size, an unknown architecture) in several layers of engine start-up errors."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+class VllmEngine:
+    """Responsibilities: sample rollouts with vLLM from token ids with the run's sampling
+    settings, seed, EOS and length limit; take complete weight pushes; show what it holds."""
+
+    def __init__(self, model_path: str, dtype: str, seed: int, max_model_len: int,
+                 gpu_memory_utilization: float = 0.3, kv_cache_gib: float = 1.0, enforce_eager: bool = True,
+                 on_gpu: bool = False):
+        vllm = _import_vllm()
+        kwargs = {}
+        if on_gpu:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        else:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
+        try:
+            self.llm = vllm.LLM(model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                                gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                                skip_tokenizer_init=True, logprobs_mode=LOGPROBS_MODE, enable_prefix_caching=False,
+                                **kwargs)
+        except Exception as e:
+            raise EngineError(f"vLLM cannot run model {model_path!r} (dtype {dtype}): {_one_line(e)}") from None
+        self._sampling_cls = vllm.SamplingParams
+        self.version = 0
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, pad_token_id: int,
+                 eos_token_id: int | None) -> Rollout:
+        """One response per prompt, as ``ray_ppo.models.generate`` returns it (on the CPU), plus
+        ``log_probs``: vLLM's log-prob of each sampled token (0 on padding)."""
+        sampling = self._sampling_cls(
+            n=1, max_tokens=params.max_new_tokens, temperature=params.temperature,
+            top_k=params.top_k if params.top_k > 0 else -1, top_p=params.top_p, logprobs=0,
+            stop_token_ids=[eos_token_id] if eos_token_id is not None else None, ignore_eos=eos_token_id is None,
+            detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
+        responses = [out.outputs[0] for out in outputs]
+        input_ids, prompt_mask = left_pad(prompts, pad_token_id)
+        width = max(len(r.token_ids) for r in responses)
+        tokens = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+        log_probs = torch.zeros((len(prompts), width), dtype=torch.float32)
+        action_mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+        for row, response in enumerate(responses):
+            ids = list(response.token_ids)
+            tokens[row, :len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+            log_probs[row, :len(ids)] = torch.tensor([response.logprobs[t][tok].logprob for t, tok in enumerate(ids)])
+            action_mask[row, :len(ids)] = True  # a response ends at its first EOS or at max_new_tokens
+        sequences = torch.cat([input_ids, tokens], dim=1)
+        attention_mask = torch.cat([prompt_mask, action_mask.long()], dim=1)
+        return Rollout(sequences, attention_mask, action_mask, input_ids.shape[1], log_probs=log_probs)
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
+        """Load a complete actor state (Hugging Face names) and tag the engine with ``version``;
+        returns the seconds it took. The caller holds the maker's model lock."""
+        start = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
+        self.llm.reset_prefix_cache()
+        self.version = version
+        return time.perf_counter() - start
+
+    def read_back(self) -> dict[str, torch.Tensor]:
+        """The engine's parameters (vLLM's names), copied out of the worker."""
+        return self.llm.collective_rpc(_engine_state)[0]
+
+
+def _engine_state(worker) -> dict[str, torch.Tensor]:
+    """Runs inside vLLM's worker: its model's parameters, cloned to the CPU."""
+    model = worker.model_runner.model
+    return {name: p.detach().to("cpu").clone() for name, p in model.named_parameters()}
+
+
+def hf_weights(actor: nn.Module) -> dict[str, torch.Tensor]:
+    """The actor's complete state in the names of its base Hugging Face model, as vLLM loads it:
+    tied aliases included (vLLM keeps ``lm_head.weight`` apart unless told), and with a peft
+    actor every adapted weight merged, ``W0 + scale * B @ A``, computed afresh from ``W0``
+    (the live HF copy keeps its adapters unmerged)."""
+    if not hasattr(actor, "get_base_model"):
+        return dict(actor.state_dict())
+    from peft.tuners.lora import LoraLayer
+
+    deltas = {f"{name}.weight": module.get_delta_weight(module.active_adapters[0])
+              for name, module in actor.get_base_model().named_modules() if isinstance(module, LoraLayer)}
+    state = {}
+    for name, tensor in actor.get_base_model().state_dict().items():
+        if ".lora_" in name:
+            continue
+        name = name.replace(".base_layer.", ".")
+        state[name] = tensor + deltas[name].to(tensor.dtype) if name in deltas else tensor
+    return state
+
+
+def build_engine(cfg: Config, model_path: str, seed: int, on_gpu: bool) -> VllmEngine:
+    """The maker's engine from ``cfg.maker.vllm`` (``model_path``: the resolved ``model.pretrained``)."""
+    opts = cfg.maker.vllm
+    return VllmEngine(model_path, opts.dtype or cfg.model.dtype, seed,
+                      max_model_len=cfg.data.max_prompt_len + cfg.maker.max_new_tokens,
+                      gpu_memory_utilization=opts.gpu_memory_utilization, kv_cache_gib=opts.kv_cache_gib,
+                      enforce_eager=opts.enforce_eager, on_gpu=on_gpu)
+
+
+__all__ = ["EngineError", "VllmEngine", "build_engine", "hf_weights"]
+
