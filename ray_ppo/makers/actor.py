@@ -25,7 +25,7 @@ import torch
 
 from ray_ppo.config import Config
 from ray_ppo.data import PromptEncoder
-from ray_ppo.makers.vllm_engine import hf_weights
+from ray_ppo.makers.vllm_engine import engine_actor_state, hf_weights
 from ray_ppo.models.quantize import quantize_for_generation
 from ray_ppo.sync import StagedPush, fingerprint, join_state, split_state, tied_aliases
 from ray_ppo.transport import ExperienceChunk
@@ -192,7 +192,7 @@ class MakerWorker:
         """(version, fingerprint of the actor and critic weights) for consistency checks. With an
         engine, the actor's weights are those read back from the engine, not the HF copy's."""
         with self.model_lock:
-            actor_state = self.float_actor.state_dict() if self.engine is None else self.engine.hf_state()
+            actor_state = self.float_actor.state_dict() if self.engine is None else engine_actor_state(self.engine, self.float_actor)
             return self.version, fingerprint(join_state(actor_state, self.maker.critic.state_dict()))
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -110,18 +110,60 @@ class VllmEngine:
         start = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
         self.llm.reset_prefix_cache()
+        self.llm.llm_engine.set_weight_version(str(version))
         self.version = version
         return time.perf_counter() - start
 
-    def read_back(self) -> dict[str, torch.Tensor]:
-        """The engine's parameters (vLLM's names), copied out of the worker."""
-        return self.llm.collective_rpc(_engine_state)[0]
+    def hf_state(self, expected: Mapping[str, torch.Tensor], transposed: set[str]) -> dict[str, torch.Tensor]:
+        """The weights the engine computes with, under the names and layout of ``expected`` (the
+        HF state of the same model). ``transposed``: names vLLM stores transposed (GPT-2's
+        ``Conv1D``). A tied alias reads its twin; a name inside one of vLLM's fused layers
+        (``packed_modules_mapping``: Llama's ``qkv_proj`` = q, k, v) reads its rows of it. A
+        name the engine has no tensor for comes back empty, so no fingerprint over it can match."""
+        held, packed = self.llm.collective_rpc(_engine_state)[0]
+        twins = {}
+        for name, tensor in expected.items():
+            twins.setdefault(tensor.data_ptr(), []).append(name)
+        out = {}
+        for name, tensor in expected.items():
+            found = _lookup(name, held, packed, expected) or next(
+                (held[twin] for twin in twins[tensor.data_ptr()] if twin in held), None)
+            if found is None:
+                out[name] = torch.empty(0)
+            else:
+                out[name] = found.t().contiguous() if name in transposed else found
+        return out
 
 
-def _engine_state(worker) -> dict[str, torch.Tensor]:
-    """Runs inside vLLM's worker: its model's parameters, cloned to the CPU."""
-    model = worker.model_runner.model
-    return {name: p.detach().to("cpu").clone() for name, p in model.named_parameters()}
+def _lookup(name: str, held: Mapping[str, torch.Tensor], packed: Mapping[str, list[str]],
+            expected: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """``held[name]``, or ``name``'s rows of the fused tensor that holds it."""
+    if name in held:
+        return held[name]
+    for fused, parts in packed.items():
+        for i, part in enumerate(parts):
+            if f".{part}." not in name or name.replace(f".{part}.", f".{fused}.") not in held:
+                continue
+            offset = sum(expected[name.replace(f".{part}.", f".{p}.")].shape[0] for p in parts[:i])
+            return held[name.replace(f".{part}.", f".{fused}.")][offset:offset + expected[name].shape[0]]
+    return None
+
+
+def _engine_state(worker) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    """Runs inside vLLM's worker: every parameter as the model computes with it, and the model's
+    ``packed_modules_mapping``. The CPU backend moves a linear layer's weight into a packed
+    kernel buffer and leaves the parameter empty; such a weight is read through the layer's own
+    kernel: the identity matrix in gives ``I @ W^T = W^T`` out, exact in fp32 (each output is
+    one weight times 1), so what comes back is what the engine multiplies with."""
+    model = worker.model_runner.get_model()
+    state = {name: p.detach().to("cpu").clone() for name, p in model.named_parameters() if p.numel()}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.numel() == 0 and hasattr(module, "cpu_linear"):
+                eye = torch.eye(module.input_size_per_partition, dtype=weight.dtype)
+                state[f"{name}.weight"] = module.cpu_linear(eye, weight, None).t().contiguous().cpu()
+    return state, dict(getattr(model, "packed_modules_mapping", {}) or {})
 
 
 def hf_weights(actor: nn.Module) -> dict[str, torch.Tensor]:
@@ -144,6 +186,27 @@ def hf_weights(actor: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def transposed_weights(actor: nn.Module) -> set[str]:
+    """Names (in ``hf_weights``) of the weights of transformers' ``Conv1D`` layers (GPT-2), which
+    hold ``(in, out)`` where vLLM, like ``nn.Linear``, holds ``(out, in)``."""
+    base = actor.get_base_model() if hasattr(actor, "get_base_model") else actor
+    return {f"{name}.weight".replace(".base_layer.", ".") for name, module in base.named_modules()
+            if type(module).__name__ == "Conv1D"}
+
+
+def engine_actor_state(engine: VllmEngine, actor: nn.Module) -> dict[str, torch.Tensor]:
+    """The actor's weights as the engine holds them, for a fingerprint comparable with the
+    trainer's. A LoRA actor's engine holds the merged weights, which the trainer never
+    fingerprints: then the engine must hold exactly ``hf_weights(actor)`` (the merge of the HF
+    copy), and the HF copy's own state stands for it; any difference returns the engine's state."""
+    expected = hf_weights(actor)
+    held = engine.hf_state(expected, transposed_weights(actor))
+    if not hasattr(actor, "get_base_model"):
+        return held
+    same = all(torch.equal(held[k], expected[k]) for k in expected)
+    return dict(actor.state_dict()) if same else held
+
+
 def build_engine(cfg: Config, model_path: str, seed: int, on_gpu: bool) -> VllmEngine:
     """The maker's engine from ``cfg.maker.vllm`` (``model_path``: the resolved ``model.pretrained``)."""
     opts = cfg.maker.vllm
@@ -153,5 +216,5 @@ def build_engine(cfg: Config, model_path: str, seed: int, on_gpu: bool) -> VllmE
                       enforce_eager=opts.enforce_eager, on_gpu=on_gpu)
 
 
-__all__ = ["EngineError", "VllmEngine", "build_engine", "hf_weights"]
+__all__ = ["EngineError", "VllmEngine", "build_engine", "engine_actor_state", "hf_weights", "transposed_weights"]
 
