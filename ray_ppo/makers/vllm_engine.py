@@ -17,7 +17,9 @@ vLLM is imported only here, and only when a maker builds an engine.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import time
 from typing import Iterable, Mapping, Sequence
 
@@ -27,10 +29,13 @@ from torch import nn
 from ray_ppo.config import VLLM_INSTALL_HINT, Config
 from ray_ppo.models.generation import Rollout, SamplingParams, left_pad
 
-LOGPROBS_MODE = "processed_logprobs"
-"""vLLM's log-probs after temperature (and top-k/top-p) scaling: the distribution the tokens were
-sampled from, as our HF ``action_log_probs`` computes it (vLLM's default, raw_logprobs, ignores
-the temperature)."""
+def logprobs_mode(temperature: float) -> str:
+    """Which of vLLM's log-probs match what ``ray_ppo.models.action_log_probs`` computes (log-softmax
+    of logits / temperature, no top-k/top-p): ``raw_logprobs`` (of the model's logits) at
+    temperature 1; else ``processed_logprobs``, which are after temperature and also after
+    top-k/top-p, renormalised over the kept tokens, so with those filters on they describe the
+    truncated distribution and differ from HF's by construction."""
+    return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
 
 
 class EngineError(RuntimeError):
@@ -51,8 +56,8 @@ def _one_line(error: BaseException) -> str:
     head size, an unknown architecture) in several layers of engine start-up errors."""
     while error.__cause__ is not None or error.__context__ is not None:
         error = error.__cause__ or error.__context__
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
+    text = re.sub(r"\s+", " ", str(error)).strip()
+    return f"{type(error).__name__}: {text[:400]}"
 
 
 class VllmEngine:
@@ -61,18 +66,21 @@ class VllmEngine:
 
     def __init__(self, model_path: str, dtype: str, seed: int, max_model_len: int,
                  gpu_memory_utilization: float = 0.3, kv_cache_gib: float = 1.0, enforce_eager: bool = True,
-                 on_gpu: bool = False):
+                 on_gpu: bool = False, temperature: float = 1.0):
         vllm = _import_vllm()
         kwargs = {}
         if on_gpu:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         else:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_cache_gib)))  # whole GiB only
         try:
             self.llm = vllm.LLM(model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                                skip_tokenizer_init=True, logprobs_mode=LOGPROBS_MODE, enable_prefix_caching=False,
+                                skip_tokenizer_init=True, logprobs_mode=logprobs_mode(temperature), enable_prefix_caching=False,
                                 **kwargs)
+            # One token now: some shapes (a head size the CPU attention lacks) fail only when run.
+            self.llm.generate([{"prompt_token_ids": [0]}], vllm.SamplingParams(max_tokens=1, detokenize=False),
+                              use_tqdm=False)
         except Exception as e:
             raise EngineError(f"vLLM cannot run model {model_path!r} (dtype {dtype}): {_one_line(e)}") from None
         self._sampling_cls = vllm.SamplingParams
@@ -126,12 +134,16 @@ class VllmEngine:
             twins.setdefault(tensor.data_ptr(), []).append(name)
         out = {}
         for name, tensor in expected.items():
-            found = _lookup(name, held, packed, expected) or next(
-                (held[twin] for twin in twins[tensor.data_ptr()] if twin in held), None)
+            found = _lookup(name, held, packed, expected)
+            if found is None:
+                found = next((held[twin] for twin in twins[tensor.data_ptr()] if twin in held), None)
             if found is None:
                 out[name] = torch.empty(0)
-            else:
-                out[name] = found.t().contiguous() if name in transposed else found
+                continue
+            found = found.t().contiguous() if name in transposed else found
+            if found.shape[1:] == tensor.shape[1:] and found.shape[0] > tensor.shape[0]:
+                found = found[:tensor.shape[0]]  # vLLM pads the vocabulary rows to a multiple of 64
+            out[name] = found
         return out
 
 
@@ -213,7 +225,7 @@ def build_engine(cfg: Config, model_path: str, seed: int, on_gpu: bool) -> VllmE
     return VllmEngine(model_path, opts.dtype or cfg.model.dtype, seed,
                       max_model_len=cfg.data.max_prompt_len + cfg.maker.max_new_tokens,
                       gpu_memory_utilization=opts.gpu_memory_utilization, kv_cache_gib=opts.kv_cache_gib,
-                      enforce_eager=opts.enforce_eager, on_gpu=on_gpu)
+                      enforce_eager=opts.enforce_eager, on_gpu=on_gpu, temperature=cfg.maker.temperature)
 
 
 __all__ = ["EngineError", "VllmEngine", "build_engine", "engine_actor_state", "hf_weights", "transposed_weights"]
