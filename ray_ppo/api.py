@@ -33,6 +33,9 @@ from ray_ppo.train.loop import RunHandles, train_loop_per_worker
 
 ACTOR_READY_TIMEOUT_S = 300.0
 """How long makers may take to load their models before ``fit()`` gives up."""
+VLLM_READY_TIMEOUT_S = 1200.0
+"""The same for vLLM makers (maker.engine=vllm), which also import vLLM and start an engine:
+seconds on a quiet machine, minutes on a CPU machine shared with other jobs."""
 SHUTDOWN_TIMEOUT_S = 30.0
 """How long makers get to finish their loops after the last step before they are killed."""
 POLL_S = 0.5
@@ -188,7 +191,8 @@ class PPOTrainer(TorchTrainer):
             for i in range(cfg.maker.num_makers)}
         try:
             ray.get(self.coordinator.register_makers.remote(self.makers), timeout=ACTOR_READY_TIMEOUT_S)
-            ray.get([m.ping.remote() for m in self.makers.values()], timeout=ACTOR_READY_TIMEOUT_S)
+            ray.get([m.ping.remote() for m in self.makers.values()],
+                    timeout=VLLM_READY_TIMEOUT_S if cfg.maker.engine == "vllm" else ACTOR_READY_TIMEOUT_S)
         except Exception:
             self._kill_actors()
             raise

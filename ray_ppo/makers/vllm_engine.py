@@ -29,7 +29,7 @@ from torch import nn
 from ray_ppo.config import VLLM_INSTALL_HINT, Config
 from ray_ppo.models.generation import Rollout, SamplingParams, left_pad
 
-def logprobs_mode(temperature: float) -> str:
+def logprobs_mode_for(temperature: float) -> str:
     """Which of vLLM's log-probs match what ``ray_ppo.models.action_log_probs`` computes (log-softmax
     of logits / temperature, no top-k/top-p): ``raw_logprobs`` (of the model's logits) at
     temperature 1; else ``processed_logprobs``, which are after temperature and also after
@@ -66,7 +66,7 @@ class VllmEngine:
 
     def __init__(self, model_path: str, dtype: str, seed: int, max_model_len: int,
                  gpu_memory_utilization: float = 0.3, kv_cache_gib: float = 1.0, enforce_eager: bool = True,
-                 on_gpu: bool = False, temperature: float = 1.0):
+                 on_gpu: bool = False, temperature: float = 1.0, logprobs_mode: str | None = None):
         vllm = _import_vllm()
         kwargs = {}
         if on_gpu:
@@ -76,8 +76,8 @@ class VllmEngine:
         try:
             self.llm = vllm.LLM(model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                                skip_tokenizer_init=True, logprobs_mode=logprobs_mode(temperature), enable_prefix_caching=False,
-                                **kwargs)
+                                skip_tokenizer_init=True,
+                                logprobs_mode=logprobs_mode or logprobs_mode_for(temperature), **kwargs)
             # One token now: some shapes (a head size the CPU attention lacks) fail only when run.
             self.llm.generate([{"prompt_token_ids": [0]}], vllm.SamplingParams(max_tokens=1, detokenize=False),
                               use_tqdm=False)
