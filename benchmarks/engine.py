@@ -100,14 +100,16 @@ def measure(kind: str, rounds: int) -> list:
             push.append(engine.load(weights.items(), version=r + 1))
         del engine
     mb = sum(t.numel() * t.element_size() for t in state.values()) / 2**20
-    return [kind, mb, median(hf), median(vllm), median(vllm) / median(hf), median(push), median(local),
-            median(push) / median(local), engine_up_s, warmup_s]
+    return [kind, mb, torch.get_num_threads(), median(hf), median(vllm), median(vllm) / median(hf), median(push),
+            median(local), median(push) / median(local), engine_up_s, warmup_s]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of the HF maker (vLLM uses its own)")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads of the HF maker; vLLM's CPU backend binds its own and may lower them "
+                             "for the whole process (the table reports what HF ran with)")
     parser.add_argument("--models", default="tiny-vllm,gpt2-small")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -115,7 +117,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     rows = [measure(kind, args.rounds) for kind in args.models.split(",")]
-    print(table(["model", "state MB", "HF tokens/s", "vLLM tokens/s", "vLLM / HF", "push into engine s",
+    print(table(["model", "state MB", "torch threads", "HF tokens/s", "vLLM tokens/s", "vLLM / HF", "push into engine s",
                  "local load_state_dict s", "push / local", "engine start s", "first generate s"], rows))
 
 
