@@ -52,8 +52,8 @@ def _import_vllm():
 
 
 def _one_line(error: BaseException) -> str:
-    """The innermost cause's message, first line: vLLM wraps its real reason (an unsupported
-    head size, an unknown architecture) in several layers of engine start-up errors."""
+    """The innermost cause's message on one line (at most 400 characters): vLLM wraps its real
+    reason (an unsupported head size, an unknown architecture) in layers of start-up errors."""
     while error.__cause__ is not None or error.__context__ is not None:
         error = error.__cause__ or error.__context__
     text = re.sub(r"\s+", " ", str(error)).strip()
