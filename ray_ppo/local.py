@@ -14,7 +14,7 @@ import torch
 
 from ray_ppo.algo import ExperienceBatch, ExperienceItem, make_kl_controller
 from ray_ppo.build import build_actor, build_critic, build_experience_maker, learner_params
-from ray_ppo.config import Config
+from ray_ppo.config import Config, ConfigError
 from ray_ppo.data import DataError, PromptEncoder, read_prompt_texts
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.tasks.toy import make_prompts
@@ -45,6 +45,9 @@ def run_local(cfg: Config, prompts: Sequence[str | None] | None = None,
     from ray_ppo.api import resolve_config
 
     cfg = resolve_config(cfg)
+    if cfg.maker.engine != "hf":  # the loop's maker shares the learner's live weights: nothing to push
+        raise ConfigError(f"the synchronous loop generates with HF only, but maker.engine={cfg.maker.engine!r}; "
+                          f"set maker.engine=hf, or run ray-ppo train for vLLM makers")
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer.torch_threads)
     if prompts is None and cfg.data.path:

@@ -26,6 +26,7 @@ import torch
 
 from ray_ppo.config import Config
 from ray_ppo.data import PromptEncoder
+from ray_ppo.makers.vllm_engine import engine_actor_state, hf_weights
 from ray_ppo.models.quantize import quantize_for_generation
 from ray_ppo.sync import (StagedPush, assign_state, fingerprint, join_state, replaced_tensors, split_state,
                           tied_aliases)
@@ -59,6 +60,7 @@ class MakerWorker:
             if self.maker.ref is None:  # LoRA: the reference stays the float base model
                 self.maker.ref = self.float_actor
             self.maker.actor = quantize_for_generation(self.float_actor, self.cfg.maker.quantization)
+        self.engine = self._build_engine() if self.cfg.maker.engine == "vllm" else None
         self.encoder = PromptEncoder(self.maker.tokenizer, self.cfg.data.max_prompt_len, self.cfg.data.chat_template)
         self.version = 0
         self.model_lock = threading.Lock()
@@ -78,6 +80,15 @@ class MakerWorker:
 
     def ping(self) -> int:
         return os.getpid()
+
+    def _build_engine(self):
+        """maker.engine=vllm: a vLLM engine in this process generates; the HF models score."""
+        from ray_ppo.makers.vllm_engine import build_engine
+
+        engine = build_engine(self.cfg, self.cfg.model.pretrained, self.cfg.seed + 1000 * (self.maker_id + 1),
+                              on_gpu=self.device.type == "cuda")
+        self.maker.engine, self.maker.engine_logprobs = engine, self.cfg.maker.engine_logprobs
+        return engine
 
     # -- compute --------------------------------------------------------------------------------
     @ray.method(concurrency_group="compute")
@@ -123,6 +134,8 @@ class MakerWorker:
                 tag_prompt_ids(items, [prompt_ids[i] for i in encoded.kept])
             self.made += len(items)
             stats.update(generate_s=made.generate_s + made.score_s, num_tokens=made.num_tokens)
+            if made.logprob_gap is not None:
+                stats["logprob_gap"] = made.logprob_gap
         else:
             items = []
         start = time.perf_counter()
@@ -183,6 +196,8 @@ class MakerWorker:
                 self.spares = replaced_tensors(staged.targets, staged.tensors)
             if self.cfg.maker.quantization:
                 self.maker.actor = quantize_for_generation(self.float_actor, self.cfg.maker.quantization)
+            if self.engine is not None:  # after the HF copy swapped in the push, load it into the engine
+                self.engine.load(hf_weights(self.float_actor).items(), version)
             if "kl_coef" in staged.meta:
                 self.maker.advantage.kl_coef = staged.meta["kl_coef"]
             self.version = version
@@ -193,9 +208,11 @@ class MakerWorker:
         return True
 
     def weights_fingerprint(self) -> tuple[int, str]:
-        """(version, fingerprint of the actor and critic weights) for consistency checks."""
+        """(version, fingerprint of the actor and critic weights) for consistency checks. With an
+        engine, the actor's weights are those read back from the engine, not the HF copy's."""
         with self.model_lock:
-            return self.version, fingerprint(join_state(self.float_actor.state_dict(), self.maker.critic.state_dict()))
+            actor_state = self.float_actor.state_dict() if self.engine is None else engine_actor_state(self.engine, self.float_actor)
+            return self.version, fingerprint(join_state(actor_state, self.maker.critic.state_dict()))
 
 
 def tag_prompt_ids(items: list, prompt_ids: list[int]) -> None:

@@ -6,6 +6,8 @@ actor (``ray_ppo.makers.actor``) wraps it.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import numbers
 import time
@@ -57,6 +59,8 @@ class MakeStats:
     score_s: float = 0.0
     rewards: list[float] = field(default_factory=list)
     kl_mean: float = 0.0
+    logprob_gap: tuple[float, float, int] | None = None
+    """With an engine: (sum, max, count) of |engine - HF| log-probs over the sampled tokens."""
 
 
 @dataclass
@@ -85,12 +89,17 @@ class ExperienceMaker:
     The rollout runs on the actor's device (every model must be on it): prompts are padded and
     moved there, generated, scored and shaped there, and the items come back on the CPU, ready
     for the wire.
+
+    ``engine`` (optional, e.g. ``ray_ppo.makers.vllm_engine.VllmEngine``) samples instead of HF
+    ``generate``: ``engine.generate(prompts, sampling, pad_token_id, eos_token_id) -> Rollout``
+    with the engine's own ``log_probs``. The behaviour log-probs are still recomputed with
+    ``actor`` unless ``engine_logprobs``; either way ``MakeStats.logprob_gap`` compares the two.
     """
 
     def __init__(self, actor: nn.Module, ref: nn.Module | None, critic: nn.Module, tokenizer,
                  sampling: SamplingParams, advantage: AdvantageParams,
                  reward_fn: RewardFn | None = None, reward_model: nn.Module | None = None, name: str = "maker",
-                 ref_disable_adapters: bool = False):
+                 ref_disable_adapters: bool = False, engine=None, engine_logprobs: bool = False):
         if (reward_fn is None) == (reward_model is None):
             raise ValueError("give exactly one of reward_fn and reward_model")
         self.actor, self.ref, self.critic, self.tokenizer = actor, ref, critic, tokenizer
@@ -98,6 +107,7 @@ class ExperienceMaker:
         self.reward_fn, self.reward_model = reward_fn, reward_model
         self.name = name
         self.ref_disable_adapters = ref_disable_adapters or ref is None
+        self.engine, self.engine_logprobs = engine, engine_logprobs
         self._counter = 0
 
     @torch.no_grad()
@@ -105,11 +115,15 @@ class ExperienceMaker:
         """One batch of experience from token-id prompts, every item tagged with ``policy_version``."""
         stats = MakeStats(num_samples=len(prompts))
         start = time.perf_counter()
-        rollout = generate(self.actor, prompts, self.sampling, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
+        sampler = self.engine.generate if self.engine is not None else functools.partial(generate, self.actor)
+        rollout = sampler(prompts, self.sampling, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
+        if rollout.sequences.device != self.device:
+            rollout = Rollout(*(t.to(self.device) if isinstance(t, torch.Tensor) else t
+                                for t in dataclasses.astuple(rollout)))
         stats.generate_s = time.perf_counter() - start
         start = time.perf_counter()
         reward = self._score(rollout)
-        batch = self._to_batch(rollout, reward, policy_version).to("cpu")
+        batch = self._to_batch(rollout, reward, policy_version, stats).to("cpu")
         stats.score_s = time.perf_counter() - start
         stats.num_tokens = int(rollout.action_mask.sum())
         stats.rewards = reward.tolist()
@@ -162,10 +176,16 @@ class ExperienceMaker:
         with model.disable_adapter():
             return action_log_probs(model, *args)
 
-    def _to_batch(self, rollout: Rollout, reward: torch.Tensor, policy_version: int) -> ExperienceBatch:
+    def _to_batch(self, rollout: Rollout, reward: torch.Tensor, policy_version: int,
+                  stats: MakeStats) -> ExperienceBatch:
         mask = rollout.action_mask
         log_probs = action_log_probs(self.actor, rollout.sequences, rollout.attention_mask, rollout.num_actions,
                                      self.sampling.temperature)
+        if rollout.log_probs is not None:
+            gap = (rollout.log_probs - log_probs).abs()[mask]
+            stats.logprob_gap = (float(gap.sum()), float(gap.max()) if gap.numel() else 0.0, int(gap.numel()))
+            if self.engine_logprobs:
+                log_probs = rollout.log_probs
         ref_log_probs = self._ref_log_probs(rollout)
         values = action_values(self.critic, rollout.sequences, rollout.attention_mask, rollout.num_actions) * mask
         kl = compute_kl(log_probs, ref_log_probs, self.advantage.kl_estimator) * mask

@@ -25,12 +25,15 @@ class Rollout:
 
     sequences: (B, P+R) int64; attention_mask: (B, P+R); action_mask: (B, R) bool, True on
     response tokens up to and including the first EOS. All on the device of the model that sampled.
+    log_probs: (B, R) float32, the sampler's own log-probs of the response tokens, when it reports
+    them (a vLLM engine); None for HF ``generate``.
     """
 
     sequences: torch.Tensor
     attention_mask: torch.Tensor
     action_mask: torch.Tensor
     prompt_len: int
+    log_probs: torch.Tensor | None = None
 
     @property
     def num_actions(self) -> int:

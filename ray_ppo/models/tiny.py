@@ -14,6 +14,10 @@ from pathlib import Path
 
 TINY_NAME = "tiny"
 """The value of ``model.pretrained`` that selects the built-in tiny model."""
+TINY_VLLM_NAME = "tiny-vllm"
+"""The built-in tiny model in a vLLM-compatible shape: 128 wide, 2 heads of 64 (vLLM's CPU attention
+kernels reject the tiny model's head size 16)."""
+TINY_VLLM_SHAPE = {"n_embd": 128, "n_head": 2}
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 WORDS = tuple(str(d) for d in range(10))
@@ -47,8 +51,9 @@ def tiny_gpt2_config(vocab_size: int, n_layer: int = 2, n_embd: int = 64, n_head
     )
 
 
-def build_tiny_model(directory: str | Path, seed: int = 0) -> Path:
-    """Build the tiny causal LM and its tokenizer and save both to ``directory`` (overwritten)."""
+def build_tiny_model(directory: str | Path, seed: int = 0, **shape) -> Path:
+    """Build the tiny causal LM and its tokenizer and save both to ``directory`` (overwritten);
+    ``shape`` overrides ``tiny_gpt2_config``'s sizes (``n_embd``, ``n_head``, ...)."""
     import torch
     from transformers import GPT2LMHeadModel
 
@@ -58,7 +63,7 @@ def build_tiny_model(directory: str | Path, seed: int = 0) -> Path:
     directory = Path(directory)
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(tiny_gpt2_config(len(tokenizer)))
+    model = GPT2LMHeadModel(tiny_gpt2_config(len(tokenizer), **shape))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(directory)
@@ -81,13 +86,18 @@ def build_tiny_reward_model(directory: str | Path, seed: int = 0) -> Path:
     return directory
 
 
+def build_tiny_vllm_model(directory: str | Path, seed: int = 0) -> Path:
+    """The tiny causal LM in the ``TINY_VLLM_SHAPE`` (head size 64, which vLLM supports)."""
+    return build_tiny_model(directory, seed, **TINY_VLLM_SHAPE)
+
+
 def ensure_tiny_model(kind: str = "lm", root: str | Path | None = None) -> Path:
-    """Path of the built-in tiny model (``kind`` "lm" or "reward"), building it on first use.
+    """Path of the built-in tiny model (``kind`` "lm", "vllm-lm" or "reward"), building it on first use.
 
     The build goes to a temporary sibling directory that is renamed into place, so concurrent
     processes never see a half-written model.
     """
-    builders = {"lm": build_tiny_model, "reward": build_tiny_reward_model}
+    builders = {"lm": build_tiny_model, "vllm-lm": build_tiny_vllm_model, "reward": build_tiny_reward_model}
     if kind not in builders:
         raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {sorted(builders)}")
     root = Path(root) if root is not None else cache_root()
@@ -109,9 +119,12 @@ def ensure_tiny_model(kind: str = "lm", root: str | Path | None = None) -> Path:
 
 
 def resolve_pretrained(name: str | None) -> str | None:
-    """Map ``"tiny"`` to the local path of the built-in model; other names pass through."""
+    """Map ``"tiny"`` (and ``"tiny-vllm"``, ``"tiny-reward"``) to the local path of the built-in
+    model; other names pass through."""
     if name == TINY_NAME:
         return str(ensure_tiny_model("lm"))
+    if name == TINY_VLLM_NAME:
+        return str(ensure_tiny_model("vllm-lm"))
     if name == "tiny-reward":
         return str(ensure_tiny_model("reward"))
     return name

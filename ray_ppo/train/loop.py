@@ -175,7 +175,7 @@ def _train_loop(loop_config: dict) -> None:
     kl_ctl = make_kl_controller(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
     publisher = WeightPublisher(learner, coordinator, cfg.sync.bucket_mb, rank)
     checkpoints = CheckpointWriter(cfg) if rank == 0 else None
-    monitor = MakerMonitor(coordinator) if rank == 0 else None
+    monitor = MakerMonitor(coordinator, cfg.maker.engine == "vllm") if rank == 0 else None
     tokenizer = load_tokenizer(tokenizer_path(cfg))
     pad_token_id = tokenizer.pad_token_id
     first_step, version = 1, 0
@@ -319,10 +319,12 @@ def coordinator_death_is_fatal():
 class MakerMonitor:
     """Generation throughput and maker idle ratio since the previous step, from the coordinator's totals."""
 
-    def __init__(self, coordinator: Any):
+    def __init__(self, coordinator: Any, engine_gaps: bool = False):
         self.coordinator = coordinator
         self.last = {"tokens": 0.0, "generate_s": 0.0, "idle_s": 0.0}
         self.pending = None
+        self.gaps_seen = 0
+        self.engine_gaps = engine_gaps  # vLLM makers: relay their log-prob gap (engine_logprob_gap_*)
 
     def request(self) -> None:
         """Ask for the coordinator's totals now; ``metrics`` reads the answer (no wait on the step's path)."""
@@ -345,7 +347,18 @@ class MakerMonitor:
                 "prompts_trained": float(counters["prompts_trained"]),
                 "prompts_requeued": float(counters["prompts_requeued"]),
                 "prompts_served": float(counters["prompts_served"]), "prompts_blank": float(counters["blank_prompts"]),
-                "prompts_truncated": float(counters["truncated_prompts"]), "prompts_lost": float(counters["lost"])}
+                "prompts_truncated": float(counters["truncated_prompts"]), "prompts_lost": float(counters["lost"]),
+                **(self._logprob_gap() if self.engine_gaps else {})}
+
+    def _logprob_gap(self) -> dict[str, float]:
+        """engine_logprob_gap_mean / _max over the tokens sampled by vLLM makers since the previous step."""
+        gaps = ray.get(self.coordinator.logprob_gaps_since.remote(self.gaps_seen))
+        self.gaps_seen += len(gaps)
+        tokens = sum(n for _, _, n in gaps)
+        if not tokens:
+            return {}
+        return {"engine_logprob_gap_mean": sum(s for s, _, _ in gaps) / tokens,
+                "engine_logprob_gap_max": max(m for _, m, _ in gaps)}
 
 
 def _verify_makers(coordinator: Any, version: int, expected: str) -> float:

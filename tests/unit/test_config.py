@@ -81,7 +81,9 @@ def test_tree_names_and_defaults_are_the_public_contract():
                  "chat_template": False, "shuffle": True},
         "maker": {"num_makers": 1, "batch_size": 16, "max_new_tokens": 8, "temperature": 1.0, "top_k": 0,
                   "top_p": 1.0, "quantization": None, "num_cpus": 0.5, "num_gpus": 0.0, "torch_threads": 1,
-                  "wait_for_weights": False, "max_restarts": 3, "node_resource": None},
+                  "wait_for_weights": False, "max_restarts": 3, "node_resource": None,
+                  "engine": "hf", "engine_logprobs": False,
+                  "vllm": {"gpu_memory_utilization": 0.3, "kv_cache_gib": 1.0, "enforce_eager": True, "dtype": None}},
         "trainer": {"strategy": "ddp", "num_workers": 1, "use_gpu": False, "cpus_per_worker": 1.0, "node_resource": None,
                     "total_steps": 50, "time_budget_s": 0.0, "update_steps": 1, "train_batch_size": 32, "mini_batch_size": 16,
                     "ppo_epochs": 1, "actor_lr": 1e-5, "critic_lr": 1e-5, "weight_decay": 0.0,
@@ -437,7 +439,7 @@ def test_every_field_has_a_one_line_doc(cls):
 
 def test_dotted_field_docs_cover_the_tree():
     docs = dotted_field_docs()
-    assert len(list(_config_classes())) == 11
+    assert len(list(_config_classes())) == 12
     assert docs["ppo.kl_coef"] == field_docs(PPOConfig)["kl_coef"]
     assert docs["model.lora.rank"] == field_docs(LoraConfig)["rank"]
     assert {key.split(".")[0] for key in docs} == set(field_docs(Config))

