@@ -19,10 +19,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/ray-ppo train --config configs/tiny.yaml --output runs/demo
 
-# The whole suite: the pinned ColossalAI tests in their own environment (see test-colossalai
-# below), then the main environment's tests, so CI keeps both alive.
+# The whole suite: the pinned ColossalAI tests and the vLLM maker tests in environments of their
+# own (see test-colossalai and test-vllm below), then the main environment's tests, so CI keeps
+# all three alive.
 test: $(STAMP)
 	$(MAKE) test-colossalai
+	$(MAKE) test-vllm
 	$(PY) -m pytest -q -ra
 
 clean:
