@@ -8,6 +8,7 @@ from ray_ppo.algo.experience import PER_TOKEN_FIELDS, ExperienceBatch, Experienc
 from ray_ppo.algo.estimators import (
     ADVANTAGE_ESTIMATORS,
     broadcast_to_tokens,
+    compute_advantages,
     discounted_returns,
     grpo_advantages,
     needs_critic,
@@ -54,6 +55,7 @@ __all__ = [
     "PackedItems",
     "ADVANTAGE_ESTIMATORS",
     "broadcast_to_tokens",
+    "compute_advantages",
     "discounted_returns",
     "grpo_advantages",
     "needs_critic",

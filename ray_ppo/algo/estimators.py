@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ray_ppo.algo.functional import masked_whiten
+from ray_ppo.algo.functional import compute_gae, kl_penalized_rewards, masked_whiten
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
 """Names of ``algo.advantage``; every one but ``gae`` trains without a critic."""
@@ -102,3 +102,38 @@ def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: fl
     A batch of equal returns gets 0, never nan.
     """
     return masked_whiten(discounted_returns(rewards, mask, gamma), mask)
+
+
+def compute_advantages(estimator: str, score: torch.Tensor, kl: torch.Tensor, values: torch.Tensor,
+                       mask: torch.Tensor, *, kl_coef: float, kl_in: str = "reward", gamma: float = 1.0,
+                       lam: float = 0.95, group_size: int = 1,
+                       group_norm_std: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rewards, advantages, returns), each (B, T) and 0 at padding, for one batch of responses.
+
+    ``score`` (B,) is the scalar reward of each response, ``kl`` (B, T) the per-token KL estimate
+    against the reference, ``values`` (B, T) the critic's values (zeros without a critic). With
+    ``kl_in="reward"`` the KL is a per-token penalty in the rewards (Ziegler et al. 2019); with
+    ``"loss"`` the rewards hold the score alone and the learner adds the KL to the loss.
+
+    - ``gae``: GAE over the per-token rewards (``compute_gae``); returns are the critic's targets;
+    - ``grpo`` / ``rloo``: the response's total reward (score minus the summed KL penalty, as
+      OpenRLHF's RLOO) against its group's, broadcast to every token;
+    - ``reinforce_pp``: the discounted returns of the per-token rewards; the learner normalises
+      them over its training batch (``reinforce_pp_advantages``), so advantages == returns here.
+    """
+    rewards = kl_penalized_rewards(score, kl, mask, kl_coef if kl_in == "reward" else 0.0)
+    if estimator == "gae":
+        advantages, returns = compute_gae(rewards, values, mask, gamma, lam)
+        return rewards, advantages, returns
+    if estimator == "reinforce_pp":
+        returns = discounted_returns(rewards, mask, gamma)
+        return rewards, returns, returns
+    total = torch.where(mask.bool(), rewards, 0.0).sum(dim=1)
+    if estimator == "grpo":
+        per_response = grpo_advantages(total, group_size, group_norm_std)
+    elif estimator == "rloo":
+        per_response = rloo_advantages(total, group_size)
+    else:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; valid names: {', '.join(ADVANTAGE_ESTIMATORS)}")
+    advantages = broadcast_to_tokens(per_response, mask)
+    return rewards, advantages, advantages

@@ -49,7 +49,8 @@ class MakerWorker:
         self.device = maker_device(self.cfg)  # cuda:0 (the GPU Ray gave this actor) if maker.num_gpus > 0
         self.maker = build_experience_maker(self.cfg, name=f"maker_{maker_id}", device=self.device)
         self.maker.actor.eval()
-        self.maker.critic.eval()
+        if self.maker.critic is not None:  # critic-free estimators build none
+            self.maker.critic.eval()
         self.float_actor = self.maker.actor  # receives pushes; generation may use a quantized copy
         if self.cfg.maker.quantization:
             if self.maker.ref is None:  # LoRA: the reference stays the float base model
@@ -129,7 +130,7 @@ class MakerWorker:
         unsent = 0
         while (entry := self.outbox.get()) is not None:
             items, stats = entry
-            chunk = ExperienceChunk.of(items, self.cfg.topology.transport)
+            chunk = ExperienceChunk.of(items, self.cfg.topology.transport, group_size=self.cfg.maker.samples_per_prompt)
             accepted = ray.get(self.coordinator.send.remote(self.maker_id, chunk, stats))
             self.sent += accepted
             unsent += len(items) - accepted
@@ -157,13 +158,17 @@ class MakerWorker:
         actor_state, critic_state = split_state(staged.tensors)
         partial = bool(staged.meta.get("partial"))  # LoRA-only: adapters and value head
         _check_keys(self.float_actor, actor_state, partial, "actor")  # before touching any weight
-        _check_keys(self.maker.critic, critic_state, partial, "critic")
+        if self.maker.critic is not None:
+            _check_keys(self.maker.critic, critic_state, partial, "critic")
+        elif critic_state:
+            raise ValueError(f"critic push to a critic-free maker (algo.advantage={self.cfg.algo.advantage})")
         start = time.perf_counter()
         with self.model_lock:
             # The staged tensors are CPU views of read-only shared memory; loading copies them
             # into the models' own parameters, on the GPU for a GPU maker.
             self.float_actor.load_state_dict(actor_state, strict=False)  # keys were checked above
-            self.maker.critic.load_state_dict(critic_state, strict=False)
+            if self.maker.critic is not None:
+                self.maker.critic.load_state_dict(critic_state, strict=False)
             if self.cfg.maker.quantization:
                 self.maker.actor = quantize_for_generation(self.float_actor, self.cfg.maker.quantization)
             if "kl_coef" in staged.meta:
@@ -176,7 +181,8 @@ class MakerWorker:
     def weights_fingerprint(self) -> tuple[int, str]:
         """(version, fingerprint of the actor and critic weights) for consistency checks."""
         with self.model_lock:
-            return self.version, fingerprint(join_state(self.float_actor.state_dict(), self.maker.critic.state_dict()))
+            critic = self.maker.critic.state_dict() if self.maker.critic is not None else {}
+            return self.version, fingerprint(join_state(self.float_actor.state_dict(), critic))
 
 
 def _check_keys(model: torch.nn.Module, state: dict[str, torch.Tensor], partial: bool, what: str) -> None:

@@ -102,3 +102,13 @@ def test_interrupted_save_keeps_the_previous_checkpoint(checkpoint, tmp_path, mo
     assert os.readlink(run / "checkpoint") == os.path.join("checkpoints", "step_00000007")
     publish_checkpoint(directory, run, step=9)  # a later save succeeds and replaces it
     assert os.readlink(run / "checkpoint") == os.path.join("checkpoints", "step_00000009")
+
+
+def test_critic_free_checkpoint_round_trip(tmp_path):
+    """A critic-free run (algo.advantage=grpo, rloo, reinforce_pp) writes and reads no critic."""
+    directory = tmp_path / "ckpt"
+    write_trainer_state(directory, {"w": torch.ones(2)}, None, {"actor": {}}, {"step": 3, "policy_version": 3})
+    assert not (directory / "trainer" / "critic.safetensors").exists()
+    assert validate_checkpoint(directory)["has_critic"] is False
+    actor, critic, _, state = load_trainer_state(directory)
+    assert critic is None and torch.equal(actor["w"], torch.ones(2)) and state["step"] == 3

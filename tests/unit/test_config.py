@@ -81,7 +81,7 @@ def test_tree_names_and_defaults_are_the_public_contract():
                  "chat_template": False, "shuffle": True},
         "maker": {"num_makers": 1, "batch_size": 16, "max_new_tokens": 8, "temperature": 1.0, "top_k": 0,
                   "top_p": 1.0, "quantization": None, "num_cpus": 0.5, "num_gpus": 0.0, "torch_threads": 1,
-                  "wait_for_weights": False, "max_restarts": 3, "node_resource": None},
+                  "wait_for_weights": False, "max_restarts": 3, "node_resource": None, "samples_per_prompt": 1},
         "trainer": {"strategy": "ddp", "num_workers": 1, "use_gpu": False, "cpus_per_worker": 1.0, "node_resource": None,
                     "total_steps": 50, "update_steps": 1, "train_batch_size": 32, "mini_batch_size": 16,
                     "ppo_epochs": 1, "actor_lr": 1e-5, "critic_lr": 1e-5, "weight_decay": 0.0,
@@ -89,7 +89,9 @@ def test_tree_names_and_defaults_are_the_public_contract():
                     "checkpoint_every": 0, "pull_timeout_s": 120.0, "max_nonfinite_updates": 10},
         "ppo": {"kl_coef": 0.05, "kl_estimator": "k1", "kl_target": None, "kl_horizon": 10000, "eps_clip": 0.2,
                 "dual_clip": None, "value_clip": 0.2, "entropy_coef": 0.0, "gamma": 1.0, "lam": 0.95,
-                "whiten_advantages": True, "max_staleness": 1},
+                "whiten_advantages": True, "max_staleness": 1, "off_policy": "decoupled", "tis_cap": 2.0,
+                "decoupled_cap": 5.0, "eps_clip_high": None, "loss_agg": "token_mean", "kl_in": "reward"},
+        "algo": {"advantage": "gae", "group_norm_std": True},
         "sync": {"bucket_mb": 64.0, "lora_only": False},
         "topology": {"routing": "round_robin", "buffer_size": 0, "transport": "inline"},
         "logging": {"output_dir": None, "progress": True, "tensorboard": True, "report_every": 10,
@@ -429,7 +431,7 @@ def test_every_field_has_a_one_line_doc(cls):
 
 def test_dotted_field_docs_cover_the_tree():
     docs = dotted_field_docs()
-    assert len(list(_config_classes())) == 11
+    assert len(list(_config_classes())) == 12
     assert docs["ppo.kl_coef"] == field_docs(PPOConfig)["kl_coef"]
     assert docs["model.lora.rank"] == field_docs(LoraConfig)["rank"]
     assert {key.split(".")[0] for key in docs} == set(field_docs(Config))
