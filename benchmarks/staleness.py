@@ -58,13 +58,24 @@ def row(staleness: int, mode: str, history: list[dict]) -> list:
             statistics.median(m["train_s"] for m in history)]
 
 
+def start_ray(attempts: int = 3):
+    """The local cluster; on a machine loaded by others the node may time out while starting."""
+    for attempt in range(attempts):
+        try:
+            return _common.init_ray(num_cpus=8)
+        except Exception as e:  # Ray raises a bare Exception for a node start-up timeout
+            if attempt == attempts - 1 or "timed out during startup" not in str(e):
+                raise
+            print(f"Ray start-up timed out ({attempt + 1}/{attempts}), retrying", file=sys.stderr)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--staleness", default="1,4,8")
     ap.add_argument("--modes", default="none,tis,decoupled")
     args = ap.parse_args()
-    ray = _common.init_ray(num_cpus=8)
+    ray = start_ray()
     start = time.perf_counter()
     rows = []
     try:
