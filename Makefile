@@ -61,6 +61,12 @@ $(TRL_STAMP): $(STAMP)
 bench-peer: $(STAMP) $(TRL_STAMP)
 	$(PY) benchmarks/peer_trl.py --trl-python $(TRL_PY)
 
+# Estimators and stale experience (issue 14; benchmarks/README.md, sections 6 and 7): each ~15-25 min here.
+.PHONY: bench-estimators
+bench-estimators: $(STAMP)
+	$(PY) benchmarks/estimators.py
+	$(PY) benchmarks/staleness.py
+
 # ColossalAI pins old releases (torch<=2.5.1, transformers==4.51.3, peft<=0.13.2), so its tests run in a
 # separate environment. torch 2.5.1 on PyPI is a CUDA build (~3 GB with its nvidia-* wheels); on a CPU
 # machine it runs the CPU code paths, which is all tests/colossalai_pinned needs (a

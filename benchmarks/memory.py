@@ -28,7 +28,9 @@ import _common
 from _common import median, rss_mb, table
 
 
-def build_gpt2_small(directory: str) -> str:
+def build_gpt2_small(directory: str, n_layer: int = 12, n_embd: int = 768, n_head: int = 12) -> str:
+    """A GPT-2-small-shaped model (random weights) and a digit-compatible tokenizer saved to ``directory``;
+    ``n_layer``/``n_embd``/``n_head`` shrink it (``benchmarks/estimators.py``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
@@ -40,7 +42,7 @@ def build_gpt2_small(directory: str) -> str:
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
                                   padding_side="left")
-    cfg = GPT2Config(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+    cfg = GPT2Config(vocab_size=50257, n_positions=1024, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
                      bos_token_id=1, eos_token_id=1, pad_token_id=0)
     model = GPT2LMHeadModel(cfg)
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1

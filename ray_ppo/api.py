@@ -252,7 +252,8 @@ class PPOTrainer(TorchTrainer):
             items_per_version=cfg.trainer.update_steps * cfg.trainer.train_batch_size * cfg.trainer.num_workers,
             prompt_batch_size=cfg.maker.batch_size, shuffle=cfg.data.shuffle, seed=cfg.seed,
             initial_version=self.resume_state["policy_version"] if self.resume_state else 0,
-            data_start=self.resume_state.get("data") if self.resume_state else None)
+            data_start=self.resume_state.get("data") if self.resume_state else None,
+            samples_per_prompt=cfg.maker.samples_per_prompt)
         maker_cls = maker_actor_class(cfg.maker.num_cpus, cfg.maker.num_gpus, cfg.maker.max_restarts,
                                       {cfg.maker.node_resource: 1} if cfg.maker.node_resource else None)
         self.makers = {

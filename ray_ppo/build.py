@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ray_ppo.algo import needs_critic
 from ray_ppo.config import Config, ConfigError
 from ray_ppo.makers.experience import AdvantageParams, ExperienceMaker
 from ray_ppo.models.lora import apply_lora
@@ -23,7 +24,9 @@ def sampling_params(cfg: Config) -> SamplingParams:
 
 def advantage_params(cfg: Config, kl_coef: float | None = None) -> AdvantageParams:
     p = cfg.ppo
-    return AdvantageParams(p.kl_coef if kl_coef is None else kl_coef, p.kl_estimator, p.gamma, p.lam)
+    return AdvantageParams(p.kl_coef if kl_coef is None else kl_coef, p.kl_estimator, p.gamma, p.lam,
+                           estimator=cfg.algo.advantage, samples_per_prompt=cfg.maker.samples_per_prompt,
+                           group_norm_std=cfg.algo.group_norm_std, kl_in=p.kl_in)
 
 
 def total_updates(cfg: Config) -> int:
@@ -40,6 +43,9 @@ def learner_params(cfg: Config) -> LearnerParams:
         ppo_epochs=t.ppo_epochs, mini_batch_size=t.mini_batch_size, eps_clip=p.eps_clip, dual_clip=p.dual_clip,
         value_clip=p.value_clip, entropy_coef=p.entropy_coef, whiten_advantages=p.whiten_advantages,
         temperature=cfg.maker.temperature, max_nonfinite_updates=t.max_nonfinite_updates,
+        eps_clip_high=p.eps_clip_high, loss_agg=p.loss_agg, off_policy=p.off_policy,
+        is_cap=p.tis_cap if p.off_policy == "tis" else p.decoupled_cap, max_staleness=p.max_staleness,
+        kl_in=p.kl_in, kl_estimator=p.kl_estimator, estimator=cfg.algo.advantage,
     )
 
 
@@ -66,6 +72,16 @@ def build_critic(cfg: Config) -> Critic:
     return critic
 
 
+def has_critic(cfg: Config) -> bool:
+    """Whether the run builds, trains, pushes and checkpoints a critic: only ``algo.advantage=gae``."""
+    return needs_critic(cfg.algo.advantage)
+
+
+def build_critic_if_needed(cfg: Config) -> Critic | None:
+    """The critic for GAE; None for the critic-free estimators."""
+    return build_critic(cfg) if has_critic(cfg) else None
+
+
 def maker_device(cfg: Config) -> torch.device:
     """Where a maker's models run: the first visible GPU when ``maker.num_gpus > 0``, else the CPU.
 
@@ -83,10 +99,11 @@ def maker_device(cfg: Config) -> torch.device:
 def build_experience_maker(cfg: Config, actor=None, critic=None, name: str = "maker",
                            device: torch.device | None = None) -> ExperienceMaker:
     """An ``ExperienceMaker`` with every model on ``device`` (default ``maker_device(cfg)``);
-    pass ``actor``/``critic`` to share models with a learner (local loop: its device)."""
+    pass ``actor``/``critic`` to share models with a learner (local loop: its device). No critic
+    for the critic-free estimators."""
     device = device if device is not None else maker_device(cfg)
     actor = (actor if actor is not None else build_actor(cfg)).to(device)
-    critic = (critic if critic is not None else build_critic(cfg)).to(device)
+    critic = (critic if critic is not None else build_critic(cfg)).to(device) if has_critic(cfg) else None
     # With LoRA the reference is the actor with adapters disabled: no second copy of the weights.
     ref = None if cfg.model.lora.rank > 0 else build_actor(cfg, with_lora=False).eval().to(device)
     reward_model = RewardModel.from_pretrained(cfg.model.reward_pretrained, cfg.model.dtype).eval().to(device) \

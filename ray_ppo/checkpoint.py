@@ -5,6 +5,7 @@ A checkpoint directory holds:
     actor/, critic/          save_pretrained (safetensors) for users; tokenizer beside the actor
     trainer/actor.safetensors, trainer/critic.safetensors
                              the trainer's exact state dicts (LoRA adapters included) for resuming
+                             (no critic/ and no critic.safetensors for the critic-free estimators)
     trainer/optimizer.pt     optimizer, scheduler and RNG state (plain tensors; loaded weights_only)
     state.json               step, policy version, KL controller, prompt-stream position
 
@@ -28,8 +29,9 @@ import torch
 FORMAT_VERSION = 1
 STATE_FILE = "state.json"
 TRAINER_DIR = "trainer"
-REQUIRED = (STATE_FILE, f"{TRAINER_DIR}/actor.safetensors", f"{TRAINER_DIR}/critic.safetensors",
-            f"{TRAINER_DIR}/optimizer.pt")
+REQUIRED = (STATE_FILE, f"{TRAINER_DIR}/actor.safetensors", f"{TRAINER_DIR}/optimizer.pt")
+CRITIC_FILE = f"{TRAINER_DIR}/critic.safetensors"
+"""Present when the run trains a critic (``algo.advantage=gae``)."""
 
 
 class CheckpointError(ValueError):
@@ -42,17 +44,21 @@ def save_tensors(state: dict[str, torch.Tensor], path: Path) -> None:
     save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}, str(path))
 
 
-def write_trainer_state(directory: Path, actor: dict, critic: dict, optimizer: dict, run_state: dict) -> None:
-    """The resumable part of a checkpoint (``trainer/`` and ``state.json``) into ``directory``."""
+def write_trainer_state(directory: Path, actor: dict, critic: dict | None, optimizer: dict, run_state: dict) -> None:
+    """The resumable part of a checkpoint (``trainer/`` and ``state.json``) into ``directory``;
+    ``critic`` None for a critic-free run."""
     (directory / TRAINER_DIR).mkdir(parents=True, exist_ok=True)
     save_tensors(actor, directory / TRAINER_DIR / "actor.safetensors")
-    save_tensors(critic, directory / TRAINER_DIR / "critic.safetensors")
+    if critic is not None:
+        save_tensors(critic, directory / CRITIC_FILE)
     torch.save(optimizer, directory / TRAINER_DIR / "optimizer.pt")
-    (directory / STATE_FILE).write_text(json.dumps({"format": FORMAT_VERSION, **run_state}, indent=2))
+    (directory / STATE_FILE).write_text(json.dumps({"format": FORMAT_VERSION, "has_critic": critic is not None,
+                                                    **run_state}, indent=2))
 
 
 def read_state(directory: str | Path) -> dict[str, Any]:
-    """``state.json`` of a checkpoint, after checking every required file is there."""
+    """``state.json`` of a checkpoint, after checking every required file is there (the critic's
+    too, unless ``state.json`` says the run had none)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint {directory} does not exist")
@@ -65,6 +71,8 @@ def read_state(directory: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint file {directory / STATE_FILE} is corrupt: {e}") from None
     if state.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {directory} has format {state.get('format')!r}; this ray_ppo reads {FORMAT_VERSION}")
+    if state.get("has_critic", True) and not (directory / CRITIC_FILE).is_file():
+        raise CheckpointError(f"checkpoint {directory} is incomplete: missing {CRITIC_FILE}")
     return state
 
 
@@ -86,6 +94,8 @@ def validate_checkpoint(directory: str | Path) -> dict[str, Any]:
     run_state = read_state(directory)
     for name in ("actor", "critic"):
         path = directory / TRAINER_DIR / f"{name}.safetensors"
+        if name == "critic" and not run_state.get("has_critic", True):
+            continue  # a critic-free run's checkpoint
         try:
             with safe_open(str(path), framework="pt") as f:
                 f.keys()
@@ -104,11 +114,12 @@ def _load_optimizer(directory: Path) -> dict:
 
 
 def load_trainer_state(directory: str | Path) -> tuple[dict, dict, dict, dict]:
-    """(actor state, critic state, optimizer state, run state) of a checkpoint, validated."""
+    """(actor state, critic state, optimizer state, run state) of a checkpoint, validated; the
+    critic state is None in a critic-free run's checkpoint."""
     directory = Path(directory)
     run_state = read_state(directory)
     actor = load_tensors(directory / TRAINER_DIR / "actor.safetensors")
-    critic = load_tensors(directory / TRAINER_DIR / "critic.safetensors")
+    critic = load_tensors(directory / CRITIC_FILE) if run_state.get("has_critic", True) else None
     return actor, critic, _load_optimizer(directory), run_state
 
 

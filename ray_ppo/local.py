@@ -13,12 +13,12 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ray_ppo.algo import ExperienceBatch, ExperienceItem, make_kl_controller
-from ray_ppo.build import build_actor, build_critic, build_experience_maker, learner_params
+from ray_ppo.build import build_actor, build_critic_if_needed, build_experience_maker, learner_params
 from ray_ppo.config import Config, ConfigError
 from ray_ppo.data import DataError, PromptEncoder, read_prompt_texts
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.tasks.toy import make_prompts
-from ray_ppo.train.learner import PPOLearner
+from ray_ppo.train.learner import PPOLearner, drop_absent
 from ray_ppo.train.loop import experience_metrics
 from ray_ppo.train.strategies import LocalStrategy
 
@@ -54,7 +54,8 @@ def run_local(cfg: Config, prompts: Sequence[str | None] | None = None,
         prompts = read_prompt_texts(cfg.data.path, cfg.data.prompt_column, cfg.data.format)
     elif prompts is None:
         prompts = make_prompts(cfg.toy.num_prompts, cfg.toy.prompt_len, cfg.toy.seed)
-    learner = PPOLearner(build_actor(cfg), build_critic(cfg), LocalStrategy(), learner_params(cfg), seed=cfg.seed)
+    learner = PPOLearner(build_actor(cfg), build_critic_if_needed(cfg), LocalStrategy(), learner_params(cfg),
+                         seed=cfg.seed)
     maker = build_experience_maker(cfg, actor=learner.actor, critic=learner.critic, name="local",
                                    device=learner.device)
     encoder = PromptEncoder(maker.tokenizer, cfg.data.max_prompt_len, cfg.data.chat_template)
@@ -66,7 +67,9 @@ def run_local(cfg: Config, prompts: Sequence[str | None] | None = None,
         maker.advantage.kl_coef = kl_ctl.value
         items, generate_s = _collect(maker, encoder, batches, cfg.trainer.train_batch_size, step - 1)
         train_start = time.perf_counter()
-        metrics = learner.train_step(ExperienceBatch.merge(items, maker.tokenizer.pad_token_id))
+        learner.kl_coef = kl_ctl.value
+        metrics = drop_absent(learner.train_step(ExperienceBatch.merge(items, maker.tokenizer.pad_token_id),
+                                                 version=step - 1))
         metrics.update(experience_metrics(items, step - 1))
         kl_ctl.update(metrics["kl"], len(items))
         step_s = time.perf_counter() - step_start
@@ -81,12 +84,14 @@ def run_local(cfg: Config, prompts: Sequence[str | None] | None = None,
 
 
 def _collect(maker, encoder: PromptEncoder, batches: Iterator[list], n: int, version: int) -> tuple[list[ExperienceItem], float]:
-    """Generate until ``n`` items are made (a surplus is dropped); returns items and generation seconds."""
+    """Generate until ``n`` items are made (a surplus is dropped; ``n`` and every batch hold whole
+    groups, so no group is cut); returns items and generation seconds."""
     items: list[ExperienceItem] = []
     start = time.perf_counter()
     batches_without_prompts = 0
-    maker.actor.eval()  # sample without LoRA dropout; the update below trains with it
-    maker.critic.eval()
+    models = [m for m in (maker.actor, maker.critic) if m is not None]
+    for model in models:
+        model.eval()  # sample without LoRA dropout; the update below trains with it
     while len(items) < n:
         encoded = encoder.encode(next(batches))
         if encoded.ids:
@@ -96,6 +101,6 @@ def _collect(maker, encoder: PromptEncoder, batches: Iterator[list], n: int, ver
             batches_without_prompts += 1
             if batches_without_prompts > MAX_EMPTY_BATCHES:
                 raise DataError(f"no usable prompt in {MAX_EMPTY_BATCHES} batches: every prompt is blank")
-    maker.actor.train()
-    maker.critic.train()
+    for model in models:
+        model.train()
     return items[:n], time.perf_counter() - start

@@ -88,9 +88,11 @@ def tied_aliases(model: torch.nn.Module) -> set[str]:
     return set(model.state_dict()) - canonical
 
 
-def push_aliases(actor: torch.nn.Module, critic: torch.nn.Module) -> set[str]:
-    """The ``join_state`` names of both models' tied aliases: what a full push leaves out."""
-    return set(join_state(dict.fromkeys(tied_aliases(actor)), dict.fromkeys(tied_aliases(critic))))
+def push_aliases(actor: torch.nn.Module, critic: torch.nn.Module | None) -> set[str]:
+    """The ``join_state`` names of both models' tied aliases: what a full push leaves out (no critic
+    for the critic-free estimators)."""
+    critic_aliases = tied_aliases(critic) if critic is not None else set()
+    return set(join_state(dict.fromkeys(tied_aliases(actor)), dict.fromkeys(critic_aliases)))
 
 
 def push_size(state: Mapping[str, torch.Tensor], bucket_mb: float) -> tuple[int, int]:

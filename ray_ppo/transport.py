@@ -28,7 +28,8 @@ from ray_ppo.algo import ExperienceItem, PackedItems
 
 @dataclass(frozen=True)
 class ExperienceChunk:
-    """Items ``start:stop`` of one packed batch, all made at ``policy_version``."""
+    """Items ``start:stop`` of one packed batch, all made at ``policy_version``, in whole groups of
+    ``group_size`` consecutive items (the responses to one prompt: ``maker.samples_per_prompt``)."""
 
     payload: Any
     """``[ObjectRef]`` of a ``PackedItems`` (nested, so it is not fetched in transit), or a
@@ -39,6 +40,8 @@ class ExperienceChunk:
     prompt_ids: Any = None
     """(N,) int64 NumPy array: the prompt id of each item of the payload (``ray_ppo.ledger``),
     readable without fetching the payload; None for items made outside a prompt stream."""
+    group_size: int = 1
+    """Items per group; a chunk is only ever cut at a group boundary, so a group never splits."""
 
     @property
     def count(self) -> int:
@@ -49,14 +52,20 @@ class ExperienceChunk:
         return [] if self.prompt_ids is None else self.prompt_ids[self.start:self.stop].tolist()
 
     def split(self, n: int) -> tuple[ExperienceChunk, ExperienceChunk]:
-        """The first ``n`` items and the rest, as two chunks of the same payload."""
+        """The first ``n`` items and the rest, as two chunks of the same payload. ``n`` must be a
+        multiple of ``group_size``: a cut never falls inside a group."""
+        if n % self.group_size:
+            raise ValueError(f"cannot cut a chunk after {n} items: groups of {self.group_size} would be split")
         cut = self.start + n
         return dataclasses.replace(self, stop=cut), dataclasses.replace(self, start=cut)
 
     @classmethod
-    def of(cls, items: Sequence[ExperienceItem], transport: str) -> ExperienceChunk:
+    def of(cls, items: Sequence[ExperienceItem], transport: str, group_size: int = 1) -> ExperienceChunk:
         """``items`` packed for ``transport`` (``topology.transport``): ``inline`` or ``ref``."""
-        return cls.put(items) if transport == "ref" else cls.inline(items)
+        chunk = cls.put(items) if transport == "ref" else cls.inline(items)
+        if chunk.count % group_size:
+            raise ValueError(f"{chunk.count} items do not make whole groups of {group_size}")
+        return dataclasses.replace(chunk, group_size=group_size)
 
     @classmethod
     def inline(cls, items: Sequence[ExperienceItem]) -> ExperienceChunk:

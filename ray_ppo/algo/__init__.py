@@ -5,8 +5,20 @@ unit-testable in-process.
 """
 
 from ray_ppo.algo.experience import PER_TOKEN_FIELDS, ExperienceBatch, ExperienceItem, PackedItems
+from ray_ppo.algo.estimators import (
+    ADVANTAGE_ESTIMATORS,
+    broadcast_to_tokens,
+    compute_advantages,
+    discounted_returns,
+    grpo_advantages,
+    needs_critic,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
 from ray_ppo.algo.functional import (
     KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    aggregate_loss,
     compute_gae,
     compute_gae_reference,
     compute_kl,
@@ -25,13 +37,33 @@ from ray_ppo.algo.functional import (
     value_loss,
 )
 from ray_ppo.algo.kl_controller import AdaptiveKLController, FixedKLController, KLController, make_kl_controller
+from ray_ppo.algo.off_policy import (
+    OFF_POLICY_MODES,
+    behaviour_kl,
+    decoupled_weights,
+    importance_weights,
+    kl_by_staleness,
+    raw_weights,
+    tis_weights,
+    weight_stats,
+)
 
 __all__ = [
     "PER_TOKEN_FIELDS",
     "ExperienceBatch",
     "ExperienceItem",
     "PackedItems",
+    "ADVANTAGE_ESTIMATORS",
+    "broadcast_to_tokens",
+    "compute_advantages",
+    "discounted_returns",
+    "grpo_advantages",
+    "needs_critic",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
     "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "aggregate_loss",
     "compute_gae",
     "compute_gae_reference",
     "compute_kl",
@@ -52,4 +84,12 @@ __all__ = [
     "FixedKLController",
     "KLController",
     "make_kl_controller",
+    "OFF_POLICY_MODES",
+    "behaviour_kl",
+    "decoupled_weights",
+    "importance_weights",
+    "kl_by_staleness",
+    "raw_weights",
+    "tis_weights",
+    "weight_stats",
 ]

@@ -89,6 +89,30 @@ def compute_gae_reference(
     return advantages, returns
 
 
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+"""Names of ``ppo.loss_agg``: how a (B, T) per-token loss becomes one number."""
+
+
+def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token_mean") -> torch.Tensor:
+    """Reduce a (B, T) per-token loss over the valid tokens.
+
+    - ``token_mean``: mean over every valid token of the batch (long responses weigh more; PPO's
+      usual choice, DAPO's "token-level" loss, Yu et al. 2025, arXiv:2503.14476, eq. 12);
+    - ``seq_mean_token_sum``: sum over each response's tokens, mean over responses (the
+      length-unnormalised loss of Dr. GRPO, Liu et al. 2025, arXiv:2503.20783);
+    - ``seq_mean_token_mean``: mean over each response's tokens, then over responses (GRPO as in
+      Shao et al. 2024, arXiv:2402.03300, eq. 3).
+    Every row needs a valid token. Names as veRL's ``loss_agg_mode``.
+    """
+    if loss_agg == "token_mean":
+        return masked_mean(loss, mask)
+    if loss_agg == "seq_mean_token_sum":
+        return masked_sum(loss, mask, dim=1).mean()
+    if loss_agg == "seq_mean_token_mean":
+        return masked_mean(loss, mask, dim=1).mean()
+    raise ValueError(f"unknown loss_agg {loss_agg!r}; valid names: {', '.join(LOSS_AGGREGATIONS)}")
+
+
 def policy_loss(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
@@ -96,27 +120,37 @@ def policy_loss(
     mask: torch.Tensor,
     eps_clip: float,
     dual_clip: float | None = None,
+    eps_clip_high: float | None = None,
+    is_weights: torch.Tensor | None = None,
+    loss_agg: str = "token_mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate loss, averaged over all valid tokens.
+    """PPO clipped surrogate loss, averaged over all valid tokens (``loss_agg``).
 
     Schulman et al. 2017, "Proximal Policy Optimization Algorithms", arXiv:1707.06347, eq. 7 (negated,
-    as in CleanRL ppo.py). With `dual_clip` (> 1), the loss of a negative-advantage token is also
+    as in CleanRL ppo.py). The ratio is clipped to [1 - eps_clip, 1 + eps_clip_high] (``eps_clip_high``
+    None = eps_clip; a larger upper bound is DAPO's clip-higher, Yu et al. 2025, arXiv:2503.14476,
+    eq. 10). With `dual_clip` (> 1), the loss of a negative-advantage token is also
     bounded by -adv * dual_clip: Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep
-    RL", arXiv:1912.09729, eq. 5.
+    RL", arXiv:1912.09729, eq. 5. `is_weights` (B, T), detached, multiply each token's clipped loss:
+    the off-policy correction of ``ray_ppo.algo.off_policy`` (then `old_log_probs` are the trainer's
+    recomputed proximal log-probs, and the ratio is clipped around them).
     Stats (0-dim, detached): "clipfrac", the fraction of tokens whose clipped term is active, and
     "approx_kl", the k3 estimate of KL(old || new) (http://joschu.net/blog/kl-approx.html).
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    eps_clip_high = eps_clip if eps_clip_high is None else eps_clip_high
     logratio = log_probs - old_log_probs
     ratio = torch.exp(logratio)
     pg_loss1 = -advantages * ratio
-    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip)
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high)
     pg_loss = torch.max(pg_loss1, pg_loss2)
     if dual_clip is not None:
         pg_loss3 = -advantages * dual_clip
         pg_loss = torch.where(advantages < 0, torch.min(pg_loss, pg_loss3), pg_loss)
-    loss = masked_mean(pg_loss, mask)
+    if is_weights is not None:
+        pg_loss = pg_loss * is_weights.detach()
+    loss = aggregate_loss(pg_loss, mask, loss_agg)
     with torch.no_grad():
         clipfrac = masked_mean((pg_loss2 > pg_loss1).float(), mask)
         approx_kl = masked_mean((ratio - 1) - logratio, mask)

@@ -54,7 +54,8 @@ class MakerWorker:
         self.device = maker_device(self.cfg)  # cuda:0 (the GPU Ray gave this actor) if maker.num_gpus > 0
         self.maker = (maker_factory or build_experience_maker)(self.cfg, name=f"maker_{maker_id}", device=self.device)
         self.maker.actor.eval()
-        self.maker.critic.eval()
+        if self.maker.critic is not None:  # critic-free estimators build none
+            self.maker.critic.eval()
         self.float_actor = self.maker.actor  # receives pushes; generation may use a quantized copy
         if self.cfg.maker.quantization:
             if self.maker.ref is None:  # LoRA: the reference stays the float base model
@@ -154,7 +155,7 @@ class MakerWorker:
         unsent = 0
         while (entry := self.outbox.get()) is not None:
             items, stats = entry
-            chunk = ExperienceChunk.of(items, self.cfg.topology.transport)
+            chunk = ExperienceChunk.of(items, self.cfg.topology.transport, group_size=self.cfg.maker.samples_per_prompt)
             accepted = ray.get(self.coordinator.send.remote(self.maker_id, chunk, stats))
             self.sent += accepted
             unsent += len(items) - accepted
@@ -164,7 +165,7 @@ class MakerWorker:
     @ray.method(concurrency_group="model_io")
     def weights_start(self, version: int, num_chunks: int, meta: dict) -> None:
         """chunk_start: begin staging push ``version`` (any unfinished earlier push is dropped)."""
-        targets = join_state(self.float_actor.state_dict(), self.maker.critic.state_dict())
+        targets = join_state(self.float_actor.state_dict(), self._critic_state())
         self.staging = StagedPush(version, num_chunks, meta, targets, spares=self.spares)
         self.spares = {}  # the staging owns them now; dropped with it if the push never completes
 
@@ -185,13 +186,17 @@ class MakerWorker:
         actor_state, critic_state = split_state(staged.tensors)
         partial = bool(staged.meta.get("partial"))  # LoRA-only: adapters and value head
         _check_keys(self.float_actor, actor_state, partial, "actor")  # before touching any weight
-        _check_keys(self.maker.critic, critic_state, partial, "critic")
+        if self.maker.critic is not None:
+            _check_keys(self.maker.critic, critic_state, partial, "critic")
+        elif critic_state:
+            raise ValueError(f"critic push to a critic-free maker (algo.advantage={self.cfg.algo.advantage})")
         with self.model_lock:  # generation is paused from here (a batch being made finishes first)
             start = time.perf_counter()
             # The staged tensors are the maker's own copies, already on its device and in its
             # dtype: the swap rebinds parameters (and re-ties tied ones), it copies nothing.
             assign_state(self.float_actor, actor_state)  # keys were checked above
-            assign_state(self.maker.critic, critic_state)
+            if self.maker.critic is not None:
+                assign_state(self.maker.critic, critic_state)
             if self.device.type == "cpu":  # on a GPU the caching allocator reuses the memory anyway
                 self.spares = replaced_tensors(staged.targets, staged.tensors)
             if self.cfg.maker.quantization:
@@ -212,7 +217,11 @@ class MakerWorker:
         engine, the actor's weights are those read back from the engine, not the HF copy's."""
         with self.model_lock:
             actor_state = self.float_actor.state_dict() if self.engine is None else engine_actor_state(self.engine, self.float_actor)
-            return self.version, fingerprint(join_state(actor_state, self.maker.critic.state_dict()))
+            return self.version, fingerprint(join_state(actor_state, self._critic_state()))
+
+    def _critic_state(self) -> dict[str, torch.Tensor]:
+        """The critic's state dict; empty for critic-free estimators (``algo.advantage`` != gae)."""
+        return self.maker.critic.state_dict() if self.maker.critic is not None else {}
 
 
 def tag_prompt_ids(items: list, prompt_ids: list[int]) -> None:

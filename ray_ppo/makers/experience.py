@@ -1,4 +1,8 @@
-"""Making experience: generate -> score -> log-probs and values -> KL-penalised rewards -> GAE.
+"""Making experience: generate -> score -> log-probs (and values) -> KL-penalised rewards -> advantages.
+
+Advantages come from ``algo.advantage``: GAE with the critic's values, or a critic-free estimator
+(GRPO, RLOO, REINFORCE++: ``ray_ppo.makers.advantages``); with ``maker.samples_per_prompt`` = n
+each prompt is sampled n times and its n items sit next to each other (a group).
 
 ``ExperienceMaker`` is a plain class. The synchronous local loop calls it directly; the maker
 actor (``ray_ppo.makers.actor``) wraps it.
@@ -17,7 +21,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ray_ppo.algo import ExperienceBatch, ExperienceItem, compute_gae, compute_kl, kl_penalized_rewards
+from ray_ppo.algo import ExperienceBatch, ExperienceItem, compute_advantages, compute_kl
 from ray_ppo.models import RewardFn, Rollout, SamplingParams, action_log_probs, action_values, generate, model_device
 
 
@@ -65,12 +69,16 @@ class MakeStats:
 
 @dataclass
 class AdvantageParams:
-    """Reward shaping and GAE settings (``ppo.*`` in the config)."""
+    """Reward shaping and advantage settings (``ppo.*``, ``algo.*`` and ``maker.samples_per_prompt``)."""
 
     kl_coef: float = 0.05
     kl_estimator: str = "k1"
     gamma: float = 1.0
     lam: float = 0.95
+    estimator: str = "gae"
+    samples_per_prompt: int = 1
+    group_norm_std: bool = True
+    kl_in: str = "reward"
 
 
 class ExperienceMaker:
@@ -79,10 +87,10 @@ class ExperienceMaker:
     Responsibilities:
       - sample responses from the actor;
       - score them with the reward model or the rule reward;
-      - compute behaviour and reference log-probs and critic values;
-      - shape per-token rewards with the KL penalty and compute GAE advantages and returns.
+      - compute behaviour and reference log-probs and, for GAE, critic values;
+      - shape per-token rewards with the KL penalty and compute advantages and returns.
 
-    ``ref`` may be None when the actor is a peft model: the reference is then the actor with its
+    ``critic`` is None for the critic-free estimators. ``ref`` may be None when the actor is a peft model: the reference is then the actor with its
     adapters disabled. ``ref_disable_adapters`` says the same of a peft ``ref`` (a quantized
     maker generates with a merged copy and keeps the float peft model as reference).
 
@@ -96,12 +104,15 @@ class ExperienceMaker:
     ``actor`` unless ``engine_logprobs``; either way ``MakeStats.logprob_gap`` compares the two.
     """
 
-    def __init__(self, actor: nn.Module, ref: nn.Module | None, critic: nn.Module, tokenizer,
+    def __init__(self, actor: nn.Module, ref: nn.Module | None, critic: nn.Module | None, tokenizer,
                  sampling: SamplingParams, advantage: AdvantageParams,
                  reward_fn: RewardFn | None = None, reward_model: nn.Module | None = None, name: str = "maker",
                  ref_disable_adapters: bool = False, engine=None, engine_logprobs: bool = False):
         if (reward_fn is None) == (reward_model is None):
             raise ValueError("give exactly one of reward_fn and reward_model")
+        if (critic is None) == (advantage.estimator == "gae"):
+            raise ValueError(f"advantage estimator {advantage.estimator!r} needs "
+                             f"{'a critic' if advantage.estimator == 'gae' else 'no critic'}")
         self.actor, self.ref, self.critic, self.tokenizer = actor, ref, critic, tokenizer
         self.sampling, self.advantage = sampling, advantage
         self.reward_fn, self.reward_model = reward_fn, reward_model
@@ -112,7 +123,10 @@ class ExperienceMaker:
 
     @torch.no_grad()
     def make_experience(self, prompts: Sequence[Sequence[int]], policy_version: int) -> tuple[list[ExperienceItem], MakeStats]:
-        """One batch of experience from token-id prompts, every item tagged with ``policy_version``."""
+        """One batch of experience from token-id prompts, every item tagged with ``policy_version``:
+        ``samples_per_prompt`` items per prompt, each prompt's items next to each other."""
+        n = self.advantage.samples_per_prompt
+        prompts = [p for p in prompts for _ in range(n)]
         stats = MakeStats(num_samples=len(prompts))
         start = time.perf_counter()
         sampler = self.engine.generate if self.engine is not None else functools.partial(generate, self.actor)
@@ -187,10 +201,13 @@ class ExperienceMaker:
             if self.engine_logprobs:
                 log_probs = rollout.log_probs
         ref_log_probs = self._ref_log_probs(rollout)
-        values = action_values(self.critic, rollout.sequences, rollout.attention_mask, rollout.num_actions) * mask
+        values = torch.zeros_like(log_probs) if self.critic is None else \
+            action_values(self.critic, rollout.sequences, rollout.attention_mask, rollout.num_actions) * mask
         kl = compute_kl(log_probs, ref_log_probs, self.advantage.kl_estimator) * mask
-        rewards = kl_penalized_rewards(reward, kl, mask, self.advantage.kl_coef)
-        advantages, returns = compute_gae(rewards, values, mask, self.advantage.gamma, self.advantage.lam)
+        a = self.advantage
+        rewards, advantages, returns = compute_advantages(
+            a.estimator, reward, kl, values, mask, kl_coef=a.kl_coef, kl_in=a.kl_in, gamma=a.gamma, lam=a.lam,
+            group_size=a.samples_per_prompt, group_norm_std=a.group_norm_std)
         return ExperienceBatch(
             sequences=rollout.sequences, attention_mask=rollout.attention_mask, action_mask=mask,
             action_log_probs=log_probs * mask, ref_log_probs=ref_log_probs * mask, values=values, rewards=rewards,

@@ -1,5 +1,9 @@
 """The PPO update: epochs x minibatches of actor and critic steps on one experience batch.
 
+With ``ppo.off_policy`` tis or decoupled the step first recomputes the trainer's own log-probs of
+the batch (pi_old, no grad) and clips the ratio around them, weighting each token by
+pi_old / pi_behaviour (``ray_ppo.algo.off_policy``). Critic-free estimators have no critic here.
+
 Plain class, no Ray: the synchronous local loop and the Ray Train loop both drive it.
 """
 
@@ -13,6 +17,13 @@ from torch import nn
 
 from ray_ppo.algo import (
     ExperienceBatch,
+    aggregate_loss,
+    behaviour_kl,
+    compute_kl,
+    importance_weights,
+    kl_by_staleness,
+    raw_weights,
+    weight_stats,
     entropy_from_logits,
     explained_variance,
     log_probs_from_logits,
@@ -45,6 +56,25 @@ class LearnerParams:
     whiten_advantages: bool = True
     temperature: float = 1.0
     max_nonfinite_updates: int = 10
+    eps_clip_high: float | None = None
+    loss_agg: str = "token_mean"
+    off_policy: str = "decoupled"
+    is_cap: float = 5.0
+    """ppo.tis_cap or ppo.decoupled_cap, whichever ``off_policy`` uses."""
+    max_staleness: int = 1
+    kl_in: str = "reward"
+    kl_estimator: str = "k1"
+    estimator: str = "gae"
+
+
+STALE_KL_PREFIX = "behaviour_kl_stale_"
+"""``behaviour_kl_stale_<s>``: KL(behaviour || proximal) over the items of staleness s (nan where
+a rank has none; ``drop_absent`` removes the key when no rank had such items)."""
+
+
+def drop_absent(metrics: dict[str, float]) -> dict[str, float]:
+    """The metrics without the per-staleness statistics that no item of the step had (nan)."""
+    return {k: v for k, v in metrics.items() if not (k.startswith(STALE_KL_PREFIX) and math.isnan(v))}
 
 
 def all_ranks_agree(flag: bool, device: torch.device) -> bool:
@@ -76,54 +106,115 @@ class PPOLearner:
 
     Responsibilities:
       - wrap the models with the strategy;
-      - run ``ppo_epochs`` passes of minibatch actor (clipped surrogate + entropy bonus) and
-        critic (clipped value loss) updates on one ``ExperienceBatch``;
+      - recompute the trainer's log-probs of the batch when ``off_policy`` needs them;
+      - run ``ppo_epochs`` passes of minibatch actor (clipped surrogate + entropy bonus, and the
+        KL term with ``kl_in="loss"``) and critic (clipped value loss) updates on one ``ExperienceBatch``;
       - return the step's metrics.
+
+    ``critic`` is None for the critic-free estimators (no critic optimizer, no value loss).
+    ``kl_coef`` is the coefficient of the KL loss term (``kl_in="loss"``); the loop sets it from
+    its KL controller before each step.
     """
 
-    def __init__(self, actor: nn.Module, critic: nn.Module, strategy: Strategy, params: LearnerParams, seed: int = 0):
+    def __init__(self, actor: nn.Module, critic: nn.Module | None, strategy: Strategy, params: LearnerParams,
+                 seed: int = 0):
         self.strategy, self.params = strategy, params
-        self.actor, self.critic = strategy.wrap(actor.train()), strategy.wrap(critic.train())
+        self.actor = strategy.wrap(actor.train())
+        self.critic = strategy.wrap(critic.train()) if critic is not None else None
         self.actor_optim = strategy.make_optimizer(self.actor, params.actor_lr, params.weight_decay)
-        self.critic_optim = strategy.make_optimizer(self.critic, params.critic_lr, params.weight_decay)
         schedule = lr_lambda(params.lr_schedule, params.warmup_steps, params.total_updates)
         self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_optim, schedule)
-        self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_optim, schedule)
+        self.critic_optim = self.critic_sched = None
+        if self.critic is not None:
+            self.critic_optim = strategy.make_optimizer(self.critic, params.critic_lr, params.weight_decay)
+            self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_optim, schedule)
+        self.kl_coef = 0.0
         self.generator = torch.Generator().manual_seed(seed)
         self.device = strategy.device
         self.nonfinite_updates = 0  # updates skipped for a non-finite loss or gradient, whole run
         self.consecutive_nonfinite = 0
 
-    def train_step(self, batch: ExperienceBatch) -> dict[str, float]:
-        """PPO epochs over ``batch``; returns mean losses and statistics."""
+    def train_step(self, batch: ExperienceBatch, version: int | None = None) -> dict[str, float]:
+        """PPO epochs over ``batch``; returns mean losses and statistics. ``version`` is the
+        trainer's policy version (for the off-policy statistics by staleness)."""
         batch = batch.to(self.device)
-        if self.params.whiten_advantages:
+        if self._whitens():
             batch.advantages = masked_whiten(batch.advantages, batch.action_mask)
+        anchor, weights, metrics = self._off_policy(batch, version)
         sums: dict[str, float] = {}
         updates, skipped_before = 0, self.nonfinite_updates
         for _ in range(self.params.ppo_epochs):
             order = torch.randperm(batch.batch_size, generator=self.generator)
             for start in range(0, batch.batch_size, self.params.mini_batch_size):
-                minibatch = batch.select(order[start:start + self.params.mini_batch_size])
-                for key, value in {**self._actor_update(minibatch), **self._critic_update(minibatch)}.items():
+                idx = order[start:start + self.params.mini_batch_size].to(self.device)
+                minibatch = batch.select(idx)
+                stats = self._actor_update(minibatch, anchor[idx], None if weights is None else weights[idx])
+                if self.critic is not None:
+                    stats.update(self._critic_update(minibatch))
+                for key, value in stats.items():
                     sums[key] = sums.get(key, 0.0) + value
                 updates += 1
-        metrics = {key: value / updates for key, value in sums.items()}
+        metrics.update({key: value / updates for key, value in sums.items()})
         metrics["actor_lr"] = self.actor_sched.get_last_lr()[0]
-        metrics["critic_lr"] = self.critic_sched.get_last_lr()[0]
-        metrics["explained_variance"] = float(explained_variance(batch.values, batch.returns, batch.action_mask))
+        if self.critic is not None:
+            metrics["critic_lr"] = self.critic_sched.get_last_lr()[0]
+            metrics["explained_variance"] = float(explained_variance(batch.values, batch.returns, batch.action_mask))
         metrics["nonfinite_updates"] = float(self.nonfinite_updates - skipped_before)
         return metrics
 
-    def _actor_update(self, mb: ExperienceBatch) -> dict[str, float]:
+    def _whitens(self) -> bool:
+        """GAE: as ``ppo.whiten_advantages``; REINFORCE++: always (its batch normalisation); GRPO
+        and RLOO: never (their advantages are already normalised within each group)."""
+        if self.params.estimator in ("grpo", "rloo"):
+            return False
+        return self.params.whiten_advantages or self.params.estimator == "reinforce_pp"
+
+    @torch.no_grad()
+    def _log_probs(self, batch: ExperienceBatch) -> torch.Tensor:
+        """(B, R) log-probs of the batch's responses under the current actor, minibatch by minibatch."""
+        out = []
+        for start in range(0, batch.batch_size, self.params.mini_batch_size):
+            mb = batch.select(torch.arange(start, min(start + self.params.mini_batch_size, batch.batch_size)))
+            logits = action_logits(self.actor, mb.sequences, mb.attention_mask, mb.num_actions, self.params.temperature)
+            out.append(log_probs_from_logits(logits, mb.sequences[:, -mb.num_actions:]))
+        return torch.where(batch.action_mask.bool(), torch.cat(out), 0.0)
+
+    def _off_policy(self, batch: ExperienceBatch,
+                    version: int | None) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        """(log-probs the ratio is clipped around, importance weights or None, metrics).
+
+        ``none``: the maker's behaviour log-probs, no weights. ``tis`` / ``decoupled``: the
+        trainer's own log-probs at the start of the step (one no-grad forward pass) and the
+        weights pi_old / pi_behaviour, truncated or dropped above the cap."""
+        p, behaviour, mask = self.params, batch.action_log_probs, batch.action_mask
+        if p.off_policy == "none":
+            return behaviour, None, {}
+        old = self._log_probs(batch)
+        weights = importance_weights(p.off_policy, old, behaviour, p.is_cap)
+        metrics = weight_stats(raw_weights(old, behaviour), p.is_cap, mask)
+        kl = behaviour_kl(old, behaviour)
+        metrics["behaviour_kl"] = float(masked_mean(kl, mask))
+        if version is not None:
+            staleness = version - batch.policy_version
+            for s, value in kl_by_staleness(kl, mask, staleness, p.max_staleness).items():
+                metrics[f"{STALE_KL_PREFIX}{s}"] = value
+        return old, weights, metrics
+
+    def _actor_update(self, mb: ExperienceBatch, anchor: torch.Tensor, weights: torch.Tensor | None) -> dict[str, float]:
         p = self.params
         logits = action_logits(self.actor, mb.sequences, mb.attention_mask, mb.num_actions, p.temperature)
         log_probs = log_probs_from_logits(logits, mb.sequences[:, -mb.num_actions:])
-        pg_loss, stats = policy_loss(log_probs, mb.action_log_probs, mb.advantages, mb.action_mask, p.eps_clip, p.dual_clip)
+        pg_loss, stats = policy_loss(log_probs, anchor, mb.advantages, mb.action_mask, p.eps_clip, p.dual_clip,
+                                     eps_clip_high=p.eps_clip_high, is_weights=weights, loss_agg=p.loss_agg)
         entropy = masked_mean(entropy_from_logits(logits), mb.action_mask)
         loss = pg_loss - p.entropy_coef * entropy
+        out = {}
+        if p.kl_in == "loss":
+            kl_loss = aggregate_loss(compute_kl(log_probs, mb.ref_log_probs, p.kl_estimator), mb.action_mask, p.loss_agg)
+            loss = loss + self.kl_coef * kl_loss
+            out["kl_loss"] = kl_loss.item()
         grad_norm = self._optimize(loss, self.actor, self.actor_optim, self.actor_sched, "actor")
-        return {"policy_loss": pg_loss.item(), "entropy": entropy.item(), "clipfrac": float(stats["clipfrac"]),
+        return {**out, "policy_loss": pg_loss.item(), "entropy": entropy.item(), "clipfrac": float(stats["clipfrac"]),
                 "approx_kl": float(stats["approx_kl"]), "actor_grad_norm": grad_norm}
 
     def _critic_update(self, mb: ExperienceBatch) -> dict[str, float]:
@@ -165,16 +256,22 @@ class PPOLearner:
         """Collective on every rank: full optimizer states (rank 0; ``{}`` elsewhere), schedulers and
         the minibatch RNG — what a checkpoint needs besides the weights."""
         s = self.strategy
-        return {"actor": s.full_optimizer_state_dict(self.actor, self.actor_optim),
-                "critic": s.full_optimizer_state_dict(self.critic, self.critic_optim),
-                "actor_sched": self.actor_sched.state_dict(), "critic_sched": self.critic_sched.state_dict(),
-                "generator": self.generator.get_state()}
+        state = {"actor": s.full_optimizer_state_dict(self.actor, self.actor_optim),
+                 "actor_sched": self.actor_sched.state_dict(), "generator": self.generator.get_state()}
+        if self.critic is not None:
+            state.update(critic=s.full_optimizer_state_dict(self.critic, self.critic_optim),
+                         critic_sched=self.critic_sched.state_dict())
+        return state
 
     def load_state(self, state: dict) -> None:
         """Restore what ``train.loop`` checkpoints: full optimizer states (strategy-aware),
         schedulers and the minibatch RNG."""
         self.strategy.load_optimizer_state(self.actor, self.actor_optim, state["actor"])
-        self.strategy.load_optimizer_state(self.critic, self.critic_optim, state["critic"])
         self.actor_sched.load_state_dict(state["actor_sched"])
-        self.critic_sched.load_state_dict(state["critic_sched"])
+        if self.critic is not None:
+            if "critic" not in state:
+                raise ValueError("the checkpoint has no critic optimizer state (it was made by a critic-free "
+                                 "algo.advantage); resume it with the same algo.advantage")
+            self.strategy.load_optimizer_state(self.critic, self.critic_optim, state["critic"])
+            self.critic_sched.load_state_dict(state["critic_sched"])
         self.generator.set_state(state["generator"])

@@ -20,13 +20,13 @@ import torch
 
 from ray_ppo.algo import ExperienceBatch, ExperienceItem, make_kl_controller
 from ray_ppo.checkpoint import load_trainer_state, write_trainer_state
-from ray_ppo.build import build_actor, build_critic, learner_params, tokenizer_path
+from ray_ppo.build import build_actor, build_critic_if_needed, learner_params, tokenizer_path
 from ray_ppo.config import Config
 from ray_ppo.models import load_tokenizer
 from ray_ppo.models.lora import trainable_names
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.sync import fingerprint, join_state, make_buckets, push_aliases, push_size, split_state
-from ray_ppo.train.learner import PPOLearner
+from ray_ppo.train.learner import PPOLearner, drop_absent
 from ray_ppo.train.strategies import make_strategy
 from ray_ppo.transport import resolve
 
@@ -54,7 +54,9 @@ def experience_metrics(items: list[ExperienceItem], version: int) -> dict[str, f
 
 
 def reduce_across_ranks(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Mean over ranks (max for ``*_max`` keys); identity in a single process."""
+    """Mean over ranks (max for ``*_max`` keys); identity in a single process. A nan (a statistic
+    a rank has no data for, e.g. ``behaviour_kl_stale_<s>``) is left out of the mean: nan only
+    when every rank has nan."""
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
         return metrics
     keys = sorted(metrics)
@@ -63,8 +65,9 @@ def reduce_across_ranks(metrics: dict[str, float], device: torch.device) -> dict
     out = dict(metrics)
     if means:
         t = torch.tensor([metrics[k] for k in means], dtype=torch.float64, device=device)
+        t = torch.stack([torch.nan_to_num(t, nan=0.0), (~torch.isnan(t)).double()])
         torch.distributed.all_reduce(t)
-        out.update(zip(means, (t / torch.distributed.get_world_size()).tolist()))
+        out.update(zip(means, (t[0] / t[1]).tolist()))  # 0 / 0 = nan where no rank had a value
     if maxes:
         t = torch.tensor([metrics[k] for k in maxes], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
@@ -81,14 +84,17 @@ class WeightPublisher:
         self.learner, self.coordinator, self.bucket_mb, self.rank = learner, coordinator, bucket_mb, rank
         self.handed: list = []  # the coordinator's acknowledgements of the last push, checked at the next one
         unwrap = learner.strategy.unwrap
+        critic = unwrap(learner.critic) if learner.critic is not None else None
         self.trainable = {f"actor.{n}" for n in trainable_names(unwrap(learner.actor))}
-        self.trainable |= {f"critic.{n}" for n in trainable_names(unwrap(learner.critic))}
-        self.aliases = push_aliases(unwrap(learner.actor), unwrap(learner.critic))
+        self.trainable |= {f"critic.{n}" for n in trainable_names(critic)} if critic is not None else set()
+        self.aliases = push_aliases(unwrap(learner.actor), critic)
 
     def gather(self) -> dict[str, torch.Tensor]:
-        """Full actor and critic state dicts, keys prefixed ``actor.`` / ``critic.``."""
-        strategy = self.learner.strategy
-        return join_state(strategy.full_state_dict(self.learner.actor), strategy.full_state_dict(self.learner.critic))
+        """Full actor and critic state dicts, keys prefixed ``actor.`` / ``critic.`` (no ``critic.``
+        keys without a critic: a critic-free push carries the actor alone)."""
+        strategy, critic = self.learner.strategy, self.learner.critic
+        return join_state(strategy.full_state_dict(self.learner.actor),
+                          strategy.full_state_dict(critic) if critic is not None else {})
 
     def to_push(self, state: dict[str, torch.Tensor], lora_only: bool) -> dict[str, torch.Tensor]:
         """What a push carries: every tensor once (tied aliases dropped; makers re-tie them), or
@@ -111,8 +117,9 @@ class WeightPublisher:
 
 
 class CheckpointWriter:
-    """Rank 0 writes actor and critic (``save_pretrained``, safetensors), tokenizer, optimizer
-    state and run state into a fresh directory that becomes a ``ray.train.Checkpoint``."""
+    """Rank 0 writes actor and critic (``save_pretrained``, safetensors; no critic for the
+    critic-free estimators), tokenizer, optimizer state and run state into a fresh directory that
+    becomes a ``ray.train.Checkpoint``."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -120,16 +127,18 @@ class CheckpointWriter:
 
     def write(self, state: dict[str, torch.Tensor], optim_state: dict, run_state: dict) -> ray.train.Checkpoint:
         if self._actor is None:
-            self._actor, self._critic = build_actor(self.cfg), build_critic(self.cfg)
+            self._actor, self._critic = build_actor(self.cfg), build_critic_if_needed(self.cfg)
         actor_state, critic_state = split_state(state)
         self._actor.load_state_dict(actor_state)
-        self._critic.load_state_dict(critic_state)
         directory = Path(tempfile.mkdtemp(prefix="ray_ppo_ckpt_"))
         try:
             self._actor.save_pretrained(directory / "actor")
             load_tokenizer(tokenizer_path(self.cfg)).save_pretrained(directory / "actor")
-            self._critic.save_pretrained(directory / "critic")
-            write_trainer_state(directory, actor_state, critic_state, optim_state, run_state)
+            if self._critic is not None:
+                self._critic.load_state_dict(critic_state)
+                self._critic.save_pretrained(directory / "critic")
+            write_trainer_state(directory, actor_state, critic_state if self._critic is not None else None,
+                                optim_state, run_state)
         except OSError as e:  # a full disk: no partial checkpoint is left, the previous one is intact
             shutil.rmtree(directory, ignore_errors=True)
             raise OSError(e.errno, f"the checkpoint of step {run_state['step']} could not be written ({e}); "
@@ -165,10 +174,11 @@ def _train_loop(loop_config: dict) -> None:
     coordinator = ray.get_actor(handles.coordinator_name, namespace=handles.namespace)
 
     restored = _restore_point(loop_config.get("resume_from"))
-    actor, critic = build_actor(cfg), build_critic(cfg)
+    actor, critic = build_actor(cfg), build_critic_if_needed(cfg)
     if restored:
         actor.load_state_dict(restored[0])
-        critic.load_state_dict(restored[1])
+        if critic is not None:
+            critic.load_state_dict(_restored_critic(restored[1], cfg))
     strategy = make_strategy(cfg.trainer.strategy, device, cfg.trainer.max_grad_norm)
     learner_factory = loop_config.get("learner_factory") or PPOLearner  # benchmarks may simulate the update
     learner = learner_factory(actor, critic, strategy, learner_params(cfg), seed=cfg.seed + rank)
@@ -205,7 +215,8 @@ def _train_loop(loop_config: dict) -> None:
             monitor.request()  # answered while this rank trains
 
         train_start = time.perf_counter()
-        metrics = learner.train_step(ExperienceBatch.merge(items, pad_token_id))
+        learner.kl_coef = kl_ctl.value
+        metrics = learner.train_step(ExperienceBatch.merge(items, pad_token_id), version=version)
         train_s = time.perf_counter() - train_start
         metrics.update(experience_metrics(items, version))
         kl_ctl.update(metrics["kl"], cfg.trainer.train_batch_size * world)
@@ -224,7 +235,7 @@ def _train_loop(loop_config: dict) -> None:
 
         step_s = time.perf_counter() - step_start
         metrics.update(train_s=train_s, trainer_idle_ratio=wait_s / step_s)
-        metrics = reduce_across_ranks(metrics, device)
+        metrics = drop_absent(reduce_across_ranks(metrics, device))
         # Only rank 0 pushes, and only rank 0's row is kept: its own time and bytes, never a mean over ranks.
         metrics.update(push_s=push_s, push_bytes=float(push_bytes))
         metrics.update(step=step, policy_version=version, kl_coef=kl_ctl.value,
@@ -277,6 +288,14 @@ def _rewind_prompts(coordinator: Any, step: int, rank: int) -> None:
         ray.get(coordinator.rewind.remote(step))
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()
+
+
+def _restored_critic(state: dict | None, cfg: Config) -> dict:
+    """The checkpoint's critic weights; a clear error if it has none (a critic-free run's checkpoint)."""
+    if state is None:
+        raise ValueError(f"algo.advantage={cfg.algo.advantage} trains a critic, but the checkpoint has none "
+                         f"(it was made by a critic-free estimator); resume with that run's algo.advantage")
+    return state
 
 
 def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, step: int) -> list[ExperienceItem]:

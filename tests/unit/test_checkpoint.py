@@ -171,3 +171,13 @@ def test_a_full_disk_on_the_trainer_leaves_no_partial_checkpoint(tmp_path, monke
                                       r"on device\); RUN_DIR/checkpoint still holds the previous one"):
         loop.CheckpointWriter(cfg).write(state, {}, {"step": 3})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_critic_free_checkpoint_round_trip(tmp_path):
+    """A critic-free run (algo.advantage=grpo, rloo, reinforce_pp) writes and reads no critic."""
+    directory = tmp_path / "ckpt"
+    write_trainer_state(directory, {"w": torch.ones(2)}, None, {"actor": {}}, {"step": 3, "policy_version": 3})
+    assert not (directory / "trainer" / "critic.safetensors").exists()
+    assert validate_checkpoint(directory)["has_critic"] is False
+    actor, critic, _, state = load_trainer_state(directory)
+    assert critic is None and torch.equal(actor["w"], torch.ones(2)) and state["step"] == 3

@@ -113,3 +113,30 @@ def test_live_line_format():
     LiveLine(total_steps=5, stream=stream)({"step": 2, "reward_mean": 0.25, "kl": 0.001, "policy_version": 2,
                                             "staleness_mean": 0.5, "samples_per_s": 12.34, "other": 1})
     assert stream.getvalue() == "step 2/5 | reward 0.250 | kl 0.0010 | v 2 | stale 0.50 | samples/s 12.3\n"
+
+
+def test_tune_sweeps_the_estimator_and_off_policy_keys(capsys, monkeypatch, tmp_path):
+    """`ray-ppo tune --grid algo.advantage=... --grid ppo.off_policy=...` validates every value and
+    hands Tune a grid over both keys (the sweep itself is stubbed: tests/e2e runs real sweeps)."""
+    import ray
+
+    import ray_ppo.cli as cli
+    import ray_ppo.sweep as sweep_module
+    from ray_ppo.sweep import SweepOutcome
+
+    seen = {}
+
+    def fake_sweep(cfg, space, **kwargs):
+        seen.update(space)
+        return SweepOutcome({}, 0.0, None, "", [], None)
+
+    monkeypatch.setattr(sweep_module, "sweep", fake_sweep)
+    monkeypatch.setattr(cli, "_init_ray", lambda args: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    config = str(ROOT / "configs" / "sum_mod10.yaml")
+    assert main(["tune", "--config", config, "--output", str(tmp_path), "--grid", "algo.advantage=gae,grpo,rloo,reinforce_pp",
+                 "--grid", "ppo.off_policy=none,tis,decoupled"]) == 0
+    assert seen == {"algo.advantage": {"grid_search": ["gae", "grpo", "rloo", "reinforce_pp"]},
+                    "ppo.off_policy": {"grid_search": ["none", "tis", "decoupled"]}}
+    assert main(["tune", "--config", TINY, "--grid", "ppo.off_policy=none,clip"]) == EXIT_USAGE
+    assert "ppo.off_policy='clip'" in one_error_line(capsys, "tune")
