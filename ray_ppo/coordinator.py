@@ -367,6 +367,8 @@ class Coordinator:
         """chunk_start, one chunk call per bucket as it arrives, chunk_end: ordered calls in the
         maker's ``model_io`` group. A push superseded before all its buckets arrived is not ended
         (the maker drops its staging at the newer chunk_start)."""
+        if self._superseded(push):
+            return  # superseded before it started: the maker gets the newer one
         try:
             handle.weights_start.remote(push.version, push.num_chunks, push.meta)
             for index in range(push.num_chunks):
