@@ -245,7 +245,10 @@ class Coordinator:
                     pass
             self.counters.consumed += got
             self.counters.in_flight -= got
-            self.consumed_at_version += got
+            if trainer_version >= self.trainer_version:
+                # A rank still finishing the previous version's step (rank 0 already pushed the
+                # next one) consumed from that version's budget, not from the new version's.
+                self.consumed_at_version += got
             self.changed.notify_all()
         return out
 
