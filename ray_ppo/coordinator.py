@@ -269,7 +269,10 @@ class Coordinator:
             self.counters.consumed += got
             self.counters.in_flight -= got
             self.ledger.consumed((pid for chunk in out for pid in chunk.item_prompt_ids()), step)
-            self.consumed_at_version += got
+            if trainer_version >= self.trainer_version:
+                # A rank still finishing the previous version's step (rank 0 already pushed the
+                # next one) consumed from that version's budget, not from the new version's.
+                self.consumed_at_version += got
             self.changed.notify_all()
         return out
 
@@ -397,6 +400,8 @@ class Coordinator:
         """chunk_start, one chunk call per bucket as it arrives, chunk_end: ordered calls in the
         maker's ``model_io`` group. A push superseded before all its buckets arrived is not ended
         (the maker drops its staging at the newer chunk_start)."""
+        if self._superseded(push):
+            return  # superseded before it started: the maker gets the newer one
         try:
             handle.weights_start.remote(push.version, push.num_chunks, push.meta)
             for index in range(push.num_chunks):

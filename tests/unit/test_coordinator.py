@@ -337,6 +337,26 @@ def test_admission_hand_computed():
     asyncio.run(main())
 
 
+def test_a_rank_finishing_the_previous_step_does_not_use_up_the_new_versions_admission():
+    """Two ranks: rank 0 pushed version 1 while rank 1 was still pulling its step-0 batch. Those
+    items belong to version 0's budget; counting them against version 1 would hold every maker at
+    admission until the push landed (measured by overlap_sim.py with 2 ranks)."""
+    async def main():
+        coord = coordinator(num_ranks=2, num_makers=1, buffer_size=32, max_staleness=1, items_per_version=8,
+                            prompt_batch_size=4)
+        await coord.send(0, items(4), {})                          # routed 2 + 2
+        await coord.pull(0, 2, trainer_version=0, timeout_s=1.0)  # rank 0's step-0 batch
+        await coord.publish_weights(1, [], 0, {})                  # rank 0 pushed v1: V = 1
+        coord.maker_state[0].version = 1                           # the maker loaded it
+        await coord.pull(1, 2, trainer_version=0, timeout_s=1.0)  # rank 1 finishes its step-0 pull late
+        assert coord.consumed_at_version == 0
+        # v = 1, V = 1: capacity = (1 + 1 - 1 + 1) * 8 - 0 = 16; in flight 0 -> admitted for 4 batches
+        coord.reserved = 12
+        assert coord._admitted(0)                                  # 0 + 12 + 4 <= 16
+
+    asyncio.run(main())
+
+
 def test_send_returns_the_reserved_prompts():
     async def main():
         coord = coordinator(prompt_batch_size=4)
