@@ -34,7 +34,17 @@ def nan_on_generated(prompts, responses):  # passes the probe (an empty response
     return [0.0 if not r or r == p else float("nan") for p, r in zip(prompts, responses)]
 '''
 
-pytestmark = pytest.mark.usefixtures("tiny_path")
+pytestmark = pytest.mark.usefixtures("tiny_path", "no_ray_in_this_process")
+
+
+@pytest.fixture(scope="module")
+def no_ray_in_this_process():
+    """These tests check that a command never initialised Ray: end the cluster that an earlier
+    module of the session (tests/ray's session fixture) left connected in this process."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def _files(tmp: Path) -> dict[str, Path]:

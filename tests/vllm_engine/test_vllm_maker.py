@@ -56,12 +56,13 @@ def perturb(model, scale: float, seed: int) -> None:
 
 
 def push(worker, state: dict, version: int, num_chunks: int = 2, deliver: int | None = None) -> bool:
-    """A push through the worker's real staging and ``weights_end`` (buckets added directly: no Ray)."""
-    from ray_ppo.sync import StagedPush, make_buckets
+    """A push through the worker's real ``weights_start`` / staging / ``weights_end`` (buckets added
+    directly: no Ray)."""
+    from ray_ppo.sync import make_buckets
 
     buckets = list(make_buckets(state, bucket_mb=sum(t.numel() * t.element_size() for t in state.values())
                                 / num_chunks / 2**20 + 1e-3))
-    worker.staging = StagedPush(version, len(buckets), {"partial": False})
+    worker.weights_start(version, len(buckets), {"partial": False})
     for index, bucket in enumerate(buckets[:deliver]):
         worker.staging.add(index, bucket)
     return worker.weights_end(version)
