@@ -12,10 +12,11 @@ trains on them.
 
 from __future__ import annotations
 
-import csv
 import random
 from pathlib import Path
 from typing import Sequence
+
+from ray_ppo.tasks.toy import write_prompts
 
 TARGET_LEN = 4
 """Number of response tokens that count towards the reward."""
@@ -48,15 +49,4 @@ def make_prompts(num_prompts: int, seed: int = 0) -> list[str]:
 
 def write_prompt_files(directory: str | Path, num_prompts: int = 512, seed: int = 0) -> tuple[Path, Path]:
     """Write ``sum_mod10_prompts.csv`` and ``.parquet`` (column ``prompt``) to ``directory``."""
-    import pandas as pd
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    prompts = make_prompts(num_prompts, seed)
-    csv_path, parquet_path = directory / "sum_mod10_prompts.csv", directory / "sum_mod10_prompts.parquet"
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["prompt"])
-        writer.writerows([p] for p in prompts)
-    pd.DataFrame({"prompt": prompts}).to_parquet(parquet_path, index=False)
-    return csv_path, parquet_path
+    return write_prompts(directory, "sum_mod10_prompts", make_prompts(num_prompts, seed))

@@ -47,12 +47,16 @@ def make_prompts(num_prompts: int, prompt_len: int, seed: int = 0) -> list[str]:
 
 def write_prompt_files(directory: str | Path, num_prompts: int = 512, prompt_len: int = 6, seed: int = 0) -> tuple[Path, Path]:
     """Write ``toy_prompts.csv`` and ``toy_prompts.parquet`` (column ``prompt``) to ``directory``."""
+    return write_prompts(directory, "toy_prompts", make_prompts(num_prompts, prompt_len, seed))
+
+
+def write_prompts(directory: str | Path, stem: str, prompts: list[str]) -> tuple[Path, Path]:
+    """Write ``prompts`` to ``directory/stem.csv`` and ``directory/stem.parquet`` (column ``prompt``)."""
     import pandas as pd
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    prompts = make_prompts(num_prompts, prompt_len, seed)
-    csv_path, parquet_path = directory / "toy_prompts.csv", directory / "toy_prompts.parquet"
+    csv_path, parquet_path = directory / f"{stem}.csv", directory / f"{stem}.parquet"
     with open(csv_path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["prompt"])
