@@ -47,12 +47,16 @@ def main() -> int:
     parser.add_argument("--address", default="http://127.0.0.1:8265", help="the cluster's dashboard address")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--output", default=None,
+                        help="the run directory on the cluster (default: a new /tmp/ray_ppo_job-<time>; ray-ppo refuses "
+                             "a directory that already holds a run)")
     args = parser.parse_args()
+    output = args.output or f"/tmp/ray_ppo_job-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
     client = JobSubmissionClient(args.address)
     job_id = submit(client, entrypoint=f"python -m ray_ppo.cli train --config configs/tiny.yaml --address auto "
-                                       f"--output /tmp/ray_ppo_job trainer.total_steps={args.steps}")
-    print(f"submitted {job_id}")
+                                       f"--output {output} trainer.total_steps={args.steps}")
+    print(f"submitted {job_id} (run directory {output})")
     deadline = time.monotonic() + args.timeout_s
     while (status := client.get_job_status(job_id)) not in TERMINAL:
         if time.monotonic() > deadline:

@@ -103,6 +103,8 @@ def head_node():
         stop_cluster(temp_dir)
 
 
-def test_example_submit_job(head_node):
-    proc = run([sys.executable, "examples/submit_job.py", "--address", head_node, "--steps", "2"], timeout=900)
+def test_example_submit_job(head_node, tmp_path):
+    # A run directory of its own: ray-ppo refuses one that holds an earlier run (a second CI run on one machine).
+    proc = run([sys.executable, "examples/submit_job.py", "--address", head_node, "--steps", "2",
+                "--output", str(tmp_path / "job")], timeout=900)
     assert "SUCCEEDED" in proc.stdout and "done: 2 steps" in proc.stdout
