@@ -72,17 +72,16 @@ MetricsCallback = Callable[[dict], None]
 def resolve_config(cfg: Config) -> Config:
     """Turn machine-local names into absolute paths before the config travels to other processes:
     ``tiny`` model names to the built model's directory, a relative ``data.path`` to an absolute one."""
-    model = dataclasses.replace(
-        cfg.model,
+    model = cfg.model.model_copy(update=dict(
         pretrained=resolve_pretrained(cfg.model.pretrained),
         tokenizer=resolve_pretrained(cfg.model.tokenizer),
         critic_pretrained=resolve_pretrained(cfg.model.critic_pretrained),
         reward_pretrained=resolve_pretrained(cfg.model.reward_pretrained),
-    )
+    ))
     data = cfg.data
     if data.path and "://" not in data.path and Path(data.path).exists():
-        data = dataclasses.replace(data, path=str(Path(data.path).resolve()))
-    return dataclasses.replace(cfg, model=model, data=data)
+        data = data.model_copy(update=dict(path=str(Path(data.path).resolve())))
+    return cfg.model_copy(update=dict(model=model, data=data))
 
 
 class PPOTrainer(TorchTrainer):

@@ -8,9 +8,7 @@ Sections print as headers with their doc; a value that differs from the default 
 
 from __future__ import annotations
 
-import dataclasses
-
-from ray_ppo.config import Config, _fmt, _schema, dotted_field_docs
+from ray_ppo.config import Config, _fmt, _is_section, _schema, dotted_field_docs
 
 
 def describe_config(cfg: Config) -> str:
@@ -18,7 +16,7 @@ def describe_config(cfg: Config) -> str:
     defaults = Config()
     lines: list[str] = []
     for dotted, doc in dotted_field_docs(Config).items():
-        if dataclasses.is_dataclass(_schema()[dotted]):
+        if _is_section(_schema()[dotted]):
             lines += ["", f"[{dotted}]  {doc}"]
             continue
         value, default = cfg.get(dotted), defaults.get(dotted)

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.machinery
 import importlib.util
 import subprocess
 import sys
-import typing
 from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 from ray_ppo.config import (
     Config,
@@ -269,8 +268,9 @@ def test_from_dict_needs_a_mapping():
     assert "expected a mapping" in config_error(Config.from_dict, ["seed", 1])
 
 
-def test_validate_also_checks_types_of_a_directly_built_config():
-    assert config_error(Config(seed="1").validate) == "seed: expected an integer, got '1'"
+def test_a_directly_built_config_is_checked():
+    assert config_error(lambda: Config(seed="1")) == "seed: expected an integer, got '1'"
+    assert config_error(lambda: LoraConfig(rank=-1)).startswith("model.lora.rank=-1 is invalid: must be >= 0")
 
 
 # --- value rules --------------------------------------------------------------------------------
@@ -425,15 +425,15 @@ def test_to_dict_from_dict_round_trip(tmp_path):
 
 def _config_classes(cls: type = Config):
     yield cls
-    for hint in typing.get_type_hints(cls).values():
-        if dataclasses.is_dataclass(hint):
-            yield from _config_classes(hint)
+    for info in cls.model_fields.values():
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            yield from _config_classes(info.annotation)
 
 
 @pytest.mark.parametrize("cls", list(_config_classes()), ids=lambda cls: cls.__name__)
 def test_every_field_has_a_one_line_doc(cls):
     docs = field_docs(cls)
-    assert list(docs) == [f.name for f in dataclasses.fields(cls)]
+    assert list(docs) == list(cls.model_fields)
     for name, doc in docs.items():
         assert doc.strip(), f"{cls.__name__}.{name} has no docstring"
         assert "\n" not in doc, f"{cls.__name__}.{name} has a multi-line docstring"

@@ -97,7 +97,7 @@ def test_config_command_lists_every_key_with_doc_and_default(capsys, monkeypatch
     monkeypatch.chdir(ROOT)
     assert main(["config", "--config", "configs/tiny.yaml", "ppo.kl_coef=0.3"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    settings = [k for k, hint in _schema().items() if not hasattr(hint, "__dataclass_fields__")]
+    settings = [k for k, hint in _schema().items() if not hasattr(hint, "model_fields")]
     for key in settings:
         (index,) = [i for i, line in enumerate(lines) if line.startswith(f"{key} = ")]
         assert lines[index + 1].startswith("    ") and lines[index + 1].strip(), key  # its doc
