@@ -34,7 +34,9 @@ from pathlib import Path
 import _common
 from _common import rss_mb, table
 
-ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
+from ray_ppo.choices import ADVANTAGES
+
+ESTIMATORS = ADVANTAGES
 GROUP = {"gae": 1, "grpo": 4, "rloo": 4, "reinforce_pp": 1}
 """maker.samples_per_prompt per estimator: the group estimators need groups, the others do not."""
 MODEL_SHAPES = {"mid": (6, 512, 8), "small": (12, 768, 12)}

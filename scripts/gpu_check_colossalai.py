@@ -23,7 +23,9 @@ import subprocess
 import sys
 import time
 
-STRATEGIES = ("colossalai_zero2", "colossalai_zero2_cpu", "colossalai_gemini", "colossalai_gemini_cpu", "fsdp")
+from ray_ppo.choices import COLOSSALAI_STRATEGIES
+
+STRATEGIES = (*COLOSSALAI_STRATEGIES, "fsdp")
 CHILD_TIMEOUT_S = 420
 """Per strategy: HybridAdam's first use may compile its CUDA kernels (minutes)."""
 RESULT_TAG = "RESULT "

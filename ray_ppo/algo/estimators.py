@@ -14,9 +14,7 @@ from __future__ import annotations
 import torch
 
 from ray_ppo.algo.functional import compute_gae, kl_penalized_rewards, masked_whiten
-
-ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
-"""Names of ``algo.advantage``; every one but ``gae`` trains without a critic."""
+from ray_ppo.choices import ADVANTAGES as ADVANTAGE_ESTIMATORS
 
 
 def needs_critic(estimator: str) -> bool:

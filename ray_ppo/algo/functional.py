@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from ray_ppo.choices import KL_ESTIMATORS as KL_ESTIMATOR_NAMES
+from ray_ppo.choices import LOSS_AGGS as LOSS_AGGREGATIONS
+
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sum of `x` over the positions where `mask` is set (over `dim`, or over everything)."""
@@ -88,9 +91,6 @@ def compute_gae_reference(
             returns[b, t] = lastgaelam + values[b, t]
     return advantages, returns
 
-
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
-"""Names of ``ppo.loss_agg``: how a (B, T) per-token loss becomes one number."""
 
 
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token_mean") -> torch.Tensor:
@@ -221,7 +221,7 @@ def kl_k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - 1 - log_ratio
 
 
-KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+KL_ESTIMATORS = dict(zip(KL_ESTIMATOR_NAMES, (kl_k1, kl_k2, kl_k3), strict=True))
 """Per-token estimators of KL(pi || pi_ref) from tokens sampled from pi, by name."""
 
 

@@ -26,9 +26,7 @@ from __future__ import annotations
 import torch
 
 from ray_ppo.algo.functional import masked_mean
-
-OFF_POLICY_MODES = ("none", "tis", "decoupled")
-"""Names of ``ppo.off_policy``."""
+from ray_ppo.choices import OFF_POLICY as OFF_POLICY_MODES
 
 
 def _check_cap(cap: float) -> None:

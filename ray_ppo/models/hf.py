@@ -13,9 +13,10 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from ray_ppo.choices import DTYPES as DTYPE_NAMES
 from ray_ppo.models.tiny import resolve_pretrained
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 VALUE_HEAD_FILE = "value_head.safetensors"
 
 RewardFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]

@@ -17,7 +17,7 @@ import warnings
 import torch
 from torch import nn
 
-QUANTIZATIONS = ("int8",)
+from ray_ppo.choices import QUANTIZATIONS
 
 
 def _conv1d_to_linear(module: nn.Module) -> None:
