@@ -55,7 +55,7 @@ def hf_tokens_per_s(model, ids) -> float:
     from ray_ppo.models import SamplingParams, generate
 
     start = time.perf_counter()
-    rollout = generate(model, ids, SamplingParams(NEW_TOKENS), 0, None)
+    rollout = generate(model, ids, SamplingParams(max_new_tokens=NEW_TOKENS), 0, None)
     return int(rollout.action_mask.sum()) / (time.perf_counter() - start)
 
 
@@ -63,7 +63,7 @@ def vllm_tokens_per_s(engine, ids) -> float:
     from ray_ppo.models import SamplingParams
 
     start = time.perf_counter()
-    rollout = engine.generate(ids, SamplingParams(NEW_TOKENS), 0, None)
+    rollout = engine.generate(ids, SamplingParams(max_new_tokens=NEW_TOKENS), 0, None)
     return int(rollout.action_mask.sum()) / (time.perf_counter() - start)
 
 

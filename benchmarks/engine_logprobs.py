@@ -54,7 +54,7 @@ def main() -> None:
                 engine.load(hf_weights(actor).items(), version=1)
         for mode, temperature, top_k in SETTINGS:
             engine = engines[mode]
-            rollout = engine.generate(prompts, SamplingParams(8, temperature, top_k), 0, None)
+            rollout = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=temperature, top_k=top_k), 0, None)
             with torch.no_grad():
                 hf = action_log_probs(actor, rollout.sequences, rollout.attention_mask, rollout.num_actions, temperature)
             gap = (rollout.log_probs - hf).abs()[rollout.action_mask]

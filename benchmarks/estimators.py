@@ -139,10 +139,10 @@ def memory_child(role: str, estimator: str, pretrained: str) -> dict:
         models = [worker.maker.actor, worker.maker.ref, worker.maker.critic]
     else:
         from ray_ppo.algo import ExperienceBatch, ExperienceItem
-        from ray_ppo.build import build_actor, build_critic_if_needed, learner_params
+        from ray_ppo.build import build_actor, build_critic_if_needed
         from ray_ppo.train.learner import PPOLearner
         from ray_ppo.train.strategies import LocalStrategy
-        learner = PPOLearner(build_actor(cfg), build_critic_if_needed(cfg), LocalStrategy(), learner_params(cfg))
+        learner = PPOLearner(build_actor(cfg), build_critic_if_needed(cfg), LocalStrategy(), cfg)
         R = 4
         items = [ExperienceItem(prompt_ids=torch.randint(3, 13, (3,)), response_ids=torch.randint(3, 13, (R,)),
                                 action_log_probs=-torch.rand(R) * 3, ref_log_probs=-torch.rand(R) * 3,

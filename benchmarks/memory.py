@@ -71,11 +71,11 @@ def child(role: str, pretrained: str) -> dict:
             w.maker.make_experience(w.encoder.encode(texts).ids, 0)
     else:
         from ray_ppo.algo import ExperienceBatch, ExperienceItem
-        from ray_ppo.build import build_actor, build_critic, learner_params
+        from ray_ppo.build import build_actor, build_critic
         from ray_ppo.train.learner import PPOLearner
         from ray_ppo.train.strategies import LocalStrategy
         torch.set_num_threads(1)
-        learner = PPOLearner(build_actor(cfg), build_critic(cfg), LocalStrategy(), learner_params(cfg))
+        learner = PPOLearner(build_actor(cfg), build_critic(cfg), LocalStrategy(), cfg)
         built = rss_mb()
         R = 8
         items = [ExperienceItem(prompt_ids=torch.randint(3, 13, (16,)), response_ids=torch.randint(3, 13, (R,)),

@@ -47,7 +47,7 @@ import ray
 import torch
 
 from ray_ppo.algo import ExperienceItem
-from ray_ppo.makers.experience import AdvantageParams, MakeStats
+from ray_ppo.makers.experience import MakeStats
 from ray_ppo.train.learner import PPOLearner
 
 PROMPTS_PER_BATCH = 16   # maker.batch_size
@@ -65,7 +65,7 @@ class SimExperienceMaker:
 
         self.actor, self.critic, self.ref, self.reward_model = build_actor(cfg), build_critic(cfg), None, None
         self.tokenizer = load_tokenizer(tokenizer_path(cfg))
-        self.advantage = AdvantageParams()
+        self.kl_coef = cfg.ppo.kl_coef  # set by weight pushes, as on a real maker
         self.name, self.gen_s, self._counter = name, gen_s, 0
 
     def make_experience(self, prompt_ids: list[list[int]], policy_version: int):
@@ -103,8 +103,8 @@ class SimLearnerFactory:
     def __init__(self, train_s: float):
         self.train_s = train_s
 
-    def __call__(self, actor, critic, strategy, params, seed: int = 0):
-        learner = SimLearner(actor, critic, strategy, params, seed=seed)
+    def __call__(self, actor, critic, strategy, cfg, seed: int = 0):
+        learner = SimLearner(actor, critic, strategy, cfg, seed=seed)
         learner.train_s = self.train_s
         return learner
 

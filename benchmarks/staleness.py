@@ -60,7 +60,7 @@ def emulated_cell(staleness: int, mode: str, steps: int, root: str) -> list[dict
 
     from ray_ppo.algo import ExperienceBatch
     from ray_ppo.api import resolve_config
-    from ray_ppo.build import build_actor, build_critic_if_needed, build_experience_maker, learner_params
+    from ray_ppo.build import build_actor, build_critic_if_needed, build_experience_maker
     from ray_ppo.data import PromptEncoder, read_prompt_texts
     from ray_ppo.local import _collect, prompt_batches
     from ray_ppo.train.learner import PPOLearner, drop_absent
@@ -72,7 +72,7 @@ def emulated_cell(staleness: int, mode: str, steps: int, root: str) -> list[dict
         "trainer.ppo_epochs": 4, "maker.batch_size": 16, "ppo.max_staleness": staleness, "ppo.off_policy": mode}))
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)
-    learner = PPOLearner(build_actor(cfg), build_critic_if_needed(cfg), LocalStrategy(), learner_params(cfg))
+    learner = PPOLearner(build_actor(cfg), build_critic_if_needed(cfg), LocalStrategy(), cfg)
     maker = build_experience_maker(cfg, name="lagged")  # its own actor and critic: the behaviour policy
     encoder = PromptEncoder(maker.tokenizer, cfg.data.max_prompt_len, cfg.data.chat_template)
     batches = prompt_batches(read_prompt_texts(cfg.data.path, "prompt"), cfg.maker.batch_size, True, cfg.seed)

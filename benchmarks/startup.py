@@ -69,9 +69,9 @@ class TimedLearnerFactory:
     def __init__(self, directory: str):
         self.directory = directory
 
-    def __call__(self, actor, critic, strategy, params, seed: int = 0):
+    def __call__(self, actor, critic, strategy, cfg, seed: int = 0):
         note(self.directory, "rank_ready")
-        learner = TimedLearner(actor, critic, strategy, params, seed=seed)
+        learner = TimedLearner(actor, critic, strategy, cfg, seed=seed)
         learner.directory = self.directory
         return learner
 

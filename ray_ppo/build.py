@@ -1,4 +1,4 @@
-"""Build the run's components from a ``Config``: models, experience maker, learner settings.
+"""Build the run's components from a ``Config``: models and the experience maker.
 
 Shared by the synchronous local loop, the maker actors and the Ray Train loop, so the three
 build exactly the same things from the same config.
@@ -10,43 +10,10 @@ import torch
 
 from ray_ppo.algo import needs_critic
 from ray_ppo.config import Config, ConfigError
-from ray_ppo.makers.experience import AdvantageParams, ExperienceMaker
+from ray_ppo.makers.experience import ExperienceMaker
 from ray_ppo.models.lora import apply_lora
 from ray_ppo.models.hf import disable_dropout
-from ray_ppo.models import Critic, RewardModel, SamplingParams, load_actor, load_reward_fn, load_tokenizer
-from ray_ppo.train.learner import LearnerParams
-
-
-def sampling_params(cfg: Config) -> SamplingParams:
-    m = cfg.maker
-    return SamplingParams(m.max_new_tokens, m.temperature, m.top_k, m.top_p)
-
-
-def advantage_params(cfg: Config, kl_coef: float | None = None) -> AdvantageParams:
-    p = cfg.ppo
-    return AdvantageParams(p.kl_coef if kl_coef is None else kl_coef, p.kl_estimator, p.gamma, p.lam,
-                           estimator=cfg.algo.advantage, samples_per_prompt=cfg.maker.samples_per_prompt,
-                           group_norm_std=cfg.algo.group_norm_std, kl_in=p.kl_in)
-
-
-def total_updates(cfg: Config) -> int:
-    """Optimizer updates over the whole run (for learning-rate schedules)."""
-    t = cfg.trainer
-    return t.total_steps * t.ppo_epochs * (t.train_batch_size // t.mini_batch_size)
-
-
-def learner_params(cfg: Config) -> LearnerParams:
-    t, p = cfg.trainer, cfg.ppo
-    return LearnerParams(
-        actor_lr=t.actor_lr, critic_lr=t.critic_lr, weight_decay=t.weight_decay, lr_schedule=t.lr_schedule,
-        warmup_steps=t.warmup_steps, total_updates=total_updates(cfg), max_grad_norm=t.max_grad_norm,
-        ppo_epochs=t.ppo_epochs, mini_batch_size=t.mini_batch_size, eps_clip=p.eps_clip, dual_clip=p.dual_clip,
-        value_clip=p.value_clip, entropy_coef=p.entropy_coef, whiten_advantages=p.whiten_advantages,
-        temperature=cfg.maker.temperature, max_nonfinite_updates=t.max_nonfinite_updates,
-        eps_clip_high=p.eps_clip_high, loss_agg=p.loss_agg, off_policy=p.off_policy,
-        is_cap=p.tis_cap if p.off_policy == "tis" else p.decoupled_cap, max_staleness=p.max_staleness,
-        kl_in=p.kl_in, kl_estimator=p.kl_estimator, estimator=cfg.algo.advantage,
-    )
+from ray_ppo.models import Critic, RewardModel, load_actor, load_reward_fn, load_tokenizer
 
 
 def tokenizer_path(cfg: Config) -> str:
@@ -109,5 +76,5 @@ def build_experience_maker(cfg: Config, actor=None, critic=None, name: str = "ma
     reward_model = RewardModel.from_pretrained(cfg.model.reward_pretrained, cfg.model.dtype).eval().to(device) \
         if cfg.model.reward_pretrained else None
     reward_fn = load_reward_fn(cfg.model.reward_fn) if reward_model is None else None
-    return ExperienceMaker(actor, ref, critic, load_tokenizer(tokenizer_path(cfg)), sampling_params(cfg),
-                           advantage_params(cfg), reward_fn=reward_fn, reward_model=reward_model, name=name)
+    return ExperienceMaker(actor, ref, critic, load_tokenizer(tokenizer_path(cfg)), cfg, reward_fn=reward_fn,
+                           reward_model=reward_model, name=name)

@@ -58,6 +58,7 @@ __all__ = [
     "MakerConfig",
     "ModelConfig",
     "PPOConfig",
+    "SamplingParams",
     "STRATEGIES",
     "SyncConfig",
     "TopologyConfig",
@@ -185,13 +186,10 @@ class VllmConfig(_Section):
     """Weight dtype inside the engine: float32, bfloat16 or float16; null = model.dtype."""
 
 
-class MakerConfig(_Section):
-    """The maker actors that generate rollouts."""
+class SamplingParams(_Section):
+    """How responses are sampled: the sampling settings of the maker section (``MakerConfig`` extends
+    this class, so ``cfg.maker`` is the run's ``SamplingParams``)."""
 
-    num_makers: int = Field(1, gt=0)
-    """Number of maker actors."""
-    batch_size: int = Field(16, gt=0)
-    """Prompts per generation batch."""
     max_new_tokens: int = Field(8, gt=0)
     """Maximum number of generated tokens per response."""
     temperature: float = Field(1.0, gt=0)
@@ -200,6 +198,15 @@ class MakerConfig(_Section):
     """Sample only from the k most likely tokens; 0 disables top-k."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling: sample from the smallest token set with this total probability; 1 disables it."""
+
+
+class MakerConfig(SamplingParams):
+    """The maker actors that generate rollouts (the sampling settings come first)."""
+
+    num_makers: int = Field(1, gt=0)
+    """Number of maker actors."""
+    batch_size: int = Field(16, gt=0)
+    """Prompts per generation batch."""
     quantization: Optional[Quantization] = Field(None, examples=["int8"], json_schema_extra=_null("for no quantization"))
     """Weight quantization of the maker's models: null (none) or "int8" (CPU makers only: maker.num_gpus=0)."""
     num_cpus: float = Field(0.5, ge=0)
@@ -366,6 +373,11 @@ class PPOConfig(_Section):
     """Policy-loss reduction: token_mean (mean over all tokens), seq_mean_token_sum or seq_mean_token_mean."""
     kl_in: KlIn = "reward"
     """Where the KL to the reference goes: reward (per-token penalty in the rewards) or loss (kl_coef * KL added to the policy loss)."""
+
+    @property
+    def importance_cap(self) -> float:
+        """The cap of the importance weights: ppo.tis_cap or ppo.decoupled_cap, whichever ppo.off_policy uses."""
+        return self.tis_cap if self.off_policy == "tis" else self.decoupled_cap
 
 
 class AlgoConfig(_Section):
@@ -566,6 +578,12 @@ class Config(_Section):
     def buffer_size(self) -> int:
         """Per-rank buffer capacity in items: topology.buffer_size, or 2 * trainer.train_batch_size."""
         return self.topology.buffer_size or 2 * self.trainer.train_batch_size
+
+    @property
+    def total_updates(self) -> int:
+        """Optimizer updates over the whole run (for learning-rate schedules)."""
+        t = self.trainer
+        return t.total_steps * t.ppo_epochs * (t.train_batch_size // t.mini_batch_size)
 
 
 def _check_key_names(data: Mapping[Any, Any], prefix: str = "") -> None:

@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ray_ppo.algo import ExperienceBatch, ExperienceItem, make_kl_controller
-from ray_ppo.build import build_actor, build_critic_if_needed, build_experience_maker, learner_params
+from ray_ppo.build import build_actor, build_critic_if_needed, build_experience_maker
 from ray_ppo.config import Config, ConfigError
 from ray_ppo.data import DataError, PromptEncoder, read_prompt_texts
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
@@ -54,7 +54,7 @@ def run_local(cfg: Config, prompts: Sequence[str | None] | None = None,
         prompts = read_prompt_texts(cfg.data.path, cfg.data.prompt_column, cfg.data.format)
     elif prompts is None:
         prompts = make_prompts(cfg.toy.num_prompts, cfg.toy.prompt_len, cfg.toy.seed)
-    learner = PPOLearner(build_actor(cfg), build_critic_if_needed(cfg), LocalStrategy(), learner_params(cfg),
+    learner = PPOLearner(build_actor(cfg), build_critic_if_needed(cfg), LocalStrategy(), cfg,
                          seed=cfg.seed)
     maker = build_experience_maker(cfg, actor=learner.actor, critic=learner.critic, name="local",
                                    device=learner.device)
@@ -64,7 +64,7 @@ def run_local(cfg: Config, prompts: Sequence[str | None] | None = None,
     history, start = [], time.perf_counter()
     for step in range(1, cfg.trainer.total_steps + 1):
         step_start = time.perf_counter()
-        maker.advantage.kl_coef = kl_ctl.value
+        maker.kl_coef = kl_ctl.value
         items, generate_s = _collect(maker, encoder, batches, cfg.trainer.train_batch_size, step - 1)
         train_start = time.perf_counter()
         learner.kl_coef = kl_ctl.value

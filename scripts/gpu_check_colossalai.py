@@ -89,15 +89,17 @@ def measure(name: str, steps: int) -> dict:
     import torch
 
     from ray_ppo.sync import bucket_nbytes, make_buckets
-    from ray_ppo.train.learner import LearnerParams, PPOLearner
+    from ray_ppo.config import Config
+    from ray_ppo.train.learner import PPOLearner
     from ray_ppo.train.strategies import make_strategy
 
     init_process_group()
     device = torch.device("cuda", 0)
     actor, critic = build_models()
-    params = LearnerParams(actor_lr=1e-6, critic_lr=1e-6, mini_batch_size=MINI_BATCH, ppo_epochs=1,
-                           total_updates=(steps + 1) * BATCH // MINI_BATCH)
-    learner = PPOLearner(actor, critic, make_strategy(name, device), params, seed=0)
+    cfg = Config().with_overrides({"trainer.actor_lr": 1e-6, "trainer.critic_lr": 1e-6, "trainer.train_batch_size": BATCH,
+                                   "trainer.mini_batch_size": MINI_BATCH, "trainer.ppo_epochs": 1,
+                                   "trainer.total_steps": steps + 1})
+    learner = PPOLearner(actor, critic, make_strategy(name, device), cfg, seed=0)
     torch.cuda.reset_peak_memory_stats(device)
 
     learner.train_step(synthetic_batch(actor.config.vocab_size, seed=0))

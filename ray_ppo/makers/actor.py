@@ -204,7 +204,7 @@ class MakerWorker:
             if self.engine is not None:  # after the HF copy swapped in the push, load it into the engine
                 self.engine.load(hf_weights(self.float_actor).items(), version)
             if "kl_coef" in staged.meta:
-                self.maker.advantage.kl_coef = staged.meta["kl_coef"]
+                self.maker.kl_coef = staged.meta["kl_coef"]
             self.version = version
             self.pushes_loaded += 1
             paused = time.perf_counter() - start

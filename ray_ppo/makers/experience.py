@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from ray_ppo.algo import ExperienceBatch, ExperienceItem, compute_advantages, compute_kl
-from ray_ppo.models import RewardFn, Rollout, SamplingParams, action_log_probs, action_values, generate, model_device
+from ray_ppo.config import Config
+from ray_ppo.models import RewardFn, Rollout, action_log_probs, action_values, generate, model_device
 
 
 class RewardError(ValueError):
@@ -67,20 +68,6 @@ class MakeStats:
     """With an engine: (sum, max, count) of |engine - HF| log-probs over the sampled tokens."""
 
 
-@dataclass
-class AdvantageParams:
-    """Reward shaping and advantage settings (``ppo.*``, ``algo.*`` and ``maker.samples_per_prompt``)."""
-
-    kl_coef: float = 0.05
-    kl_estimator: str = "k1"
-    gamma: float = 1.0
-    lam: float = 0.95
-    estimator: str = "gae"
-    samples_per_prompt: int = 1
-    group_norm_std: bool = True
-    kl_in: str = "reward"
-
-
 class ExperienceMaker:
     """Turns prompt token ids into per-sample ``ExperienceItem``s.
 
@@ -90,9 +77,14 @@ class ExperienceMaker:
       - compute behaviour and reference log-probs and, for GAE, critic values;
       - shape per-token rewards with the KL penalty and compute advantages and returns.
 
-    ``critic`` is None for the critic-free estimators. ``ref`` may be None when the actor is a peft model: the reference is then the actor with its
-    adapters disabled. ``ref_disable_adapters`` says the same of a peft ``ref`` (a quantized
-    maker generates with a merged copy and keeps the float peft model as reference).
+    The settings are the run's ``Config``: ``cfg.maker`` samples (it is a ``SamplingParams``) and
+    sets the group size, ``ppo.*`` and ``algo.*`` shape the rewards and advantages. ``kl_coef``
+    starts at ``ppo.kl_coef``; an adaptive KL controller sets it between batches.
+
+    ``critic`` is None for the critic-free estimators. ``ref`` may be None when the actor is a peft
+    model: the reference is then the actor with its adapters disabled, and stays so if a peft
+    ``ref`` is set later (a quantized maker generates with a merged copy and keeps the float peft
+    model as reference).
 
     The rollout runs on the actor's device (every model must be on it): prompts are padded and
     moved there, generated, scored and shaped there, and the items come back on the CPU, ready
@@ -105,19 +97,19 @@ class ExperienceMaker:
     """
 
     def __init__(self, actor: nn.Module, ref: nn.Module | None, critic: nn.Module | None, tokenizer,
-                 sampling: SamplingParams, advantage: AdvantageParams,
-                 reward_fn: RewardFn | None = None, reward_model: nn.Module | None = None, name: str = "maker",
-                 ref_disable_adapters: bool = False, engine=None, engine_logprobs: bool = False):
+                 cfg: Config, reward_fn: RewardFn | None = None, reward_model: nn.Module | None = None,
+                 name: str = "maker", engine=None, engine_logprobs: bool = False):
         if (reward_fn is None) == (reward_model is None):
             raise ValueError("give exactly one of reward_fn and reward_model")
-        if (critic is None) == (advantage.estimator == "gae"):
-            raise ValueError(f"advantage estimator {advantage.estimator!r} needs "
-                             f"{'a critic' if advantage.estimator == 'gae' else 'no critic'}")
+        estimator = cfg.algo.advantage
+        if (critic is None) == (estimator == "gae"):
+            raise ValueError(f"advantage estimator {estimator!r} needs {'a critic' if estimator == 'gae' else 'no critic'}")
         self.actor, self.ref, self.critic, self.tokenizer = actor, ref, critic, tokenizer
-        self.sampling, self.advantage = sampling, advantage
+        self.sampling, self.ppo, self.algo = cfg.maker, cfg.ppo, cfg.algo
+        self.group_size, self.kl_coef = cfg.maker.samples_per_prompt, cfg.ppo.kl_coef
         self.reward_fn, self.reward_model = reward_fn, reward_model
         self.name = name
-        self.ref_disable_adapters = ref_disable_adapters or ref is None
+        self.ref_disable_adapters = ref is None
         self.engine, self.engine_logprobs = engine, engine_logprobs
         self._counter = 0
 
@@ -125,7 +117,7 @@ class ExperienceMaker:
     def make_experience(self, prompts: Sequence[Sequence[int]], policy_version: int) -> tuple[list[ExperienceItem], MakeStats]:
         """One batch of experience from token-id prompts, every item tagged with ``policy_version``:
         ``samples_per_prompt`` items per prompt, each prompt's items next to each other."""
-        n = self.advantage.samples_per_prompt
+        n = self.group_size
         prompts = [p for p in prompts for _ in range(n)]
         stats = MakeStats(num_samples=len(prompts))
         start = time.perf_counter()
@@ -203,11 +195,11 @@ class ExperienceMaker:
         ref_log_probs = self._ref_log_probs(rollout)
         values = torch.zeros_like(log_probs) if self.critic is None else \
             action_values(self.critic, rollout.sequences, rollout.attention_mask, rollout.num_actions) * mask
-        kl = compute_kl(log_probs, ref_log_probs, self.advantage.kl_estimator) * mask
-        a = self.advantage
+        p = self.ppo
+        kl = compute_kl(log_probs, ref_log_probs, p.kl_estimator) * mask
         rewards, advantages, returns = compute_advantages(
-            a.estimator, reward, kl, values, mask, kl_coef=a.kl_coef, kl_in=a.kl_in, gamma=a.gamma, lam=a.lam,
-            group_size=a.samples_per_prompt, group_norm_std=a.group_norm_std)
+            self.algo.advantage, reward, kl, values, mask, kl_coef=self.kl_coef, kl_in=p.kl_in, gamma=p.gamma,
+            lam=p.lam, group_size=self.group_size, group_norm_std=self.algo.group_norm_std)
         return ExperienceBatch(
             sequences=rollout.sequences, attention_mask=rollout.attention_mask, action_mask=mask,
             action_log_probs=log_probs * mask, ref_log_probs=ref_log_probs * mask, values=values, rewards=rewards,

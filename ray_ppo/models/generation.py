@@ -8,15 +8,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How responses are sampled. ``top_k=0`` and ``top_p=1`` disable those filters."""
-
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+from ray_ppo.config import SamplingParams  # the maker section's sampling settings; cfg.maker is one
 
 
 @dataclass

@@ -10,8 +10,6 @@ Plain class, no Ray: the synchronous local loop and the Ray Train loop both driv
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -32,39 +30,9 @@ from ray_ppo.algo import (
     policy_loss,
     value_loss,
 )
+from ray_ppo.config import Config
 from ray_ppo.models import action_logits, action_values
 from ray_ppo.train.strategies import Strategy
-
-
-@dataclass
-class LearnerParams:
-    """The ``trainer.*`` and ``ppo.*`` settings the update needs."""
-
-    actor_lr: float = 1e-5
-    critic_lr: float = 1e-5
-    weight_decay: float = 0.0
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    total_updates: int = 1
-    max_grad_norm: float = 1.0
-    ppo_epochs: int = 1
-    mini_batch_size: int = 16
-    eps_clip: float = 0.2
-    dual_clip: float | None = None
-    value_clip: float | None = 0.2
-    entropy_coef: float = 0.0
-    whiten_advantages: bool = True
-    temperature: float = 1.0
-    max_nonfinite_updates: int = 10
-    eps_clip_high: float | None = None
-    loss_agg: str = "token_mean"
-    off_policy: str = "decoupled"
-    is_cap: float = 5.0
-    """ppo.tis_cap or ppo.decoupled_cap, whichever ``off_policy`` uses."""
-    max_staleness: int = 1
-    kl_in: str = "reward"
-    kl_estimator: str = "k1"
-    estimator: str = "gae"
 
 
 STALE_KL_PREFIX = "behaviour_kl_stale_"
@@ -111,22 +79,26 @@ class PPOLearner:
         KL term with ``kl_in="loss"``) and critic (clipped value loss) updates on one ``ExperienceBatch``;
       - return the step's metrics.
 
+    The settings are the run's ``Config``: ``trainer.*`` (optimizers, schedule, epochs, minibatches),
+    ``ppo.*`` (the objective), ``algo.advantage`` and ``maker.temperature``.
     ``critic`` is None for the critic-free estimators (no critic optimizer, no value loss).
     ``kl_coef`` is the coefficient of the KL loss term (``kl_in="loss"``); the loop sets it from
     its KL controller before each step.
     """
 
-    def __init__(self, actor: nn.Module, critic: nn.Module | None, strategy: Strategy, params: LearnerParams,
-                 seed: int = 0):
-        self.strategy, self.params = strategy, params
+    def __init__(self, actor: nn.Module, critic: nn.Module | None, strategy: Strategy, cfg: Config, seed: int = 0):
+        self.strategy = strategy
+        self.trainer, self.ppo, self.estimator = cfg.trainer, cfg.ppo, cfg.algo.advantage
+        self.temperature = cfg.maker.temperature  # the log-probs are of the distribution the makers sample from
+        t = cfg.trainer
         self.actor = strategy.wrap(actor.train())
         self.critic = strategy.wrap(critic.train()) if critic is not None else None
-        self.actor_optim = strategy.make_optimizer(self.actor, params.actor_lr, params.weight_decay)
-        schedule = lr_lambda(params.lr_schedule, params.warmup_steps, params.total_updates)
+        self.actor_optim = strategy.make_optimizer(self.actor, t.actor_lr, t.weight_decay)
+        schedule = lr_lambda(t.lr_schedule, t.warmup_steps, cfg.total_updates)
         self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_optim, schedule)
         self.critic_optim = self.critic_sched = None
         if self.critic is not None:
-            self.critic_optim = strategy.make_optimizer(self.critic, params.critic_lr, params.weight_decay)
+            self.critic_optim = strategy.make_optimizer(self.critic, t.critic_lr, t.weight_decay)
             self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_optim, schedule)
         self.kl_coef = 0.0
         self.generator = torch.Generator().manual_seed(seed)
@@ -143,10 +115,10 @@ class PPOLearner:
         anchor, weights, metrics = self._off_policy(batch, version)
         sums: dict[str, float] = {}
         updates, skipped_before = 0, self.nonfinite_updates
-        for _ in range(self.params.ppo_epochs):
+        for _ in range(self.trainer.ppo_epochs):
             order = torch.randperm(batch.batch_size, generator=self.generator)
-            for start in range(0, batch.batch_size, self.params.mini_batch_size):
-                idx = order[start:start + self.params.mini_batch_size].to(self.device)
+            for start in range(0, batch.batch_size, self.trainer.mini_batch_size):
+                idx = order[start:start + self.trainer.mini_batch_size].to(self.device)
                 minibatch = batch.select(idx)
                 stats = self._actor_update(minibatch, anchor[idx], None if weights is None else weights[idx])
                 if self.critic is not None:
@@ -165,17 +137,17 @@ class PPOLearner:
     def _whitens(self) -> bool:
         """GAE: as ``ppo.whiten_advantages``; REINFORCE++: always (its batch normalisation); GRPO
         and RLOO: never (their advantages are already normalised within each group)."""
-        if self.params.estimator in ("grpo", "rloo"):
+        if self.estimator in ("grpo", "rloo"):
             return False
-        return self.params.whiten_advantages or self.params.estimator == "reinforce_pp"
+        return self.ppo.whiten_advantages or self.estimator == "reinforce_pp"
 
     @torch.no_grad()
     def _log_probs(self, batch: ExperienceBatch) -> torch.Tensor:
         """(B, R) log-probs of the batch's responses under the current actor, minibatch by minibatch."""
         out = []
-        for start in range(0, batch.batch_size, self.params.mini_batch_size):
-            mb = batch.select(torch.arange(start, min(start + self.params.mini_batch_size, batch.batch_size)))
-            logits = action_logits(self.actor, mb.sequences, mb.attention_mask, mb.num_actions, self.params.temperature)
+        for start in range(0, batch.batch_size, self.trainer.mini_batch_size):
+            mb = batch.select(torch.arange(start, min(start + self.trainer.mini_batch_size, batch.batch_size)))
+            logits = action_logits(self.actor, mb.sequences, mb.attention_mask, mb.num_actions, self.temperature)
             out.append(log_probs_from_logits(logits, mb.sequences[:, -mb.num_actions:]))
         return torch.where(batch.action_mask.bool(), torch.cat(out), 0.0)
 
@@ -186,12 +158,12 @@ class PPOLearner:
         ``none``: the maker's behaviour log-probs, no weights. ``tis`` / ``decoupled``: the
         trainer's own log-probs at the start of the step (one no-grad forward pass) and the
         weights pi_old / pi_behaviour, truncated or dropped above the cap."""
-        p, behaviour, mask = self.params, batch.action_log_probs, batch.action_mask
+        p, behaviour, mask = self.ppo, batch.action_log_probs, batch.action_mask
         if p.off_policy == "none":
             return behaviour, None, {}
         old = self._log_probs(batch)
-        weights = importance_weights(p.off_policy, old, behaviour, p.is_cap)
-        metrics = weight_stats(raw_weights(old, behaviour), p.is_cap, mask)
+        weights = importance_weights(p.off_policy, old, behaviour, p.importance_cap)
+        metrics = weight_stats(raw_weights(old, behaviour), p.importance_cap, mask)
         kl = behaviour_kl(old, behaviour)
         metrics["behaviour_kl"] = float(masked_mean(kl, mask))
         if version is not None:
@@ -201,8 +173,8 @@ class PPOLearner:
         return old, weights, metrics
 
     def _actor_update(self, mb: ExperienceBatch, anchor: torch.Tensor, weights: torch.Tensor | None) -> dict[str, float]:
-        p = self.params
-        logits = action_logits(self.actor, mb.sequences, mb.attention_mask, mb.num_actions, p.temperature)
+        p = self.ppo
+        logits = action_logits(self.actor, mb.sequences, mb.attention_mask, mb.num_actions, self.temperature)
         log_probs = log_probs_from_logits(logits, mb.sequences[:, -mb.num_actions:])
         pg_loss, stats = policy_loss(log_probs, anchor, mb.advantages, mb.action_mask, p.eps_clip, p.dual_clip,
                                      eps_clip_high=p.eps_clip_high, is_weights=weights, loss_agg=p.loss_agg)
@@ -218,9 +190,8 @@ class PPOLearner:
                 "approx_kl": float(stats["approx_kl"]), "actor_grad_norm": grad_norm}
 
     def _critic_update(self, mb: ExperienceBatch) -> dict[str, float]:
-        p = self.params
         values = action_values(self.critic, mb.sequences, mb.attention_mask, mb.num_actions)
-        vf_loss, stats = value_loss(values, mb.values, mb.returns, mb.action_mask, p.value_clip)
+        vf_loss, stats = value_loss(values, mb.values, mb.returns, mb.action_mask, self.ppo.value_clip)
         grad_norm = self._optimize(vf_loss, self.critic, self.critic_optim, self.critic_sched, "critic")
         return {"value_loss": vf_loss.item(), "vf_clipfrac": float(stats["vf_clipfrac"]), "critic_grad_norm": grad_norm}
 
@@ -235,7 +206,7 @@ class PPOLearner:
         finite = all_ranks_agree(bool(torch.isfinite(loss.detach())), self.device)
         if finite:
             self.strategy.backward(loss, model, optim)
-            grad_norm = self.strategy.clip_grad_norm(model, optim, self.params.max_grad_norm)
+            grad_norm = self.strategy.clip_grad_norm(model, optim, self.trainer.max_grad_norm)
             finite = math.isfinite(grad_norm)  # computed from synchronised gradients: equal on every rank
         if finite:
             self.strategy.step(optim, model)
@@ -244,7 +215,7 @@ class PPOLearner:
             optim.zero_grad(set_to_none=True)
             self.nonfinite_updates += 1
             self.consecutive_nonfinite += 1
-            if self.consecutive_nonfinite > self.params.max_nonfinite_updates:
+            if self.consecutive_nonfinite > self.trainer.max_nonfinite_updates:
                 raise FloatingPointError(
                     f"{self.consecutive_nonfinite} optimizer updates in a row had a non-finite loss or gradient "
                     f"(last: {what} loss={loss.item()}, grad norm={grad_norm}); lower the learning rate, check the "

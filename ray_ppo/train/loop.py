@@ -20,7 +20,7 @@ import torch
 
 from ray_ppo.algo import ExperienceBatch, ExperienceItem, make_kl_controller
 from ray_ppo.checkpoint import load_trainer_state, write_trainer_state
-from ray_ppo.build import build_actor, build_critic_if_needed, learner_params, tokenizer_path
+from ray_ppo.build import build_actor, build_critic_if_needed, tokenizer_path
 from ray_ppo.config import Config
 from ray_ppo.models import load_tokenizer
 from ray_ppo.models.lora import trainable_names
@@ -181,7 +181,7 @@ def _train_loop(loop_config: dict) -> None:
             critic.load_state_dict(_restored_critic(restored[1], cfg))
     strategy = make_strategy(cfg.trainer.strategy, device, cfg.trainer.max_grad_norm)
     learner_factory = loop_config.get("learner_factory") or PPOLearner  # benchmarks may simulate the update
-    learner = learner_factory(actor, critic, strategy, learner_params(cfg), seed=cfg.seed + rank)
+    learner = learner_factory(actor, critic, strategy, cfg, seed=cfg.seed + rank)
     kl_ctl = make_kl_controller(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
     publisher = WeightPublisher(learner, coordinator, cfg.sync.bucket_mb, rank)
     checkpoints = CheckpointWriter(cfg) if rank == 0 else None

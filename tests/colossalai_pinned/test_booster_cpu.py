@@ -29,14 +29,15 @@ from colossalai.zero import LowLevelZeroOptimizer  # noqa: E402
 from transformers import AutoModel, AutoModelForCausalLM  # noqa: E402
 
 from ray_ppo.algo import ExperienceBatch  # noqa: E402
-from ray_ppo.makers.experience import AdvantageParams, ExperienceMaker  # noqa: E402
-from ray_ppo.models import Critic, SamplingParams, load_tokenizer  # noqa: E402
+from ray_ppo.config import Config  # noqa: E402
+from ray_ppo.makers.experience import ExperienceMaker  # noqa: E402
+from ray_ppo.models import Critic, load_tokenizer  # noqa: E402
 from ray_ppo.models.hf import disable_dropout  # noqa: E402
 from ray_ppo.models.lora import apply_lora, trainable_names  # noqa: E402
 from ray_ppo.models.tiny import build_tiny_model  # noqa: E402
 from ray_ppo.tasks import toy  # noqa: E402
 from ray_ppo.train.colossalai_strategy import ColossalAIStrategy, Recipe  # noqa: E402
-from ray_ppo.train.learner import LearnerParams, PPOLearner  # noqa: E402
+from ray_ppo.train.learner import PPOLearner  # noqa: E402
 
 pytestmark = pytest.mark.colossalai
 
@@ -71,14 +72,16 @@ def experience(model_path) -> ExperienceBatch:
     tokenizer = load_tokenizer(model_path)
     actor, critic = load_models(model_path)
     maker = ExperienceMaker(actor, AutoModelForCausalLM.from_pretrained(model_path), critic, tokenizer,
-                            SamplingParams(max_new_tokens=6), AdvantageParams(kl_coef=0.01), reward_fn=toy.reward)
+                            Config().with_overrides({"maker.max_new_tokens": 6, "ppo.kl_coef": 0.01}), reward_fn=toy.reward)
     torch.manual_seed(0)
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in toy.make_prompts(8, 4)]
     items, _ = maker.make_experience(prompts, policy_version=0)
     return ExperienceBatch.merge(items, tokenizer.pad_token_id)
 
 
-PARAMS = LearnerParams(actor_lr=1e-3, critic_lr=1e-3, mini_batch_size=4, ppo_epochs=2, total_updates=4)
+PARAMS = Config().with_overrides({"trainer.actor_lr": 1e-3, "trainer.critic_lr": 1e-3, "trainer.train_batch_size": 8,
+                                  "trainer.mini_batch_size": 4, "trainer.ppo_epochs": 2, "trainer.total_steps": 1})
+"""The learner's settings for the 8-item batch: 4 updates a step, a schedule of 4 updates."""
 
 
 def ddp_learner(model_path: str) -> PPOLearner:
@@ -100,7 +103,7 @@ def optimizer_tensors(state: dict) -> dict:
 
 
 def test_the_learner_trains_through_the_booster(model_path, experience):
-    params = LearnerParams(**{**PARAMS.__dict__, "warmup_steps": 8, "total_updates": 16})
+    params = PARAMS.with_overrides({"trainer.warmup_steps": 8, "trainer.total_steps": 4})  # 16 updates
     ppo = PPOLearner(*load_models(model_path), ColossalAIStrategy.torch_ddp_on_cpu(), params, seed=0)
     assert isinstance(ppo.actor.module, TorchDDPModel) and isinstance(ppo.critic.module, TorchDDPModel)
     before = ppo.strategy.full_state_dict(ppo.actor)
@@ -219,7 +222,7 @@ def zero2_learner(model_path: str, max_grad_norm: float = 1.0, lora: bool = Fals
     recipe = Recipe(lambda precision, max_norm: LowLevelZeroPlugin(
         stage=2, precision=precision, max_norm=max_norm, overlap_communication=False), torch.optim.AdamW)
     strategy = ColossalAIStrategy("colossalai_zero2", "cpu", max_grad_norm, recipe)
-    params = LearnerParams(**{**PARAMS.__dict__, "max_grad_norm": max_grad_norm})
+    params = PARAMS.with_overrides({"trainer.max_grad_norm": max_grad_norm})
     actor, critic = load_models(model_path)
     return PPOLearner(apply_lora(actor, rank=4, alpha=8.0) if lora else actor, critic, strategy, params, seed=0)
 
@@ -281,7 +284,7 @@ def test_a_skipped_update_leaves_no_trace(model_path, experience, make_learner):
     def backward_and_norm(learner: PPOLearner, loss_fn) -> float:
         out = learner.actor(input_ids=experience.sequences, attention_mask=experience.attention_mask)
         learner.strategy.backward(loss_fn(out.logits.float()), learner.actor, learner.actor_optim)
-        return learner.strategy.clip_grad_norm(learner.actor, learner.actor_optim, PARAMS.max_grad_norm)
+        return learner.strategy.clip_grad_norm(learner.actor, learner.actor_optim, PARAMS.trainer.max_grad_norm)
 
     before = ppo.strategy.full_state_dict(ppo.actor)
     # finite loss (0), non-finite gradient: d sqrt(0 * x) / dx = 0 * inf

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ray_ppo.algo import ExperienceBatch
-from ray_ppo.build import build_experience_maker, learner_params
+from ray_ppo.build import build_experience_maker
 from ray_ppo.config import Config
 from ray_ppo.local import run_local
 from ray_ppo.tasks import sum_mod10, toy
@@ -66,7 +66,7 @@ def test_kl_in_loss_leaves_the_rewards_unpenalised():
 def _batch_and_learner(cfg: Config):
     torch.manual_seed(0)
     maker, items = made(cfg, ["1 2", "3 4", "5 6", "7 8"])
-    learner = PPOLearner(maker.actor, maker.critic, LocalStrategy(), learner_params(cfg))
+    learner = PPOLearner(maker.actor, maker.critic, LocalStrategy(), cfg)
     return ExperienceBatch.merge(items, maker.tokenizer.pad_token_id), learner
 
 

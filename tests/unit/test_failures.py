@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
+from ray_ppo.config import Config
 from ray_ppo.failures import ERROR_LOG, one_line, report_failure, root_cause
-from ray_ppo.makers.experience import AdvantageParams, ExperienceMaker, RewardError
-from ray_ppo.models import Critic, SamplingParams, load_actor, load_tokenizer
+from ray_ppo.makers.experience import ExperienceMaker, RewardError
+from ray_ppo.models import Critic, load_actor, load_tokenizer
 from ray_ppo.tasks import toy
 
 
@@ -73,7 +74,7 @@ def make(tiny_path):
 
     def run(reward_fn, prompts):
         maker = ExperienceMaker(load_actor(tiny_path), load_actor(tiny_path), Critic.from_pretrained(tiny_path),
-                                tokenizer, SamplingParams(max_new_tokens=3), AdvantageParams(), reward_fn=reward_fn,
+                                tokenizer, Config().with_overrides({"maker.max_new_tokens": 3}), reward_fn=reward_fn,
                                 name="maker_3")
         torch.manual_seed(0)
         return maker.make_experience([tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts], 0)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ray_ppo.algo import ExperienceBatch
-from ray_ppo.build import build_actor, build_critic, build_experience_maker, learner_params
+from ray_ppo.build import build_actor, build_critic, build_experience_maker
 from ray_ppo.config import Config
 from ray_ppo.train.learner import PPOLearner
 from ray_ppo.train.strategies import LocalStrategy
@@ -29,7 +29,7 @@ def weights(model) -> dict[str, torch.Tensor]:
 
 
 def test_nan_loss_skips_update_and_keeps_weights(cfg, batch):
-    learner = PPOLearner(build_actor(cfg), build_critic(cfg), LocalStrategy(), learner_params(cfg))
+    learner = PPOLearner(build_actor(cfg), build_critic(cfg), LocalStrategy(), cfg)
     before_actor, before_critic = weights(learner.actor), weights(learner.critic)
     poisoned = batch.select(list(range(batch.batch_size)))
     poisoned.returns = torch.full_like(poisoned.returns, float("nan"))  # critic loss is nan
@@ -41,7 +41,7 @@ def test_nan_loss_skips_update_and_keeps_weights(cfg, batch):
 
 
 def test_nonfinite_gradient_skips_update(cfg, batch):
-    learner = PPOLearner(build_actor(cfg), build_critic(cfg), LocalStrategy(), learner_params(cfg))
+    learner = PPOLearner(build_actor(cfg), build_critic(cfg), LocalStrategy(), cfg)
     head = learner.critic.value_head.weight
     head.register_hook(lambda grad: torch.full_like(grad, float("inf")))  # finite loss, infinite gradient
     before = weights(learner.critic)
@@ -51,7 +51,7 @@ def test_nonfinite_gradient_skips_update(cfg, batch):
 
 
 def test_too_many_nonfinite_updates_in_a_row_end_the_run(cfg, batch):
-    learner = PPOLearner(build_actor(cfg), build_critic(cfg), LocalStrategy(), learner_params(cfg))
+    learner = PPOLearner(build_actor(cfg), build_critic(cfg), LocalStrategy(), cfg)
     poisoned = batch.select(list(range(batch.batch_size)))
     poisoned.advantages = torch.full_like(poisoned.advantages, float("nan"))
     poisoned.returns = torch.full_like(poisoned.returns, float("nan"))

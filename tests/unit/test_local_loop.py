@@ -11,11 +11,11 @@ import torch
 from ray_ppo.algo import ExperienceBatch
 from ray_ppo.config import Config, load_config
 from ray_ppo.local import prompt_batches, run_local
-from ray_ppo.makers.experience import AdvantageParams, ExperienceMaker
-from ray_ppo.models import Critic, SamplingParams, load_actor, load_tokenizer
+from ray_ppo.makers.experience import ExperienceMaker
+from ray_ppo.models import Critic, load_actor, load_tokenizer
 from ray_ppo.models.hf import disable_dropout
 from ray_ppo.tasks import toy
-from ray_ppo.train.learner import LearnerParams, PPOLearner, lr_lambda
+from ray_ppo.train.learner import PPOLearner, lr_lambda
 from ray_ppo.train.strategies import LocalStrategy
 
 ROOT = Path(__file__).parents[2]
@@ -93,7 +93,7 @@ def experience(tiny_path):
     """One merged batch of 8 toy-task samples from the tiny model."""
     tokenizer = load_tokenizer(tiny_path)
     maker = ExperienceMaker(load_actor(tiny_path), load_actor(tiny_path), Critic.from_pretrained(tiny_path),
-                            tokenizer, SamplingParams(max_new_tokens=6), AdvantageParams(kl_coef=0.01),
+                            tokenizer, Config().with_overrides({"maker.max_new_tokens": 6, "ppo.kl_coef": 0.01}),
                             reward_fn=toy.reward)
     torch.manual_seed(0)
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in toy.make_prompts(8, 4)]
@@ -102,12 +102,14 @@ def experience(tiny_path):
     return ExperienceBatch.merge(items, tokenizer.pad_token_id)
 
 
-def learner(tiny_path, **params) -> PPOLearner:
-    defaults = dict(actor_lr=1e-3, critic_lr=1e-3, mini_batch_size=4, ppo_epochs=2, total_updates=4)
+def learner(tiny_path, **trainer) -> PPOLearner:
+    """A learner of the 8-item batch; ``trainer`` overrides trainer.* settings. Its schedule spans
+    trainer.total_steps x ppo_epochs x (8 / mini_batch_size) updates."""
+    defaults = dict(actor_lr=1e-3, critic_lr=1e-3, train_batch_size=8, mini_batch_size=4, ppo_epochs=2, total_steps=1)
+    cfg = Config().with_overrides({f"trainer.{key}": value for key, value in {**defaults, **trainer}.items()})
     # the models as the pipelines build them: dropout disabled (build.disable_dropout)
     return PPOLearner(disable_dropout(load_actor(tiny_path)), disable_dropout(Critic.from_pretrained(tiny_path)),
-                      LocalStrategy(),
-                      LearnerParams(**{**defaults, **params}), seed=0)
+                      LocalStrategy(), cfg, seed=0)
 
 
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -132,14 +134,14 @@ def test_train_step_updates_actor_and_critic(tiny_path, experience):
 
 
 def test_first_update_of_the_learner_is_at_ratio_one(tiny_path, experience):
-    ppo = learner(tiny_path, mini_batch_size=8, ppo_epochs=1, total_updates=1)
+    ppo = learner(tiny_path, mini_batch_size=8, ppo_epochs=1, total_steps=1)  # 1 update
     metrics = ppo.train_step(experience)
     assert metrics["clipfrac"] == 0.0
     assert abs(metrics["approx_kl"]) < 1e-6
 
 
 def test_warm_up_scales_the_learning_rate(tiny_path, experience):
-    ppo = learner(tiny_path, mini_batch_size=8, ppo_epochs=1, warmup_steps=4, total_updates=8)
+    ppo = learner(tiny_path, mini_batch_size=8, ppo_epochs=1, warmup_steps=4, total_steps=8)  # 8 updates
     metrics = ppo.train_step(experience)
     # after 1 update the multiplier is (1 + 1) / 4 = 0.5
     assert metrics["actor_lr"] == pytest.approx(5e-4)

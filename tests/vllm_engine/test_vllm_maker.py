@@ -43,7 +43,7 @@ def worker(tiny_model_cache):
 def hf_greedy(actor, prompts, tokenizer, max_new_tokens=8):
     from ray_ppo.models import SamplingParams, generate
 
-    return generate(actor, prompts, SamplingParams(max_new_tokens, top_k=1), tokenizer.pad_token_id,
+    return generate(actor, prompts, SamplingParams(max_new_tokens=max_new_tokens, top_k=1), tokenizer.pad_token_id,
                     tokenizer.eos_token_id)
 
 
@@ -106,7 +106,7 @@ def test_greedy_generation_equals_the_hf_makers(worker):
 
     tokenizer = worker.maker.tokenizer
     hf = hf_greedy(worker.float_actor, PROMPTS, tokenizer)
-    engine = worker.engine.generate(PROMPTS, SamplingParams(8, top_k=1), tokenizer.pad_token_id,
+    engine = worker.engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, top_k=1), tokenizer.pad_token_id,
                                     tokenizer.eos_token_id)
     assert torch.equal(engine.sequences, hf.sequences) and torch.equal(engine.action_mask, hf.action_mask)
 
@@ -131,7 +131,7 @@ def test_three_pushes_land_in_the_engine(worker):
         assert push(worker, full_push_state(trainer_actor, trainer_critic), version)
         print(f"push {version}: {time.perf_counter() - start:.3f} s")
         assert worker.version == worker.engine.version == version
-        engine = worker.engine.generate(PROMPTS, SamplingParams(8, top_k=1), tokenizer.pad_token_id,
+        engine = worker.engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, top_k=1), tokenizer.pad_token_id,
                                         tokenizer.eos_token_id)
         hf = hf_greedy(trainer_actor, PROMPTS, tokenizer)
         assert torch.equal(engine.sequences, hf.sequences)
@@ -149,7 +149,7 @@ def test_an_interrupted_push_leaves_the_engine_on_its_version(worker):
 
     tokenizer = worker.maker.tokenizer
     version, print_before = worker.weights_fingerprint()
-    before = worker.engine.generate(PROMPTS, SamplingParams(8, top_k=1), tokenizer.pad_token_id,
+    before = worker.engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, top_k=1), tokenizer.pad_token_id,
                                     tokenizer.eos_token_id)
     import copy
 
@@ -157,7 +157,7 @@ def test_an_interrupted_push_leaves_the_engine_on_its_version(worker):
     perturb(actor, 0.5, seed=7)
     assert not push(worker, full_push_state(actor, critic), version + 1, num_chunks=4, deliver=2)
     assert worker.weights_fingerprint() == (version, print_before) and worker.engine.version == version
-    after = worker.engine.generate(PROMPTS, SamplingParams(8, top_k=1), tokenizer.pad_token_id,
+    after = worker.engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, top_k=1), tokenizer.pad_token_id,
                                    tokenizer.eos_token_id)
     assert torch.equal(after.sequences, before.sequences) and torch.equal(after.log_probs, before.log_probs)
 
