@@ -466,3 +466,27 @@ def test_shipped_configs_validate(colossalai_available):
     for path in sorted(CONFIGS.glob("*.yaml")):
         cfg = load_config(path)
         assert Config.from_dict(cfg.to_dict()) == cfg, path
+
+
+def test_code_that_dispatches_on_a_choice_knows_exactly_the_config_s_names():
+    torch = pytest.importorskip("torch")
+    from ray_ppo import choices
+    from ray_ppo.algo import ADVANTAGE_ESTIMATORS, OFF_POLICY_MODES, LOSS_AGGREGATIONS, functional
+    from ray_ppo.models import hf, quantize
+
+    assert tuple(functional.KL_ESTIMATORS) == choices.KL_ESTIMATORS
+    assert (ADVANTAGE_ESTIMATORS, OFF_POLICY_MODES, LOSS_AGGREGATIONS) == (
+        choices.ADVANTAGES, choices.OFF_POLICY, choices.LOSS_AGGS)
+    assert hf.DTYPES == {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    assert quantize.QUANTIZATIONS == choices.QUANTIZATIONS == ("int8",)
+    assert "one of " + ", ".join(choices.STRATEGIES) in config_error(Config().with_overrides, {"trainer.strategy": "x"})
+
+
+def test_the_maker_section_is_the_sampling_params():
+    from ray_ppo.config import SamplingParams
+
+    cfg = Config().with_overrides({"maker.max_new_tokens": 5, "maker.top_k": 3})
+    assert isinstance(cfg.maker, SamplingParams)
+    assert SamplingParams(max_new_tokens=5, top_k=3) == SamplingParams(
+        **{key: getattr(cfg.maker, key) for key in SamplingParams.model_fields})
+    assert config_error(lambda: SamplingParams(top_p=0)).startswith("maker.top_p=0.0 is invalid: must be in (0, 1]")
