@@ -19,7 +19,7 @@ from ray_ppo.data import DataError, PromptEncoder, read_prompt_texts
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.tasks.toy import make_prompts
 from ray_ppo.train.learner import PPOLearner, drop_absent
-from ray_ppo.train.loop import experience_metrics
+from ray_ppo.train.metrics import experience_metrics
 from ray_ppo.train.strategies import LocalStrategy
 
 MAX_EMPTY_BATCHES = 1000
