@@ -15,7 +15,7 @@ import functools
 import math
 import numbers
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -61,8 +61,6 @@ class MakeStats:
     num_tokens: int = 0
     generate_s: float = 0.0
     score_s: float = 0.0
-    rewards: list[float] = field(default_factory=list)
-    kl_mean: float = 0.0
     logprob_gap: tuple[float, float, int] | None = None
     """With an engine: (sum, max, count) of |engine - HF| log-probs over the sampled tokens."""
 
@@ -90,9 +88,9 @@ class ExperienceMaker:
       - compute behaviour and reference log-probs and, for GAE, critic values;
       - shape per-token rewards with the KL penalty and compute advantages and returns.
 
-    ``critic`` is None for the critic-free estimators. ``ref`` may be None when the actor is a peft model: the reference is then the actor with its
-    adapters disabled. ``ref_disable_adapters`` says the same of a peft ``ref`` (a quantized
-    maker generates with a merged copy and keeps the float peft model as reference).
+    ``critic`` is None for the critic-free estimators. ``ref`` may be None when the actor is a peft
+    model: the reference is then the actor with its adapters disabled, and stays so when a
+    quantized maker later sets ``ref`` to its float peft model (it generates with a merged copy).
 
     The rollout runs on the actor's device (every model must be on it): prompts are padded and
     moved there, generated, scored and shaped there, and the items come back on the CPU, ready
@@ -107,7 +105,7 @@ class ExperienceMaker:
     def __init__(self, actor: nn.Module, ref: nn.Module | None, critic: nn.Module | None, tokenizer,
                  sampling: SamplingParams, advantage: AdvantageParams,
                  reward_fn: RewardFn | None = None, reward_model: nn.Module | None = None, name: str = "maker",
-                 ref_disable_adapters: bool = False, engine=None, engine_logprobs: bool = False):
+                 engine=None, engine_logprobs: bool = False):
         if (reward_fn is None) == (reward_model is None):
             raise ValueError("give exactly one of reward_fn and reward_model")
         if (critic is None) == (advantage.estimator == "gae"):
@@ -117,7 +115,7 @@ class ExperienceMaker:
         self.sampling, self.advantage = sampling, advantage
         self.reward_fn, self.reward_model = reward_fn, reward_model
         self.name = name
-        self.ref_disable_adapters = ref_disable_adapters or ref is None
+        self.ref_disable_adapters = ref is None
         self.engine, self.engine_logprobs = engine, engine_logprobs
         self._counter = 0
 
@@ -140,9 +138,6 @@ class ExperienceMaker:
         batch = self._to_batch(rollout, reward, policy_version, stats).to("cpu")
         stats.score_s = time.perf_counter() - start
         stats.num_tokens = int(rollout.action_mask.sum())
-        stats.rewards = reward.tolist()
-        stats.kl_mean = float(((batch.action_log_probs - batch.ref_log_probs) * batch.action_mask).sum()
-                              / batch.action_mask.sum())
         items = batch.split()
         for i, item in enumerate(items):
             item.uid = f"{self.name}-{self._counter}-{i}"
