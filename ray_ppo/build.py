@@ -6,6 +6,9 @@ build exactly the same things from the same config.
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import torch
 
 from ray_ppo.algo import needs_critic
@@ -14,7 +17,24 @@ from ray_ppo.makers.experience import AdvantageParams, ExperienceMaker
 from ray_ppo.models.lora import apply_lora
 from ray_ppo.models.hf import disable_dropout
 from ray_ppo.models import Critic, RewardModel, SamplingParams, load_actor, load_reward_fn, load_tokenizer
+from ray_ppo.models.tiny import resolve_pretrained
 from ray_ppo.train.learner import LearnerParams
+
+
+def resolve_config(cfg: Config) -> Config:
+    """Turn machine-local names into absolute paths before the config travels to other processes:
+    ``tiny`` model names to the built model's directory, a relative ``data.path`` to an absolute one."""
+    model = dataclasses.replace(
+        cfg.model,
+        pretrained=resolve_pretrained(cfg.model.pretrained),
+        tokenizer=resolve_pretrained(cfg.model.tokenizer),
+        critic_pretrained=resolve_pretrained(cfg.model.critic_pretrained),
+        reward_pretrained=resolve_pretrained(cfg.model.reward_pretrained),
+    )
+    data = cfg.data
+    if data.path and "://" not in data.path and Path(data.path).exists():
+        data = dataclasses.replace(data, path=str(Path(data.path).resolve()))
+    return dataclasses.replace(cfg, model=model, data=data)
 
 
 def sampling_params(cfg: Config) -> SamplingParams:
