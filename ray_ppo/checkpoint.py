@@ -9,6 +9,9 @@ A checkpoint directory holds:
     trainer/optimizer.pt     optimizer, scheduler and RNG state (plain tensors; loaded weights_only)
     state.json               step, policy version, KL controller, prompt-stream position
 
+Rank 0 of the train loop writes one with ``CheckpointWriter`` and reports it to Ray Train; the
+driver publishes it into the run directory (``publish_checkpoint``). No Ray import here.
+
 Nothing is ever unpickled: weights are safetensors and ``optimizer.pt`` is read with
 ``torch.load(weights_only=True)``. A missing, truncated or corrupt file raises
 ``CheckpointError`` naming the file.
