@@ -64,7 +64,7 @@ def emulated_cell(staleness: int, mode: str, steps: int, root: str) -> list[dict
     from ray_ppo.data import PromptEncoder, read_prompt_texts
     from ray_ppo.local import _collect, prompt_batches
     from ray_ppo.train.learner import PPOLearner, drop_absent
-    from ray_ppo.train.loop import experience_metrics
+    from ray_ppo.train.metrics import experience_metrics
     from ray_ppo.train.strategies import LocalStrategy
 
     cfg = resolve_config(_common.tiny_config(f"{root}/s{staleness}-{mode}", {

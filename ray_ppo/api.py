@@ -22,12 +22,12 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ray_ppo.build import resolve_config
 from ray_ppo.checkpoint import validate_checkpoint
 from ray_ppo.config import Config
 from ray_ppo.coordinator import Coordinator
 from ray_ppo.data import read_prompt_dataset, select_prompt_column
 from ray_ppo.makers.actor import maker_actor_class
-from ray_ppo.models.tiny import resolve_pretrained
 from ray_ppo.preflight import check_run
 from ray_ppo.rundir import CheckpointPublisher
 from ray_ppo.samples import split_samples
@@ -67,21 +67,6 @@ def on_driver_node() -> NodeAffinitySchedulingStrategy:
 
 
 MetricsCallback = Callable[[dict], None]
-
-
-def resolve_config(cfg: Config) -> Config:
-    """Turn machine-local names into absolute paths before the config travels to other processes:
-    ``tiny`` model names to the built model's directory, a relative ``data.path`` to an absolute one."""
-    model = cfg.model.model_copy(update=dict(
-        pretrained=resolve_pretrained(cfg.model.pretrained),
-        tokenizer=resolve_pretrained(cfg.model.tokenizer),
-        critic_pretrained=resolve_pretrained(cfg.model.critic_pretrained),
-        reward_pretrained=resolve_pretrained(cfg.model.reward_pretrained),
-    ))
-    data = cfg.data
-    if data.path and "://" not in data.path and Path(data.path).exists():
-        data = data.model_copy(update=dict(path=str(Path(data.path).resolve())))
-    return cfg.model_copy(update=dict(model=model, data=data))
 
 
 class PPOTrainer(TorchTrainer):

@@ -6,6 +6,8 @@ build exactly the same things from the same config.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ray_ppo.algo import needs_critic
@@ -14,6 +16,22 @@ from ray_ppo.makers.experience import ExperienceMaker
 from ray_ppo.models.lora import apply_lora
 from ray_ppo.models.hf import disable_dropout
 from ray_ppo.models import Critic, RewardModel, load_actor, load_reward_fn, load_tokenizer
+from ray_ppo.models.tiny import resolve_pretrained
+
+
+def resolve_config(cfg: Config) -> Config:
+    """Turn machine-local names into absolute paths before the config travels to other processes:
+    ``tiny`` model names to the built model's directory, a relative ``data.path`` to an absolute one."""
+    model = cfg.model.model_copy(update=dict(
+        pretrained=resolve_pretrained(cfg.model.pretrained),
+        tokenizer=resolve_pretrained(cfg.model.tokenizer),
+        critic_pretrained=resolve_pretrained(cfg.model.critic_pretrained),
+        reward_pretrained=resolve_pretrained(cfg.model.reward_pretrained),
+    ))
+    data = cfg.data
+    if data.path and "://" not in data.path and Path(data.path).exists():
+        data = data.model_copy(update=dict(path=str(Path(data.path).resolve())))
+    return cfg.model_copy(update=dict(model=model, data=data))
 
 
 def tokenizer_path(cfg: Config) -> str:

@@ -9,6 +9,9 @@ A checkpoint directory holds:
     trainer/optimizer.pt     optimizer, scheduler and RNG state (plain tensors; loaded weights_only)
     state.json               step, policy version, KL controller, prompt-stream position
 
+Rank 0 of the train loop writes one with ``CheckpointWriter`` and reports it to Ray Train; the
+driver publishes it into the run directory (``publish_checkpoint``). No Ray import here.
+
 Nothing is ever unpickled: weights are safetensors and ``optimizer.pt`` is read with
 ``torch.load(weights_only=True)``. A missing, truncated or corrupt file raises
 ``CheckpointError`` naming the file.
@@ -20,11 +23,17 @@ import errno
 import json
 import os
 import shutil
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ray_ppo.build import build_actor, build_critic_if_needed, tokenizer_path
+from ray_ppo.config import Config
+from ray_ppo.models import load_tokenizer
+from ray_ppo.sync import split_state
 
 FORMAT_VERSION = 1
 STATE_FILE = "state.json"
@@ -121,6 +130,55 @@ def load_trainer_state(directory: str | Path) -> tuple[dict, dict, dict, dict]:
     actor = load_tensors(directory / TRAINER_DIR / "actor.safetensors")
     critic = load_tensors(directory / CRITIC_FILE) if run_state.get("has_critic", True) else None
     return actor, critic, _load_optimizer(directory), run_state
+
+
+class CheckpointWriter:
+    """Rank 0 writes actor and critic (``save_pretrained``, safetensors; no critic for the
+    critic-free estimators), tokenizer, optimizer state and run state into a fresh directory that
+    the train loop reports as a ``ray.train.Checkpoint``."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self._actor = self._critic = None  # CPU copies that receive full state dicts before saving
+
+    def write(self, state: dict[str, torch.Tensor], optim_state: dict, run_state: dict) -> Path:
+        if self._actor is None:
+            self._actor, self._critic = build_actor(self.cfg), build_critic_if_needed(self.cfg)
+        actor_state, critic_state = split_state(state)
+        self._actor.load_state_dict(actor_state)
+        directory = Path(tempfile.mkdtemp(prefix="ray_ppo_ckpt_"))
+        try:
+            self._actor.save_pretrained(directory / "actor")
+            load_tokenizer(tokenizer_path(self.cfg)).save_pretrained(directory / "actor")
+            if self._critic is not None:
+                self._critic.load_state_dict(critic_state)
+                self._critic.save_pretrained(directory / "critic")
+            write_trainer_state(directory, actor_state, critic_state if self._critic is not None else None,
+                                optim_state, run_state)
+        except OSError as e:  # a full disk: no partial checkpoint is left, the previous one is intact
+            shutil.rmtree(directory, ignore_errors=True)
+            raise OSError(e.errno, f"the checkpoint of step {run_state['step']} could not be written ({e}); "
+                                   f"RUN_DIR/checkpoint still holds the previous one: free space, then "
+                                   f"ray-ppo train --resume RUN_DIR") from None
+        return directory
+
+
+def restore_point(checkpoint: Any, resume_from: str | None) -> tuple[dict, dict, dict, dict] | None:
+    """The state to resume from, validated: ``checkpoint`` (this run's latest ``ray.train.Checkpoint``,
+    when Ray Train restarted the worker group under ``FailureConfig``) if given, else the
+    ``resume_from`` directory; None for a fresh run."""
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            return load_trainer_state(directory)
+    return load_trainer_state(resume_from) if resume_from else None
+
+
+def restored_critic(state: dict | None, cfg: Config) -> dict:
+    """The checkpoint's critic weights; a clear error if it has none (a critic-free run's checkpoint)."""
+    if state is None:
+        raise ValueError(f"algo.advantage={cfg.algo.advantage} trains a critic, but the checkpoint has none "
+                         f"(it was made by a critic-free estimator); resume with that run's algo.advantage")
+    return state
 
 
 KEEP_CHECKPOINTS = 2

@@ -97,7 +97,7 @@ def read_prompt_dataset(path: str, prompt_column: str, fmt: str | None = None, n
     readers = {"csv": ray.data.read_csv, "parquet": ray.data.read_parquet, "json": ray.data.read_json}
     try:
         ds = readers[fmt](path, num_cpus=num_cpus)
-        columns = ds.schema().names
+        ds.schema()  # reads the files now, so a bad one fails here, named by its path
     except Exception as e:  # Ray wraps reader errors in several types; the path is what the user needs
         raise DataError(f"cannot read data.path={path!r} as {fmt}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     return select_prompt_column(ds, prompt_column, path)

@@ -13,13 +13,13 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ray_ppo.algo import ExperienceBatch, ExperienceItem, make_kl_controller
-from ray_ppo.build import build_actor, build_critic_if_needed, build_experience_maker
+from ray_ppo.build import build_actor, build_critic_if_needed, build_experience_maker, resolve_config
 from ray_ppo.config import Config, ConfigError
 from ray_ppo.data import DataError, PromptEncoder, read_prompt_texts
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.tasks.toy import make_prompts
 from ray_ppo.train.learner import PPOLearner, drop_absent
-from ray_ppo.train.loop import experience_metrics
+from ray_ppo.train.metrics import experience_metrics
 from ray_ppo.train.strategies import LocalStrategy
 
 MAX_EMPTY_BATCHES = 1000
@@ -42,8 +42,6 @@ def prompt_batches(texts: Sequence[str | None], batch_size: int, shuffle: bool, 
 def run_local(cfg: Config, prompts: Sequence[str | None] | None = None,
               on_metrics: Callable[[dict], None] | None = None) -> list[dict]:
     """Train ``cfg.trainer.total_steps`` synchronous PPO steps; returns the per-step metrics."""
-    from ray_ppo.api import resolve_config
-
     cfg = resolve_config(cfg)
     if cfg.maker.engine != "hf":  # the loop's maker shares the learner's live weights: nothing to push
         raise ConfigError(f"the synchronous loop generates with HF only, but maker.engine={cfg.maker.engine!r}; "

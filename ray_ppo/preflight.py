@@ -75,7 +75,7 @@ def check_model_path(key: str, value: str) -> None:
                                  f"directory written by save_pretrained, or tiny for the built-in tiny model")
     from transformers import AutoConfig
 
-    from ray_ppo.models.hf import quiet_transformers
+    from ray_ppo.models.quiet import quiet_transformers
 
     quiet_transformers()
     try:

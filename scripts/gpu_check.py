@@ -7,7 +7,8 @@ Rows:
     prompts: generation tokens/s, scoring seconds, peak GPU memory, and whether every item comes
     back on the CPU with finite values. Then a push of perturbed weights goes the way a trainer
     sends it (``sync.make_buckets``, read-only buffers as Ray hands them out, ``weights_start`` /
-    ``weights_chunk`` / ``weights_end``) and the maker's fingerprint must equal the trainer's.
+    the staging of each bucket / ``weights_end``: ``ray_ppo.device_checks``, shared with
+    ``tests/unit/test_maker_device.py``) and the maker's fingerprint must equal the trainer's.
     Models: the built-in tiny model (with the tiny reward model, and with LoRA) and a
     GPT-2-small-shaped actor (random weights from ``GPT2Config(n_layer=12, n_embd=768,
     n_head=12)``, saved with ``save_pretrained`` and loaded from there: nothing is downloaded).
@@ -18,8 +19,8 @@ Rows:
 
 ``MakerWorker`` is the plain class behind the maker actor, but its module imports Ray for the
 actor decorators. This script puts a stand-in ``ray`` module in place before importing it
-(``ray.method`` returns the method unchanged, ``ray.get`` returns its argument, which is the
-bucket itself here), so the code under check is the maker's own, with no cluster.
+(``ray.method`` returns the method unchanged, ``ray.is_initialized`` says no), so the code under
+check is the maker's own, with no cluster.
 
 Usage: python scripts/gpu_check.py [--batch N] [--new-tokens N] [--steps N] [--colossalai-site DIR]
 Without CUDA it says so and exits 0; ``--device cpu`` runs the maker rows on the CPU (a dry run).
@@ -31,8 +32,6 @@ Measured on the lent machine (one NVIDIA H200, torch 2.11.0+cu130, transformers 
 from __future__ import annotations
 
 import argparse
-import copy
-import itertools
 import os
 import sys
 import tempfile
@@ -112,7 +111,6 @@ def maker_worker_class():
     """``MakerWorker`` imported behind a stand-in ``ray`` module (see the module docstring)."""
     stand_in = types.ModuleType("ray")
     stand_in.method = lambda **_: (lambda fn: fn)
-    stand_in.get = lambda value: value
     stand_in.is_initialized = lambda: False
     sys.modules["ray"] = stand_in
     from ray_ppo.makers.actor import MakerWorker
@@ -125,6 +123,7 @@ def maker_row(overrides: dict, device: str, batch: int, new_tokens: int) -> dict
     import torch
 
     from ray_ppo.config import Config
+    from ray_ppo.device_checks import bad_item_fields
     from ray_ppo.sync import fingerprint
     from ray_ppo.tasks.toy import make_prompts
 
@@ -162,42 +161,14 @@ def maker_row(overrides: dict, device: str, batch: int, new_tokens: int) -> dict
     return {"ok": ok, "detail": detail}
 
 
-def bad_item_fields(items) -> list[str]:
-    """Names of item tensors that are not on the CPU or not finite (empty when all is well)."""
-    import torch
-
-    return [name for item in items for name, t in vars(item).items()
-            if isinstance(t, torch.Tensor) and (t.device.type != "cpu" or not torch.isfinite(t.float()).all())]
-
-
 def push_new_weights(worker) -> tuple[dict, int, bool]:
     """Push perturbed copies of the maker's weights as a trainer does; (the trainer's full state,
     bytes pushed, whether ``weights_end`` loaded it)."""
-    import torch
+    from ray_ppo.device_checks import deliver_push, perturbed_push
+    from ray_ppo.sync import bucket_nbytes
 
-    from ray_ppo.sync import bucket_nbytes, join_state, make_buckets, push_aliases
-
-    actor, critic = copy.deepcopy(worker.float_actor).cpu(), copy.deepcopy(worker.maker.critic).cpu()
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in itertools.chain(actor.parameters(), critic.parameters()):
-            p.add_(0.01 * torch.randn_like(p))
-    full = join_state(actor.state_dict(), critic.state_dict())
-    aliases = push_aliases(actor, critic)
-    buckets = [stored(bucket) for bucket in make_buckets({k: v for k, v in full.items() if k not in aliases}, BUCKET_MB)]
-    worker.weights_start(1, len(buckets), {})
-    for index, bucket in enumerate(buckets):
-        worker.weights_chunk(1, index, [bucket])
-    return full, sum(bucket_nbytes(b) for b in buckets), worker.weights_end(1)
-
-
-def stored(bucket):
-    """A bucket as a maker gets it from the object store: its own copy of the bytes, read-only."""
-    metas, arrays = bucket
-    copies = [array.copy() for array in arrays]
-    for array in copies:
-        array.setflags(write=False)
-    return metas, copies
+    full, buckets = perturbed_push(worker, scale=0.01, bucket_mb=BUCKET_MB)
+    return full, sum(bucket_nbytes(b) for b in buckets), deliver_push(worker, 1, buckets)
 
 
 def synchronize(device) -> None:

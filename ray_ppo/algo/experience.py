@@ -58,10 +58,6 @@ class ExperienceItem:
         """R_i, the number of response tokens."""
         return int(self.response_ids.numel())
 
-    def num_bytes(self) -> int:
-        """Bytes held by the item's tensors (for buffer accounting)."""
-        return sum(t.nbytes for t in _tensors(self).values())
-
 
 def _check_item(i: int, item: ExperienceItem) -> None:
     """Raise ValueError naming the problem if `item` cannot be padded into a batch."""

@@ -15,7 +15,7 @@ import functools
 import math
 import numbers
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -62,8 +62,6 @@ class MakeStats:
     num_tokens: int = 0
     generate_s: float = 0.0
     score_s: float = 0.0
-    rewards: list[float] = field(default_factory=list)
-    kl_mean: float = 0.0
     logprob_gap: tuple[float, float, int] | None = None
     """With an engine: (sum, max, count) of |engine - HF| log-probs over the sampled tokens."""
 
@@ -132,9 +130,6 @@ class ExperienceMaker:
         batch = self._to_batch(rollout, reward, policy_version, stats).to("cpu")
         stats.score_s = time.perf_counter() - start
         stats.num_tokens = int(rollout.action_mask.sum())
-        stats.rewards = reward.tolist()
-        stats.kl_mean = float(((batch.action_log_probs - batch.ref_log_probs) * batch.action_mask).sum()
-                              / batch.action_mask.sum())
         items = batch.split()
         for i, item in enumerate(items):
             item.uid = f"{self.name}-{self._counter}-{i}"

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ray_ppo.choices import DTYPES as DTYPE_NAMES
+from ray_ppo.models.quiet import quiet_transformers
 from ray_ppo.models.tiny import resolve_pretrained
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -38,14 +39,6 @@ def dtype_kwargs(dtype: str) -> dict:
 
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch_dtype(dtype)}
-
-
-def quiet_transformers() -> None:
-    """Silence per-load progress bars and info logs (one line per step is ours to print)."""
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-    logging.set_verbosity_error()
 
 
 def load_tokenizer(path: str):

@@ -12,6 +12,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ray_ppo.models.quiet import quiet_transformers
+
 TINY_NAME = "tiny"
 """The value of ``model.pretrained`` that selects the built-in tiny model."""
 TINY_VLLM_NAME = "tiny-vllm"
@@ -56,8 +58,6 @@ def build_tiny_model(directory: str | Path, seed: int = 0, **shape) -> Path:
     ``shape`` overrides ``tiny_gpt2_config``'s sizes (``n_embd``, ``n_head``, ...)."""
     import torch
     from transformers import GPT2LMHeadModel
-
-    from ray_ppo.models.hf import quiet_transformers
 
     quiet_transformers()
     directory = Path(directory)

@@ -1,37 +1,37 @@
-"""``train_loop_per_worker`` for the detached PPO ``TorchTrainer``.
+"""``train_loop_per_worker`` for the detached PPO ``TorchTrainer``: the loop and nothing else.
 
-Each step reads top to bottom: pull -> PPO epochs -> publish weights -> report.
+Each step reads top to bottom: pull -> train -> publish -> checkpoint -> report. The parts live
+with their kind: the weight publisher in ``ray_ppo.publish``, the checkpoint writer in
+``ray_ppo.checkpoint``, the statistics in ``train.metrics`` and ``train.monitor``, and the step's
+collectives, named for what they synchronise, in ``train.collectives``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
 import ray.train
 import torch
 
-from ray_ppo.algo import ExperienceBatch, ExperienceItem, make_kl_controller
-from ray_ppo.checkpoint import load_trainer_state, write_trainer_state
+from ray_ppo.algo import ExperienceBatch, ExperienceItem, KLController, make_kl_controller
 from ray_ppo.build import build_actor, build_critic_if_needed, tokenizer_path
+from ray_ppo.checkpoint import CheckpointWriter, restore_point, restored_critic
 from ray_ppo.config import Config
 from ray_ppo.models import load_tokenizer
-from ray_ppo.models.lora import trainable_names
+from ray_ppo.publish import WeightPublisher
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
-from ray_ppo.sync import fingerprint, join_state, make_buckets, push_aliases, push_size, split_state
+from ray_ppo.sync import fingerprint
+from ray_ppo.train.collectives import all_reduce_metrics, barrier, broadcast_time_up
 from ray_ppo.train.learner import PPOLearner, drop_absent
+from ray_ppo.train.metrics import experience_metrics
+from ray_ppo.train.monitor import MakerMonitor, verify_makers
 from ray_ppo.train.strategies import make_strategy
 from ray_ppo.transport import resolve
-
-VERIFY_TIMEOUT_S = 60.0
-"""How long the last step waits for every maker to load the final push before comparing weights."""
 
 
 @dataclass
@@ -42,128 +42,75 @@ class RunHandles:
     coordinator_name: str = "coordinator"
 
 
-def experience_metrics(items: list[ExperienceItem], version: int) -> dict[str, float]:
-    """Reward, KL, length and staleness statistics of the items of one step."""
-    rewards = torch.tensor([it.reward for it in items])
-    lengths = torch.tensor([it.response_length for it in items], dtype=torch.float32)
-    kl = torch.cat([it.action_log_probs - it.ref_log_probs for it in items])
-    staleness = torch.tensor([version - it.policy_version for it in items], dtype=torch.float32)
-    return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(items) > 1 else 0.0,
-            "kl": float(kl.mean()), "response_length": float(lengths.mean()),
-            "staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max())}
+@dataclass
+class _Worker:
+    """What one rank's loop holds from step to step."""
+
+    cfg: Config
+    rank: int
+    world: int
+    device: torch.device
+    coordinator: Any
+    learner: PPOLearner
+    kl_ctl: KLController
+    publisher: WeightPublisher
+    checkpoints: CheckpointWriter | None  # rank 0 only
+    monitor: MakerMonitor | None  # rank 0 only
+    tokenizer: Any
+    version: int = 0
+    run_start: float = 0.0
 
 
-def reduce_across_ranks(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Mean over ranks (max for ``*_max`` keys); identity in a single process. A nan (a statistic
-    a rank has no data for, e.g. ``behaviour_kl_stale_<s>``) is left out of the mean: nan only
-    when every rank has nan."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return metrics
-    keys = sorted(metrics)
-    means = [k for k in keys if not k.endswith("_max")]
-    maxes = [k for k in keys if k.endswith("_max")]
-    out = dict(metrics)
-    if means:
-        t = torch.tensor([metrics[k] for k in means], dtype=torch.float64, device=device)
-        t = torch.stack([torch.nan_to_num(t, nan=0.0), (~torch.isnan(t)).double()])
-        torch.distributed.all_reduce(t)
-        out.update(zip(means, (t[0] / t[1]).tolist()))  # 0 / 0 = nan where no rank had a value
-    if maxes:
-        t = torch.tensor([metrics[k] for k in maxes], dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        out.update(zip(maxes, t.tolist()))
-    return out
+@dataclass(frozen=True)
+class _StepPlan:
+    """What step ``step`` does besides training, decided alike on every rank."""
 
-
-class WeightPublisher:
-    """Rank 0 side of a push: gather full state dicts, cut buckets, ``ray.put`` each once and hand
-    its ref to the coordinator at once (makers stage bucket k while rank 0 puts k+1). Every rank
-    must call ``gather`` (it is a collective)."""
-
-    def __init__(self, learner: PPOLearner, coordinator: Any, bucket_mb: float, rank: int):
-        self.learner, self.coordinator, self.bucket_mb, self.rank = learner, coordinator, bucket_mb, rank
-        self.handed: list = []  # the coordinator's acknowledgements of the last push, checked at the next one
-        unwrap = learner.strategy.unwrap
-        critic = unwrap(learner.critic) if learner.critic is not None else None
-        self.trainable = {f"actor.{n}" for n in trainable_names(unwrap(learner.actor))}
-        self.trainable |= {f"critic.{n}" for n in trainable_names(critic)} if critic is not None else set()
-        self.aliases = push_aliases(unwrap(learner.actor), critic)
-
-    def gather(self) -> dict[str, torch.Tensor]:
-        """Full actor and critic state dicts, keys prefixed ``actor.`` / ``critic.`` (no ``critic.``
-        keys without a critic: a critic-free push carries the actor alone)."""
-        strategy, critic = self.learner.strategy, self.learner.critic
-        return join_state(strategy.full_state_dict(self.learner.actor),
-                          strategy.full_state_dict(critic) if critic is not None else {})
-
-    def to_push(self, state: dict[str, torch.Tensor], lora_only: bool) -> dict[str, torch.Tensor]:
-        """What a push carries: every tensor once (tied aliases dropped; makers re-tie them), or
-        with ``sync.lora_only`` only the adapters and other trainable tensors (value head)."""
-        keep = self.trainable if lora_only else set(state) - self.aliases
-        return {k: v for k, v in state.items() if k in keep}
-
-    def publish(self, state: dict[str, torch.Tensor], version: int, meta: dict) -> tuple[float, int]:
-        """Put the buckets, each handed on as soon as it is put; returns (seconds, bytes). Rank 0 only.
-
-        The calls are not waited for: the coordinator runs them in order, before this rank's next
-        call, and the next push checks that the previous one's calls succeeded."""
-        start = time.perf_counter()
-        ray.get(self.handed)
-        num_chunks, nbytes = push_size(state, self.bucket_mb)
-        self.handed = [self.coordinator.publish_start.remote(version, num_chunks, nbytes, meta)]
-        self.handed += [self.coordinator.publish_chunk.remote(version, index, [ray.put(bucket)])
-                        for index, bucket in enumerate(make_buckets(state, self.bucket_mb))]
-        return time.perf_counter() - start, nbytes
-
-
-class CheckpointWriter:
-    """Rank 0 writes actor and critic (``save_pretrained``, safetensors; no critic for the
-    critic-free estimators), tokenizer, optimizer state and run state into a fresh directory that
-    becomes a ``ray.train.Checkpoint``."""
-
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self._actor = self._critic = None  # CPU copies that receive full state dicts before saving
-
-    def write(self, state: dict[str, torch.Tensor], optim_state: dict, run_state: dict) -> ray.train.Checkpoint:
-        if self._actor is None:
-            self._actor, self._critic = build_actor(self.cfg), build_critic_if_needed(self.cfg)
-        actor_state, critic_state = split_state(state)
-        self._actor.load_state_dict(actor_state)
-        directory = Path(tempfile.mkdtemp(prefix="ray_ppo_ckpt_"))
-        try:
-            self._actor.save_pretrained(directory / "actor")
-            load_tokenizer(tokenizer_path(self.cfg)).save_pretrained(directory / "actor")
-            if self._critic is not None:
-                self._critic.load_state_dict(critic_state)
-                self._critic.save_pretrained(directory / "critic")
-            write_trainer_state(directory, actor_state, critic_state if self._critic is not None else None,
-                                optim_state, run_state)
-        except OSError as e:  # a full disk: no partial checkpoint is left, the previous one is intact
-            shutil.rmtree(directory, ignore_errors=True)
-            raise OSError(e.errno, f"the checkpoint of step {run_state['step']} could not be written ({e}); "
-                                   f"RUN_DIR/checkpoint still holds the previous one: free space, then "
-                                   f"ray-ppo train --resume RUN_DIR") from None
-        return ray.train.Checkpoint.from_directory(str(directory))
-
-
-def _restore_point(resume_from: str | None) -> tuple[dict, dict, dict, dict] | None:
-    """The state to resume from, validated: this run's latest checkpoint if Ray Train restarted
-    the worker group (``FailureConfig``), else the ``resume_from`` directory; None for a fresh run."""
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            return load_trainer_state(directory)
-    return load_trainer_state(resume_from) if resume_from else None
+    step: int
+    last: bool
+    push: bool
+    checkpoint: bool
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
-    """Pull experience, train, publish weights, report: ``trainer.total_steps`` times."""
+    """Pull experience, train, publish weights, checkpoint, report: ``trainer.total_steps`` times."""
     with coordinator_death_is_fatal():
         _train_loop(loop_config)
 
 
 def _train_loop(loop_config: dict) -> None:
+    worker, first_step = _start_worker(loop_config)
+    worker.run_start = time.perf_counter()
+    for step in range(first_step, worker.cfg.trainer.total_steps + 1):
+        if _train_step(worker, step):
+            break
+
+
+def _train_step(w: _Worker, step: int) -> bool:
+    """One step: pull -> train -> publish -> checkpoint -> report. True after the run's last step."""
+    start = time.perf_counter()
+    items = _pull_step(w, step)
+    wait_s = time.perf_counter() - start
+    metrics = _train(w, items)
+    plan = _plan(w, step)
+    state, push_s, push_bytes = _publish(w, plan)
+    step_s, elapsed_s = time.perf_counter() - start, time.perf_counter() - w.run_start
+    metrics.update(trainer_idle_ratio=wait_s / step_s)
+    checkpoint = _checkpoint(w, step, state) if plan.checkpoint else None
+    metrics = drop_absent(all_reduce_metrics(metrics, w.device))
+    # Only rank 0 pushes, and only rank 0's row is kept: its own time and bytes, never a mean over ranks.
+    metrics.update(push_s=push_s, push_bytes=float(push_bytes))
+    metrics.update(step=step, policy_version=w.version, kl_coef=w.kl_ctl.value,
+                   samples_per_s=w.cfg.trainer.train_batch_size * w.world / step_s, elapsed_s=elapsed_s)
+    _report(w, plan, metrics, step_s, items, state, checkpoint)
+    return plan.last
+
+
+# -- start ------------------------------------------------------------------------------------------
+
+
+def _start_worker(loop_config: dict) -> tuple[_Worker, int]:
+    """This rank's models, learner and helpers, restored from a checkpoint if there is one, and
+    the makers given the weights to start from; returns the worker and its first step."""
     cfg = Config.from_dict(loop_config["config"])
     handles = RunHandles(**loop_config["handles"])
     ctx = ray.train.get_context()
@@ -172,103 +119,129 @@ def _train_loop(loop_config: dict) -> None:
     torch.manual_seed(cfg.seed)
     device = ray.train.torch.get_device() if cfg.trainer.use_gpu else torch.device("cpu")
     coordinator = ray.get_actor(handles.coordinator_name, namespace=handles.namespace)
+    restored = restore_point(ray.train.get_checkpoint(), loop_config.get("resume_from"))
+    learner = _build_learner(cfg, device, rank, restored, loop_config.get("learner_factory"))
+    w = _Worker(cfg, rank, world, device, coordinator, learner,
+                kl_ctl=make_kl_controller(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon),
+                publisher=WeightPublisher(learner, coordinator, cfg.sync.bucket_mb),
+                checkpoints=CheckpointWriter(cfg) if rank == 0 else None,
+                monitor=MakerMonitor(coordinator, cfg.maker.engine == "vllm") if rank == 0 else None,
+                tokenizer=load_tokenizer(tokenizer_path(cfg)))
+    first_step = 1
+    if restored:
+        optim_state, run_state = restored[2], restored[3]
+        learner.load_state(optim_state)
+        w.kl_ctl.load_state_dict(run_state["kl_ctl"])
+        first_step, w.version = run_state["step"] + 1, run_state["policy_version"]
+    _start_makers(w, restored is not None, first_step)
+    return w, first_step
 
-    restored = _restore_point(loop_config.get("resume_from"))
+
+def _build_learner(cfg: Config, device: torch.device, rank: int, restored: tuple | None,
+                   learner_factory: Any) -> PPOLearner:
+    """Actor and critic (with the checkpoint's weights when resuming) under the configured strategy."""
     actor, critic = build_actor(cfg), build_critic_if_needed(cfg)
     if restored:
         actor.load_state_dict(restored[0])
         if critic is not None:
-            critic.load_state_dict(_restored_critic(restored[1], cfg))
+            critic.load_state_dict(restored_critic(restored[1], cfg))
     strategy = make_strategy(cfg.trainer.strategy, device, cfg.trainer.max_grad_norm)
-    learner_factory = loop_config.get("learner_factory") or PPOLearner  # benchmarks may simulate the update
-    learner = learner_factory(actor, critic, strategy, cfg, seed=cfg.seed + rank)
-    kl_ctl = make_kl_controller(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
-    publisher = WeightPublisher(learner, coordinator, cfg.sync.bucket_mb, rank)
-    checkpoints = CheckpointWriter(cfg) if rank == 0 else None
-    monitor = MakerMonitor(coordinator, cfg.maker.engine == "vllm") if rank == 0 else None
-    tokenizer = load_tokenizer(tokenizer_path(cfg))
-    pad_token_id = tokenizer.pad_token_id
-    first_step, version = 1, 0
-    if restored:
-        optim_state, run_state = restored[2], restored[3]
-        learner.load_state(optim_state)
-        kl_ctl.load_state_dict(run_state["kl_ctl"])
-        first_step, version = run_state["step"] + 1, run_state["policy_version"]
+    learner_factory = learner_factory or PPOLearner  # benchmarks may simulate the update
+    return learner_factory(actor, critic, strategy, cfg, seed=cfg.seed + rank)
+
+
+def _start_makers(w: _Worker, restored: bool, first_step: int) -> None:
+    """Rewind the prompts to ``first_step`` and, when makers must start from this group's weights
+    (resumed, restarted, or ``maker.wait_for_weights``), publish them."""
     # Versions never go backwards for makers: after a worker-group restart the coordinator may
     # already hold later pushes (made after the checkpoint, or with no checkpoint at all); the
     # weights this group starts from then get a new, higher version.
-    latest = ray.get(coordinator.status.remote())["trainer_version"]
-    behind = latest > version
-    version = latest + 1 if behind else version
-    _rewind_prompts(coordinator, first_step - 1, rank)
-    if restored or behind or cfg.maker.wait_for_weights:  # makers start from these weights
-        state = publisher.gather()
-        if rank == 0:
-            publisher.publish(state, version, {"kl_coef": kl_ctl.value})
-
-    run_start = time.perf_counter()
-    for step in range(first_step, cfg.trainer.total_steps + 1):
-        step_start = time.perf_counter()
-        items = _pull(coordinator, rank, cfg.trainer.train_batch_size, version, cfg.trainer.pull_timeout_s, step)
-        wait_s = time.perf_counter() - step_start
-        if monitor:
-            monitor.request()  # answered while this rank trains
-
-        train_start = time.perf_counter()
-        learner.kl_coef = kl_ctl.value
-        metrics = learner.train_step(ExperienceBatch.merge(items, pad_token_id), version=version)
-        train_s = time.perf_counter() - train_start
-        metrics.update(experience_metrics(items, version))
-        kl_ctl.update(metrics["kl"], cfg.trainer.train_batch_size * world)
-
-        is_last = step == cfg.trainer.total_steps or _over_budget(cfg.trainer.time_budget_s, run_start, device)
-        push_due = step % cfg.trainer.update_steps == 0 or is_last
-        ckpt_due = is_last or (cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0)
-        state = publisher.gather() if push_due or ckpt_due else {}
-        optim_state = learner.full_state_dict() if ckpt_due else {}
-        push_s, push_bytes = 0.0, 0
-        if push_due:
-            version += 1
-            if rank == 0:
-                push_s, push_bytes = publisher.publish(publisher.to_push(state, cfg.sync.lora_only), version,
-                                                       {"kl_coef": kl_ctl.value, "partial": cfg.sync.lora_only})
-
-        step_s = time.perf_counter() - step_start
-        metrics.update(train_s=train_s, trainer_idle_ratio=wait_s / step_s)
-        metrics = drop_absent(reduce_across_ranks(metrics, device))
-        # Only rank 0 pushes, and only rank 0's row is kept: its own time and bytes, never a mean over ranks.
-        metrics.update(push_s=push_s, push_bytes=float(push_bytes))
-        metrics.update(step=step, policy_version=version, kl_coef=kl_ctl.value,
-                       samples_per_s=cfg.trainer.train_batch_size * world / step_s,
-                       elapsed_s=time.perf_counter() - run_start)
-        checkpoint = None
-        if rank == 0:
-            metrics.update(monitor.metrics(step_s))
-            if is_last:
-                metrics["weights_in_sync"] = _verify_makers(coordinator, version, fingerprint(state))
-            if ckpt_due:
-                run_state = {"step": step, "policy_version": version, "kl_ctl": kl_ctl.state_dict(),
-                             "data": ray.get(coordinator.data_state.remote(step))}
-                checkpoint = checkpoints.write(state, optim_state, run_state)
-            samples = pick_samples(items, tokenizer, step) if samples_due(step, cfg.logging.samples_every) else []
-            coordinator.record_metrics.remote({**metrics, SAMPLES_KEY: samples} if samples else metrics)
-        if is_last or ckpt_due or step % cfg.logging.report_every == 0:
-            ray.train.report(metrics, checkpoint=checkpoint)
-            if checkpoint is not None:
-                _announce_checkpoint(coordinator, step)
-        if is_last:
-            break
+    latest = ray.get(w.coordinator.status.remote())["trainer_version"]
+    behind = latest > w.version
+    w.version = latest + 1 if behind else w.version
+    _rewind_prompts(w.coordinator, first_step - 1, w.rank)
+    if restored or behind or w.cfg.maker.wait_for_weights:  # makers start from these weights
+        state = w.publisher.gather()
+        if w.rank == 0:
+            w.publisher.publish(state, w.version, {"kl_coef": w.kl_ctl.value})
 
 
-def _over_budget(budget_s: float, run_start: float, device: torch.device) -> bool:
-    """The loop has run ``budget_s`` seconds (0 = no budget), decided alike on every rank (rank 0's
-    clock: a collective when a process group exists)."""
-    if not budget_s:
-        return False
-    over = torch.tensor([float(time.perf_counter() - run_start >= budget_s)], device=device)
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.broadcast(over, src=0)
-    return bool(over.item())
+# -- the phases of a step ---------------------------------------------------------------------------
+
+
+def _pull_step(w: _Worker, step: int) -> list[ExperienceItem]:
+    """This rank's ``trainer.train_batch_size`` items for ``step``; rank 0 then asks for the
+    makers' totals, answered while it trains."""
+    t = w.cfg.trainer
+    items = _pull(w.coordinator, w.rank, t.train_batch_size, w.version, t.pull_timeout_s, step)
+    if w.monitor:
+        w.monitor.request()
+    return items
+
+
+def _train(w: _Worker, items: list[ExperienceItem]) -> dict[str, float]:
+    """PPO epochs on the items; this rank's metrics. The KL controller sees this step's KL."""
+    train_start = time.perf_counter()
+    w.learner.kl_coef = w.kl_ctl.value
+    metrics = w.learner.train_step(ExperienceBatch.merge(items, w.tokenizer.pad_token_id), version=w.version)
+    train_s = time.perf_counter() - train_start
+    metrics.update(experience_metrics(items, w.version))
+    w.kl_ctl.update(metrics["kl"], w.cfg.trainer.train_batch_size * w.world)
+    metrics.update(train_s=train_s)
+    return metrics
+
+
+def _plan(w: _Worker, step: int) -> _StepPlan:
+    """Whether ``step`` is the last (``total_steps`` or the time budget: a broadcast), pushes, checkpoints."""
+    t = w.cfg.trainer
+    last = step == t.total_steps or broadcast_time_up(t.time_budget_s, w.run_start, w.device)
+    return _StepPlan(step, last, push=step % t.update_steps == 0 or last,
+                     checkpoint=bool(last or (t.checkpoint_every and step % t.checkpoint_every == 0)))
+
+
+def _publish(w: _Worker, plan: _StepPlan) -> tuple[dict[str, torch.Tensor], float, int]:
+    """Gather the weights when a push or a checkpoint needs them (a collective); on a push step
+    the version goes up and rank 0 publishes. Returns (gathered state, push seconds, push bytes)."""
+    state = w.publisher.gather() if plan.push or plan.checkpoint else {}
+    if not plan.push:
+        return state, 0.0, 0
+    w.version += 1
+    if w.rank != 0:
+        return state, 0.0, 0
+    lora_only = w.cfg.sync.lora_only
+    push_s, push_bytes = w.publisher.publish(w.publisher.to_push(state, lora_only), w.version,
+                                             {"kl_coef": w.kl_ctl.value, "partial": lora_only})
+    return state, push_s, push_bytes
+
+
+def _checkpoint(w: _Worker, step: int, state: dict[str, torch.Tensor]) -> ray.train.Checkpoint | None:
+    """Gather the optimizer state (a collective); rank 0 writes the checkpoint and returns it."""
+    optim_state = w.learner.full_state_dict()
+    if w.rank != 0:
+        return None
+    run_state = {"step": step, "policy_version": w.version, "kl_ctl": w.kl_ctl.state_dict(),
+                 "data": ray.get(w.coordinator.data_state.remote(step))}
+    return ray.train.Checkpoint.from_directory(str(w.checkpoints.write(state, optim_state, run_state)))
+
+
+def _report(w: _Worker, plan: _StepPlan, metrics: dict[str, float], step_s: float, items: list[ExperienceItem],
+            state: dict[str, torch.Tensor], checkpoint: ray.train.Checkpoint | None) -> None:
+    """Rank 0 adds the makers' view (and, at the end, whether they hold the final weights) and
+    records the row; every rank reports to Ray Train when due."""
+    if w.rank == 0:
+        metrics.update(w.monitor.metrics(step_s))
+        if plan.last:
+            metrics["weights_in_sync"] = verify_makers(w.coordinator, w.version, fingerprint(state))
+        due = samples_due(plan.step, w.cfg.logging.samples_every)
+        samples = pick_samples(items, w.tokenizer, plan.step) if due else []
+        w.coordinator.record_metrics.remote({**metrics, SAMPLES_KEY: samples} if samples else metrics)
+    if plan.last or plan.checkpoint or plan.step % w.cfg.logging.report_every == 0:
+        ray.train.report(metrics, checkpoint=checkpoint)
+        if checkpoint is not None:
+            _announce_checkpoint(w.coordinator, plan.step)
+
+
+# -- calls to the coordinator -----------------------------------------------------------------------
 
 
 def _announce_checkpoint(coordinator: Any, step: int) -> None:
@@ -286,16 +259,7 @@ def _rewind_prompts(coordinator: Any, step: int, rank: int) -> None:
     no rank pulls before it is done (a no-op for a fresh or resumed run)."""
     if rank == 0:
         ray.get(coordinator.rewind.remote(step))
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.barrier()
-
-
-def _restored_critic(state: dict | None, cfg: Config) -> dict:
-    """The checkpoint's critic weights; a clear error if it has none (a critic-free run's checkpoint)."""
-    if state is None:
-        raise ValueError(f"algo.advantage={cfg.algo.advantage} trains a critic, but the checkpoint has none "
-                         f"(it was made by a critic-free estimator); resume with that run's algo.advantage")
-    return state
+    barrier()
 
 
 def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, step: int) -> list[ExperienceItem]:
@@ -333,55 +297,3 @@ def coordinator_death_is_fatal():
             "the coordinator actor died, and with it the experience buffers and the run's counters; "
             "the run cannot continue. Resume from the last checkpoint (ray-ppo train --resume RUN_DIR or "
             f"PPOTrainer(..., resume_from=...)). Cause: {str(e).splitlines()[0]}") from None
-
-
-class MakerMonitor:
-    """Generation throughput and maker idle ratio since the previous step, from the coordinator's totals."""
-
-    def __init__(self, coordinator: Any, engine_gaps: bool = False):
-        self.coordinator = coordinator
-        self.last = {"tokens": 0.0, "generate_s": 0.0, "idle_s": 0.0}
-        self.pending = None
-        self.gaps_seen = 0
-        self.engine_gaps = engine_gaps  # vLLM makers: relay their log-prob gap (engine_logprob_gap_*)
-
-    def request(self) -> None:
-        """Ask for the coordinator's totals now; ``metrics`` reads the answer (no wait on the step's path)."""
-        self.pending = self.coordinator.status.remote()
-
-    def metrics(self, step_s: float) -> dict[str, float]:
-        status = ray.get(self.pending if self.pending is not None else self.coordinator.status.remote())
-        self.pending = None
-        makers = status["makers"].values()
-        totals = {key: sum(m[key] for m in makers) for key in self.last}
-        delta = {key: totals[key] - self.last[key] for key in totals}
-        self.last = totals
-        n = max(1, len(status["makers"]))
-        counters = status["counters"]
-        return {"generated_tokens_per_s": delta["tokens"] / step_s, "maker_generate_s": delta["generate_s"] / n,
-                "maker_idle_ratio": min(1.0, delta["idle_s"] / (n * step_s)),
-                "items_produced": float(counters["produced"]), "items_consumed": float(counters["consumed"]),
-                "items_discarded": float(counters["discarded"]), "items_in_flight": float(counters["in_flight"]),
-                "items_lost_in_transit": float(counters["lost_in_transit"]),
-                "prompts_trained": float(counters["prompts_trained"]),
-                "prompts_requeued": float(counters["prompts_requeued"]),
-                "prompts_served": float(counters["prompts_served"]), "prompts_blank": float(counters["blank_prompts"]),
-                "prompts_truncated": float(counters["truncated_prompts"]), "prompts_lost": float(counters["lost"]),
-                **(self._logprob_gap() if self.engine_gaps else {})}
-
-    def _logprob_gap(self) -> dict[str, float]:
-        """engine_logprob_gap_mean / _max over the tokens sampled by vLLM makers since the previous step."""
-        gaps = ray.get(self.coordinator.logprob_gaps_since.remote(self.gaps_seen))
-        self.gaps_seen += len(gaps)
-        tokens = sum(n for _, _, n in gaps)
-        if not tokens:
-            return {}
-        return {"engine_logprob_gap_mean": sum(s for s, _, _ in gaps) / tokens,
-                "engine_logprob_gap_max": max(m for _, m, _ in gaps)}
-
-
-def _verify_makers(coordinator: Any, version: int, expected: str) -> float:
-    """1.0 if every maker loaded push ``version`` and holds exactly the published weights."""
-    ray.get(coordinator.wait_for_version.remote(version, VERIFY_TIMEOUT_S))
-    prints = ray.get(coordinator.maker_fingerprints.remote())
-    return float(all(v == version and fp == expected for v, fp in prints.values()))

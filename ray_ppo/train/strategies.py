@@ -1,7 +1,7 @@
 """Training strategies: how models are wrapped, stepped and gathered on the trainer side.
 
 A strategy is any object with the ``Strategy`` protocol's methods. The PPO loop calls only
-these, so DDP, FSDP2 and (later) ColossalAI plug in without forking the loop.
+these, so DDP, FSDP2 and ColossalAI (``train/colossalai_strategy.py``) plug in without forking the loop.
 """
 
 from __future__ import annotations

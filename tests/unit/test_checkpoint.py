@@ -152,7 +152,7 @@ def test_a_full_disk_on_the_trainer_leaves_no_partial_checkpoint(tmp_path, monke
     import tempfile
     from pathlib import Path
 
-    import ray_ppo.train.loop as loop
+    import ray_ppo.checkpoint as checkpoint_module
     from ray_ppo.build import build_actor, build_critic
     from ray_ppo.config import load_config
     from ray_ppo.sync import join_state
@@ -165,11 +165,11 @@ def test_a_full_disk_on_the_trainer_leaves_no_partial_checkpoint(tmp_path, monke
         (directory / "trainer" / "actor.safetensors").write_bytes(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(loop, "write_trainer_state", disk_full)
+    monkeypatch.setattr(checkpoint_module, "write_trainer_state", disk_full)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(OSError, match=r"the checkpoint of step 3 could not be written \(\[Errno 28\] No space left "
                                       r"on device\); RUN_DIR/checkpoint still holds the previous one"):
-        loop.CheckpointWriter(cfg).write(state, {}, {"step": 3})
+        checkpoint_module.CheckpointWriter(cfg).write(state, {}, {"step": 3})
     assert list(tmp_path.iterdir()) == []
 
 

@@ -97,7 +97,7 @@ def test_wrong_length_reward_names_the_function(make):
 
 def test_a_good_reward_passes(make):
     items, stats = make(toy.reward, ["1 2 3", "4 5 6"])
-    assert len(items) == 2 and all(0.0 <= r <= 1.0 for r in stats.rewards)
+    assert len(items) == stats.num_samples == 2 and all(0.0 <= item.reward <= 1.0 for item in items)
 
 
 def test_an_actor_that_could_not_start_is_named_with_its_error():

@@ -1,15 +1,13 @@
 """Where makers run: the device follows ``maker.num_gpus``, every model goes there, items come back on CPU."""
 
-import copy
-import itertools
-
 import pytest
 import torch
 
 from ray_ppo.build import build_experience_maker, maker_device
 from ray_ppo.config import Config, ConfigError
 from ray_ppo.makers.actor import MakerWorker
-from ray_ppo.sync import fingerprint, join_state, make_buckets, push_aliases, unpack_bucket
+from ray_ppo.device_checks import bad_item_fields, deliver_push, perturbed_push
+from ray_ppo.sync import fingerprint
 
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
 
@@ -25,43 +23,13 @@ def maker_models(maker) -> dict[str, torch.nn.Module]:
 
 
 def assert_cpu_and_finite(items) -> None:
-    for item in items:
-        for name, tensor in vars(item).items():
-            if isinstance(tensor, torch.Tensor):
-                assert tensor.device.type == "cpu", name
-                assert torch.isfinite(tensor.float()).all(), name
+    assert not bad_item_fields(items)
 
 
-def pushed(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` as a maker stages it: unpacked from copies of the buckets' arrays, read-only (as
-    ``ray.put`` stores them and Ray hands them out)."""
-    out = {}
-    for metas, arrays in make_buckets(state, bucket_mb=0.05):
-        stored = [array.copy() for array in arrays]
-        for array in stored:
-            array.setflags(write=False)
-        out.update(unpack_bucket((metas, stored)))
-    return out
-
-
-def new_weights(worker: MakerWorker) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(the trainer's full state, the push it sends) for perturbed copies of ``worker``'s models:
-    CPU tensors, tied aliases left out of the push as the trainer's ``WeightPublisher`` does."""
-    actor, critic = copy.deepcopy(worker.float_actor).cpu(), copy.deepcopy(worker.maker.critic).cpu()
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in itertools.chain(actor.parameters(), critic.parameters()):
-            p.add_(0.1 * torch.randn_like(p))
-    full = join_state(actor.state_dict(), critic.state_dict())
-    aliases = push_aliases(actor, critic)
-    return full, pushed({k: v for k, v in full.items() if k not in aliases})
-
-
-def load_push(worker: MakerWorker, version: int, state: dict[str, torch.Tensor]) -> bool:
-    worker.weights_start(version, 1, {})
-    worker.staging.stage(state)  # what weights_chunk does with each bucket from the object store
-    worker.staging.seen.add(0)
-    return worker.weights_end(version)
+def new_weights(worker: MakerWorker) -> tuple[dict[str, torch.Tensor], list]:
+    """(the trainer's full state, the buckets of its push) for perturbed copies of ``worker``'s
+    models: small buckets, so a push spans several."""
+    return perturbed_push(worker, scale=0.1, bucket_mb=0.05)
 
 
 # -- device selection ----------------------------------------------------------------------------
@@ -113,12 +81,12 @@ def test_read_only_push_loads_and_fingerprints_match(cfg):
     worker = MakerWorker(0, cfg.to_dict(), coordinator=None)  # the plain class, no Ray needed here
     assert worker.device == torch.device("cpu")
     full, push = new_weights(worker)
-    assert load_push(worker, 1, push)
+    assert deliver_push(worker, 1, push)
     assert worker.weights_fingerprint() == (1, fingerprint(full))
     # the second push stages into the tensors the first one replaced (spares): still exact
     assert worker.spares and worker.float_actor.lm_head.weight is worker.float_actor.transformer.wte.weight
     full2, push2 = new_weights(worker)
-    assert load_push(worker, 2, push2)
+    assert deliver_push(worker, 2, push2)
     assert worker.weights_fingerprint() == (2, fingerprint(full2)) and full2.keys() == full.keys()
     assert fingerprint(full2) != fingerprint(full)
     assert_cpu_and_finite(worker.maker.make_experience(PROMPTS, policy_version=2)[0])
@@ -137,6 +105,6 @@ def test_gpu_maker_generates_on_cuda_and_loads_pushes(cfg, dtype):
         assert {p.device.type for p in model.parameters()} == {"cuda"}, name
     assert_cpu_and_finite(worker.maker.make_experience(PROMPTS, policy_version=0)[0])
     full, push = new_weights(worker)
-    assert load_push(worker, 1, push)
+    assert deliver_push(worker, 1, push)
     assert worker.weights_fingerprint() == (1, fingerprint(full))
     assert_cpu_and_finite(worker.maker.make_experience(PROMPTS, policy_version=1)[0])

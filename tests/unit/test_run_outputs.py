@@ -7,7 +7,6 @@ import io
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 from ray_ppo.algo import ExperienceItem

@@ -1,0 +1,63 @@
+"""Rank 0's view of the makers, read from the coordinator: generation throughput, idle ratio and
+counters per step, and the end-of-run check that every maker holds the published weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+VERIFY_TIMEOUT_S = 60.0
+"""How long the last step waits for every maker to load the final push before comparing weights."""
+
+
+class MakerMonitor:
+    """Generation throughput and maker idle ratio since the previous step, from the coordinator's totals."""
+
+    def __init__(self, coordinator: Any, engine_gaps: bool = False):
+        self.coordinator = coordinator
+        self.last = {"tokens": 0.0, "generate_s": 0.0, "idle_s": 0.0}
+        self.pending = None
+        self.gaps_seen = 0
+        self.engine_gaps = engine_gaps  # vLLM makers: relay their log-prob gap (engine_logprob_gap_*)
+
+    def request(self) -> None:
+        """Ask for the coordinator's totals now; ``metrics`` reads the answer (no wait on the step's path)."""
+        self.pending = self.coordinator.status.remote()
+
+    def metrics(self, step_s: float) -> dict[str, float]:
+        status = ray.get(self.pending if self.pending is not None else self.coordinator.status.remote())
+        self.pending = None
+        makers = status["makers"].values()
+        totals = {key: sum(m[key] for m in makers) for key in self.last}
+        delta = {key: totals[key] - self.last[key] for key in totals}
+        self.last = totals
+        n = max(1, len(status["makers"]))
+        counters = status["counters"]
+        return {"generated_tokens_per_s": delta["tokens"] / step_s, "maker_generate_s": delta["generate_s"] / n,
+                "maker_idle_ratio": min(1.0, delta["idle_s"] / (n * step_s)),
+                "items_produced": float(counters["produced"]), "items_consumed": float(counters["consumed"]),
+                "items_discarded": float(counters["discarded"]), "items_in_flight": float(counters["in_flight"]),
+                "items_lost_in_transit": float(counters["lost_in_transit"]),
+                "prompts_trained": float(counters["prompts_trained"]),
+                "prompts_requeued": float(counters["prompts_requeued"]),
+                "prompts_served": float(counters["prompts_served"]), "prompts_blank": float(counters["blank_prompts"]),
+                "prompts_truncated": float(counters["truncated_prompts"]), "prompts_lost": float(counters["lost"]),
+                **(self._logprob_gap() if self.engine_gaps else {})}
+
+    def _logprob_gap(self) -> dict[str, float]:
+        """engine_logprob_gap_mean / _max over the tokens sampled by vLLM makers since the previous step."""
+        gaps = ray.get(self.coordinator.logprob_gaps_since.remote(self.gaps_seen))
+        self.gaps_seen += len(gaps)
+        tokens = sum(n for _, _, n in gaps)
+        if not tokens:
+            return {}
+        return {"engine_logprob_gap_mean": sum(s for s, _, _ in gaps) / tokens,
+                "engine_logprob_gap_max": max(m for _, m, _ in gaps)}
+
+
+def verify_makers(coordinator: Any, version: int, expected: str) -> float:
+    """1.0 if every maker loaded push ``version`` and holds exactly the published weights."""
+    ray.get(coordinator.wait_for_version.remote(version, VERIFY_TIMEOUT_S))
+    prints = ray.get(coordinator.maker_fingerprints.remote())
+    return float(all(v == version and fp == expected for v, fp in prints.values()))

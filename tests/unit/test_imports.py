@@ -1,0 +1,61 @@
+"""What imports what: the synchronous loop stays free of Ray, and no two modules of the package
+import each other (directly or through others, counting imports inside functions too)."""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = REPO_ROOT / "ray_ppo"
+
+
+def test_the_local_loop_does_not_import_ray():
+    code = "import ray_ppo.local, sys; assert 'ray' not in sys.modules, 'ray_ppo.local imported ray'"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Each module of ``ray_ppo`` -> the package's modules it imports anywhere in its text."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:  # ``from ray_ppo.models import tiny`` names a module
+                    full = f"{node.module}.{alias.name}"
+                    targets.add(full if full in modules else node.module)
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def cycle_from(start: str, graph: dict[str, set[str]]) -> list[str] | None:
+    """A path of imports from ``start`` back to itself, if there is one (depth-first)."""
+    stack, seen = [(start, [start])], set()
+    while stack:
+        node, path = stack.pop()
+        for target in graph[node]:
+            if target == start:
+                return path + [start]
+            if target not in seen:
+                seen.add(target)
+                stack.append((target, path + [target]))
+    return None
+
+
+def test_no_module_imports_itself_through_others():
+    graph = package_imports()
+    assert "ray_ppo.models.tiny" in graph["ray_ppo.models.hf"]  # the scan does see the package's imports
+    cycles = [cycle for name in sorted(graph) if (cycle := cycle_from(name, graph))]
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
