@@ -73,11 +73,9 @@ class SimExperienceMaker:
         time.sleep(self.gen_s)
         waited = time.perf_counter() - start
         self._counter += 1
-        zeros = torch.zeros(RESPONSE_LEN)
-        items = [ExperienceItem(prompt_ids=torch.tensor(ids), response_ids=torch.full((RESPONSE_LEN,), 5),
-                                action_log_probs=zeros, ref_log_probs=zeros, values=zeros, rewards=zeros,
-                                advantages=zeros, returns=zeros, reward=0.0, policy_version=policy_version,
-                                uid=f"{self.name}-{self._counter}-{i}") for i, ids in enumerate(prompt_ids)]
+        items = [ExperienceItem.filled(torch.tensor(ids), torch.full((RESPONSE_LEN,), 5), reward=0.0,
+                                       policy_version=policy_version, uid=f"{self.name}-{self._counter}-{i}")
+                 for i, ids in enumerate(prompt_ids)]
         return items, MakeStats(num_samples=len(items), num_tokens=RESPONSE_LEN * len(items), generate_s=waited)
 
 

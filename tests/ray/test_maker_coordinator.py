@@ -182,6 +182,5 @@ def _item(uid: str):
     from ray_ppo.algo import ExperienceItem
 
     n = 2 + int(uid.split("-")[1])  # items of different lengths
-    return ExperienceItem(prompt_ids=torch.arange(3), response_ids=torch.arange(n), action_log_probs=torch.randn(n),
-                          ref_log_probs=torch.randn(n), values=torch.randn(n), rewards=torch.randn(n),
-                          advantages=torch.randn(n), returns=torch.randn(n), reward=0.5, policy_version=0, uid=uid)
+    return ExperienceItem.filled(torch.arange(3), torch.arange(n), lambda name: torch.randn(n), reward=0.5,
+                                 policy_version=0, uid=uid)

@@ -20,10 +20,7 @@ SHORT_S = 0.1  # long enough for any runnable task to run; the blocked ones stay
 
 
 def item(version: int, uid: str) -> ExperienceItem:
-    zeros = torch.zeros(2)
-    return ExperienceItem(prompt_ids=torch.tensor([3, 4, 5]), response_ids=torch.tensor([6, 1]),
-                          action_log_probs=zeros, ref_log_probs=zeros, values=zeros, rewards=zeros,
-                          advantages=zeros, returns=zeros, reward=0.5, policy_version=version, uid=uid)
+    return ExperienceItem.filled(torch.tensor([3, 4, 5]), torch.tensor([6, 1]), reward=0.5, policy_version=version, uid=uid)
 
 
 def items(n: int, version: int = 0, prefix: str = "m0") -> ExperienceChunk:

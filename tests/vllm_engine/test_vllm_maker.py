@@ -15,6 +15,8 @@ import time
 import pytest
 import torch
 
+from ray_ppo.algo.experience import PER_TOKEN_FIELDS
+
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -96,7 +98,7 @@ def test_items_are_well_formed_and_equal_to_the_hf_makers(worker):
         maker.engine = worker.engine
     for item, hf_item in zip(items, hf_items):
         assert torch.equal(item.response_ids, hf_item.response_ids)
-        for field in ("action_log_probs", "ref_log_probs", "values", "rewards", "advantages", "returns"):
+        for field in PER_TOKEN_FIELDS:
             torch.testing.assert_close(getattr(item, field), getattr(hf_item, field), rtol=0, atol=1e-6)
         assert item.reward == hf_item.reward
 
