@@ -38,6 +38,7 @@ import numpy as np
 import ray
 
 from ray_ppo.coordinator import Coordinator
+from ray_ppo.messages import MakerStats
 from ray_ppo.transport import ExperienceChunk, resolve
 
 BATCH = 32
@@ -93,7 +94,7 @@ class MakerGroup:
         async def one(maker_id: int):
             for items in self.batches[maker_id]:
                 chunk = ExperienceChunk.of(items, variant)
-                await coordinator.send.remote(maker_id, chunk, {"num_prompts": 0})
+                await coordinator.send.remote(maker_id, chunk, MakerStats())
         await asyncio.gather(*(one(m) for m in self.batches))
         return time.time()
 
@@ -159,7 +160,7 @@ def run_once(groups, ranks, done, variant: str, num_makers: int, num_ranks: int,
     status = ray.get(coord.status.remote())
     # leftovers (< one pull per rank when the makers stopped) are drained outside the clock
     leftover = []
-    for r, k in enumerate(status["buffered"]):
+    for r, k in enumerate(status.buffered):
         if k:
             leftover.extend(it.uid for it in resolve(ray.get(coord.pull.remote(r, k, 0, 5.0))).items)
     ray.get([groups[g].release.remote() for g in share])

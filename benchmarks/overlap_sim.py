@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import itertools
 import os
 import sys
@@ -68,7 +69,7 @@ class SimExperienceMaker:
         self.advantage = AdvantageParams()
         self.name, self.gen_s, self._counter = name, gen_s, 0
 
-    def make_experience(self, prompt_ids: list[list[int]], policy_version: int):
+    def make_experience(self, prompt_ids: list[list[int]], policy_version: int, kl_coef: float | None = None):
         start = time.perf_counter()
         time.sleep(self.gen_s)
         waited = time.perf_counter() - start
@@ -123,7 +124,8 @@ def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, 
 
     def snapshot(metrics: dict) -> None:  # maker totals (and the time) when the measured window opens and closes
         if metrics["step"] in (skip, steps):
-            snapshots[metrics["step"]] = (time.perf_counter(), ray.get(trainer.coordinator.status.remote())["makers"])
+            makers = ray.get(trainer.coordinator.status.remote()).makers
+            snapshots[metrics["step"]] = (time.perf_counter(), {i: dataclasses.asdict(m) for i, m in makers.items()})
 
     with tempfile.TemporaryDirectory() as out:
         trainer = PPOTrainer(cell_config(out, makers, ranks, steps), experience_maker_factory=SimMakerFactory(gen_s),

@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray_ppo.checkpoint import validate_checkpoint
 from ray_ppo.config import Config
 from ray_ppo.coordinator import Coordinator
+from ray_ppo.messages import CoordinatorStatus
 from ray_ppo.data import read_prompt_dataset, select_prompt_column
 from ray_ppo.makers.actor import maker_actor_class
 from ray_ppo.models.tiny import resolve_pretrained
@@ -142,7 +143,7 @@ class PPOTrainer(TorchTrainer):
             scaling_config=scaling_config, run_config=run_config, **trainer_kwargs)
         self.coordinator = None
         self.makers: dict[int, Any] = {}
-        self.final_status: dict = {}
+        self.final_status: CoordinatorStatus | None = None  # the coordinator's status at the end of fit()
         self.maker_summaries: list[dict] = []
         self.interrupted = False
         self._controller = None

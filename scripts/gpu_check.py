@@ -175,6 +175,7 @@ def push_new_weights(worker) -> tuple[dict, int, bool]:
     bytes pushed, whether ``weights_end`` loaded it)."""
     import torch
 
+    from ray_ppo.messages import PushHeader
     from ray_ppo.sync import bucket_nbytes, join_state, make_buckets, push_aliases
 
     actor, critic = copy.deepcopy(worker.float_actor).cpu(), copy.deepcopy(worker.maker.critic).cpu()
@@ -185,7 +186,7 @@ def push_new_weights(worker) -> tuple[dict, int, bool]:
     full = join_state(actor.state_dict(), critic.state_dict())
     aliases = push_aliases(actor, critic)
     buckets = [stored(bucket) for bucket in make_buckets({k: v for k, v in full.items() if k not in aliases}, BUCKET_MB)]
-    worker.weights_start(1, len(buckets), {})
+    worker.weights_start(PushHeader(1, len(buckets), 0, kl_coef=worker.cfg.ppo.kl_coef))
     for index, bucket in enumerate(buckets):
         worker.weights_chunk(1, index, [bucket])
     return full, sum(bucket_nbytes(b) for b in buckets), worker.weights_end(1)

@@ -122,9 +122,12 @@ class ExperienceMaker:
         self._counter = 0
 
     @torch.no_grad()
-    def make_experience(self, prompts: Sequence[Sequence[int]], policy_version: int) -> tuple[list[ExperienceItem], MakeStats]:
+    def make_experience(self, prompts: Sequence[Sequence[int]], policy_version: int,
+                        kl_coef: float | None = None) -> tuple[list[ExperienceItem], MakeStats]:
         """One batch of experience from token-id prompts, every item tagged with ``policy_version``:
-        ``samples_per_prompt`` items per prompt, each prompt's items next to each other."""
+        ``samples_per_prompt`` items per prompt, each prompt's items next to each other. Rewards
+        are shaped with ``kl_coef``, the trainer's current coefficient (its KL controller owns it:
+        ``ray_ppo.messages``); None means the initial ``AdvantageParams.kl_coef`` (``ppo.kl_coef``)."""
         n = self.advantage.samples_per_prompt
         prompts = [p for p in prompts for _ in range(n)]
         stats = MakeStats(num_samples=len(prompts))
@@ -137,7 +140,8 @@ class ExperienceMaker:
         stats.generate_s = time.perf_counter() - start
         start = time.perf_counter()
         reward = self._score(rollout)
-        batch = self._to_batch(rollout, reward, policy_version, stats).to("cpu")
+        kl_coef = self.advantage.kl_coef if kl_coef is None else kl_coef
+        batch = self._to_batch(rollout, reward, policy_version, kl_coef, stats).to("cpu")
         stats.score_s = time.perf_counter() - start
         stats.num_tokens = int(rollout.action_mask.sum())
         stats.rewards = reward.tolist()
@@ -190,7 +194,7 @@ class ExperienceMaker:
         with model.disable_adapter():
             return action_log_probs(model, *args)
 
-    def _to_batch(self, rollout: Rollout, reward: torch.Tensor, policy_version: int,
+    def _to_batch(self, rollout: Rollout, reward: torch.Tensor, policy_version: int, kl_coef: float,
                   stats: MakeStats) -> ExperienceBatch:
         mask = rollout.action_mask
         log_probs = action_log_probs(self.actor, rollout.sequences, rollout.attention_mask, rollout.num_actions,
@@ -206,7 +210,7 @@ class ExperienceMaker:
         kl = compute_kl(log_probs, ref_log_probs, self.advantage.kl_estimator) * mask
         a = self.advantage
         rewards, advantages, returns = compute_advantages(
-            a.estimator, reward, kl, values, mask, kl_coef=a.kl_coef, kl_in=a.kl_in, gamma=a.gamma, lam=a.lam,
+            a.estimator, reward, kl, values, mask, kl_coef=kl_coef, kl_in=a.kl_in, gamma=a.gamma, lam=a.lam,
             group_size=a.samples_per_prompt, group_norm_std=a.group_norm_std)
         return ExperienceBatch(
             sequences=rollout.sequences, attention_mask=rollout.attention_mask, action_mask=mask,

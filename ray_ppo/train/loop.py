@@ -23,6 +23,7 @@ from ray_ppo.checkpoint import load_trainer_state, write_trainer_state
 from ray_ppo.build import build_actor, build_critic_if_needed, learner_params, tokenizer_path
 from ray_ppo.config import Config
 from ray_ppo.models import load_tokenizer
+from ray_ppo.messages import PushHeader
 from ray_ppo.models.lora import trainable_names
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.sync import fingerprint, join_state, make_buckets, push_aliases, push_size, split_state
@@ -102,7 +103,8 @@ class WeightPublisher:
         keep = self.trainable if lora_only else set(state) - self.aliases
         return {k: v for k, v in state.items() if k in keep}
 
-    def publish(self, state: dict[str, torch.Tensor], version: int, meta: dict) -> tuple[float, int]:
+    def publish(self, state: dict[str, torch.Tensor], version: int, kl_coef: float,
+                partial: bool = False) -> tuple[float, int]:
         """Put the buckets, each handed on as soon as it is put; returns (seconds, bytes). Rank 0 only.
 
         The calls are not waited for: the coordinator runs them in order, before this rank's next
@@ -110,7 +112,8 @@ class WeightPublisher:
         start = time.perf_counter()
         ray.get(self.handed)
         num_chunks, nbytes = push_size(state, self.bucket_mb)
-        self.handed = [self.coordinator.publish_start.remote(version, num_chunks, nbytes, meta)]
+        header = PushHeader(version, num_chunks, nbytes, kl_coef, partial)
+        self.handed = [self.coordinator.publish_start.remote(header)]
         self.handed += [self.coordinator.publish_chunk.remote(version, index, [ray.put(bucket)])
                         for index, bucket in enumerate(make_buckets(state, self.bucket_mb))]
         return time.perf_counter() - start, nbytes
@@ -197,14 +200,14 @@ def _train_loop(loop_config: dict) -> None:
     # Versions never go backwards for makers: after a worker-group restart the coordinator may
     # already hold later pushes (made after the checkpoint, or with no checkpoint at all); the
     # weights this group starts from then get a new, higher version.
-    latest = ray.get(coordinator.status.remote())["trainer_version"]
+    latest = ray.get(coordinator.status.remote()).trainer_version
     behind = latest > version
     version = latest + 1 if behind else version
     _rewind_prompts(coordinator, first_step - 1, rank)
     if restored or behind or cfg.maker.wait_for_weights:  # makers start from these weights
         state = publisher.gather()
         if rank == 0:
-            publisher.publish(state, version, {"kl_coef": kl_ctl.value})
+            publisher.publish(state, version, kl_ctl.value)
 
     run_start = time.perf_counter()
     for step in range(first_step, cfg.trainer.total_steps + 1):
@@ -231,7 +234,7 @@ def _train_loop(loop_config: dict) -> None:
             version += 1
             if rank == 0:
                 push_s, push_bytes = publisher.publish(publisher.to_push(state, cfg.sync.lora_only), version,
-                                                       {"kl_coef": kl_ctl.value, "partial": cfg.sync.lora_only})
+                                                       kl_ctl.value, partial=cfg.sync.lora_only)
 
         step_s = time.perf_counter() - step_start
         metrics.update(train_s=train_s, trainer_idle_ratio=wait_s / step_s)
@@ -352,21 +355,21 @@ class MakerMonitor:
     def metrics(self, step_s: float) -> dict[str, float]:
         status = ray.get(self.pending if self.pending is not None else self.coordinator.status.remote())
         self.pending = None
-        makers = status["makers"].values()
-        totals = {key: sum(m[key] for m in makers) for key in self.last}
+        makers = status.makers.values()
+        totals = {key: sum(getattr(m, key) for m in makers) for key in self.last}
         delta = {key: totals[key] - self.last[key] for key in totals}
         self.last = totals
-        n = max(1, len(status["makers"]))
-        counters = status["counters"]
+        n = max(1, len(status.makers))
+        counters = status.counters
         return {"generated_tokens_per_s": delta["tokens"] / step_s, "maker_generate_s": delta["generate_s"] / n,
                 "maker_idle_ratio": min(1.0, delta["idle_s"] / (n * step_s)),
-                "items_produced": float(counters["produced"]), "items_consumed": float(counters["consumed"]),
-                "items_discarded": float(counters["discarded"]), "items_in_flight": float(counters["in_flight"]),
-                "items_lost_in_transit": float(counters["lost_in_transit"]),
-                "prompts_trained": float(counters["prompts_trained"]),
-                "prompts_requeued": float(counters["prompts_requeued"]),
-                "prompts_served": float(counters["prompts_served"]), "prompts_blank": float(counters["blank_prompts"]),
-                "prompts_truncated": float(counters["truncated_prompts"]), "prompts_lost": float(counters["lost"]),
+                "items_produced": float(counters.produced), "items_consumed": float(counters.consumed),
+                "items_discarded": float(counters.discarded), "items_in_flight": float(counters.in_flight),
+                "items_lost_in_transit": float(counters.lost_in_transit),
+                "prompts_trained": float(counters.prompts_trained),
+                "prompts_requeued": float(counters.prompts_requeued),
+                "prompts_served": float(counters.prompts_served), "prompts_blank": float(counters.blank_prompts),
+                "prompts_truncated": float(counters.truncated_prompts), "prompts_lost": float(counters.lost),
                 **(self._logprob_gap() if self.engine_gaps else {})}
 
     def _logprob_gap(self) -> dict[str, float]:

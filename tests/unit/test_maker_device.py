@@ -9,6 +9,7 @@ import torch
 from ray_ppo.build import build_experience_maker, maker_device
 from ray_ppo.config import Config, ConfigError
 from ray_ppo.makers.actor import MakerWorker
+from ray_ppo.messages import PushHeader
 from ray_ppo.sync import fingerprint, join_state, make_buckets, push_aliases, unpack_bucket
 
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
@@ -58,9 +59,9 @@ def new_weights(worker: MakerWorker) -> tuple[dict[str, torch.Tensor], dict[str,
 
 
 def load_push(worker: MakerWorker, version: int, state: dict[str, torch.Tensor]) -> bool:
-    worker.weights_start(version, 1, {})
-    worker.staging.stage(state)  # what weights_chunk does with each bucket from the object store
-    worker.staging.seen.add(0)
+    worker.weights_start(PushHeader(version, 1, 0, kl_coef=0.05))
+    worker.receiver.staging.stage(state)  # what weights_chunk does with each bucket from the object store
+    worker.receiver.staging.seen.add(0)
     return worker.weights_end(version)
 
 

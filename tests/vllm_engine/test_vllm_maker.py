@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ray_ppo.algo.experience import PER_TOKEN_FIELDS
+from ray_ppo.messages import PushHeader
 
 pytestmark = [
     pytest.mark.vllm,
@@ -64,9 +65,9 @@ def push(worker, state: dict, version: int, num_chunks: int = 2, deliver: int | 
 
     buckets = list(make_buckets(state, bucket_mb=sum(t.numel() * t.element_size() for t in state.values())
                                 / num_chunks / 2**20 + 1e-3))
-    worker.weights_start(version, len(buckets), {"partial": False})
+    worker.weights_start(PushHeader(version, len(buckets), 0, kl_coef=0.05))
     for index, bucket in enumerate(buckets[:deliver]):
-        worker.staging.add(index, bucket)
+        worker.receiver.staging.add(index, bucket)
     return worker.weights_end(version)
 
 
