@@ -25,9 +25,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray_ppo.checkpoint import validate_checkpoint
 from ray_ppo.config import Config
 from ray_ppo.coordinator import Coordinator
-from ray_ppo.messages import CoordinatorStatus
 from ray_ppo.data import read_prompt_dataset, select_prompt_column
 from ray_ppo.makers.actor import maker_actor_class
+from ray_ppo.messages import CoordinatorStatus
 from ray_ppo.models.tiny import resolve_pretrained
 from ray_ppo.preflight import check_run
 from ray_ppo.rundir import CheckpointPublisher

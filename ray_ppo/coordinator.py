@@ -38,6 +38,10 @@ HEALTH_CHECK_S = 5.0
 
 
 class Coordinator:
+    """Responsibilities: wait and wake (sends for buffer space, pulls for items, makers for
+    admission, relays for weight buckets), relay pushes to makers, ping makers to diagnose a
+    stall. Everything it counts or decides is one of its state objects' (module docstring)."""
+
     def __init__(self, num_ranks: int, num_makers: int, buffer_size: int, max_staleness: int,
                  items_per_version: int, routing: str = "round_robin", prompts: Any = None,
                  prompt_batch_size: int = 16, shuffle: bool = True, seed: int = 0,

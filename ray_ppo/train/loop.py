@@ -22,8 +22,8 @@ from ray_ppo.algo import ExperienceBatch, ExperienceItem, make_kl_controller
 from ray_ppo.checkpoint import load_trainer_state, write_trainer_state
 from ray_ppo.build import build_actor, build_critic_if_needed, learner_params, tokenizer_path
 from ray_ppo.config import Config
-from ray_ppo.models import load_tokenizer
 from ray_ppo.messages import PushHeader
+from ray_ppo.models import load_tokenizer
 from ray_ppo.models.lora import trainable_names
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.sync import fingerprint, join_state, make_buckets, push_aliases, push_size, split_state
