@@ -38,11 +38,11 @@ import numpy as np
 import ray
 
 from ray_ppo.coordinator import Coordinator
+from ray_ppo.messages import MakerStats
 from ray_ppo.transport import ExperienceChunk, resolve
 
 BATCH = 32
 P_LEN, R_LEN = 16, 24
-FIELDS = ("action_log_probs", "ref_log_probs", "values", "rewards", "advantages", "returns")
 
 
 def make_items(maker_id: int, batch_index: int, batch: int = BATCH):
@@ -50,14 +50,16 @@ def make_items(maker_id: int, batch_index: int, batch: int = BATCH):
     from ray_ppo.algo import ExperienceItem
 
     rng = np.random.default_rng(maker_id * 100003 + batch_index)
-    return [ExperienceItem(
-        prompt_ids=torch.from_numpy(rng.integers(0, 50000, P_LEN)), response_ids=torch.from_numpy(rng.integers(0, 50000, R_LEN)),
-        **{f: torch.from_numpy(rng.standard_normal(R_LEN, dtype=np.float32)) for f in FIELDS},
+    return [ExperienceItem.filled(
+        torch.from_numpy(rng.integers(0, 50000, P_LEN)), torch.from_numpy(rng.integers(0, 50000, R_LEN)),
+        lambda name: torch.from_numpy(rng.standard_normal(R_LEN, dtype=np.float32)),
         reward=float(rng.standard_normal()), policy_version=0, uid=f"{maker_id}-{batch_index}-{i}") for i in range(batch)]
 
 
 def item_bytes() -> int:
-    return P_LEN * 8 + R_LEN * 8 + len(FIELDS) * R_LEN * 4
+    from ray_ppo.algo.experience import PER_TOKEN_FIELDS
+
+    return P_LEN * 8 + R_LEN * 8 + len(PER_TOKEN_FIELDS) * R_LEN * 4
 
 
 class BenchCoordinator(Coordinator):
@@ -92,7 +94,7 @@ class MakerGroup:
         async def one(maker_id: int):
             for items in self.batches[maker_id]:
                 chunk = ExperienceChunk.of(items, variant)
-                await coordinator.send.remote(maker_id, chunk, {"num_prompts": 0})
+                await coordinator.send.remote(maker_id, chunk, MakerStats())
         await asyncio.gather(*(one(m) for m in self.batches))
         return time.time()
 
@@ -158,7 +160,7 @@ def run_once(groups, ranks, done, variant: str, num_makers: int, num_ranks: int,
     status = ray.get(coord.status.remote())
     # leftovers (< one pull per rank when the makers stopped) are drained outside the clock
     leftover = []
-    for r, k in enumerate(status["buffered"]):
+    for r, k in enumerate(status.buffered):
         if k:
             leftover.extend(it.uid for it in resolve(ray.get(coord.pull.remote(r, k, 0, 5.0))).items)
     ray.get([groups[g].release.remote() for g in share])

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import itertools
 import os
 import sys
@@ -68,16 +69,14 @@ class SimExperienceMaker:
         self.kl_coef = cfg.ppo.kl_coef  # set by weight pushes, as on a real maker
         self.name, self.gen_s, self._counter = name, gen_s, 0
 
-    def make_experience(self, prompt_ids: list[list[int]], policy_version: int):
+    def make_experience(self, prompt_ids: list[list[int]], policy_version: int, kl_coef: float | None = None):
         start = time.perf_counter()
         time.sleep(self.gen_s)
         waited = time.perf_counter() - start
         self._counter += 1
-        zeros = torch.zeros(RESPONSE_LEN)
-        items = [ExperienceItem(prompt_ids=torch.tensor(ids), response_ids=torch.full((RESPONSE_LEN,), 5),
-                                action_log_probs=zeros, ref_log_probs=zeros, values=zeros, rewards=zeros,
-                                advantages=zeros, returns=zeros, reward=0.0, policy_version=policy_version,
-                                uid=f"{self.name}-{self._counter}-{i}") for i, ids in enumerate(prompt_ids)]
+        items = [ExperienceItem.filled(torch.tensor(ids), torch.full((RESPONSE_LEN,), 5), reward=0.0,
+                                       policy_version=policy_version, uid=f"{self.name}-{self._counter}-{i}")
+                 for i, ids in enumerate(prompt_ids)]
         return items, MakeStats(num_samples=len(items), num_tokens=RESPONSE_LEN * len(items), generate_s=waited)
 
 
@@ -125,7 +124,8 @@ def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, 
 
     def snapshot(metrics: dict) -> None:  # maker totals (and the time) when the measured window opens and closes
         if metrics["step"] in (skip, steps):
-            snapshots[metrics["step"]] = (time.perf_counter(), ray.get(trainer.coordinator.status.remote())["makers"])
+            makers = ray.get(trainer.coordinator.status.remote()).makers
+            snapshots[metrics["step"]] = (time.perf_counter(), {i: dataclasses.asdict(m) for i, m in makers.items()})
 
     with tempfile.TemporaryDirectory() as out:
         trainer = PPOTrainer(cell_config(out, makers, ranks, steps), experience_maker_factory=SimMakerFactory(gen_s),

@@ -84,7 +84,7 @@ def emulated_cell(staleness: int, mode: str, steps: int, root: str) -> list[dict
         actor_state, critic_state = snapshots[0]  # the oldest kept: version max(0, t - S)
         maker.actor.load_state_dict(actor_state)
         maker.critic.load_state_dict(critic_state)
-        items, _ = _collect(maker, encoder, batches, cfg.trainer.train_batch_size, behaviour)
+        items, _ = _collect(maker, encoder, batches, cfg.trainer.train_batch_size, behaviour, cfg.ppo.kl_coef)
         train_start = _time.perf_counter()
         learner.kl_coef = cfg.ppo.kl_coef
         metrics = drop_absent(learner.train_step(ExperienceBatch.merge(items, maker.tokenizer.pad_token_id), version))

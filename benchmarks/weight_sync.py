@@ -15,7 +15,8 @@ Two variants of the push, interleaved in every round:
 
 The real ``Coordinator`` actor relays the refs with ``_push_to`` (weights_start, one
 weights_chunk per bucket with the ref nested, weights_end). The receivers are small actors with
-the same concurrency groups as ``MakerWorker`` and the same staging and swap code, holding a
+the same concurrency groups as ``MakerWorker`` and its receiving code (``makers.receiver.WeightReceiver``)
+and swap, holding a
 ``GPT2LMHeadModel`` of the pushed shape: a real ``MakerWorker`` builds its models from a Config,
 which would add a reference model, critic and tokenizer the sync path does not touch. Models: random weights in GPT-2 shapes from
 ``GPT2Config`` (no training): ~100 MB = 4 layers x 256 wide, ~1 GB = 16 layers x 1024 wide
@@ -45,8 +46,9 @@ import ray
 import torch
 
 from ray_ppo.coordinator import Coordinator
-from ray_ppo.sync import (StagedPush, assign_state, bucket_nbytes, fingerprint, make_buckets, push_size, replaced_tensors,
-                          split_state, tied_aliases)
+from ray_ppo.makers.receiver import WeightReceiver
+from ray_ppo.messages import PushHeader
+from ray_ppo.sync import assign_state, bucket_nbytes, fingerprint, make_buckets, push_size, split_state, tied_aliases
 
 SHAPES = {"100M": dict(n_layer=4, n_embd=256, n_head=4), "1G": dict(n_layer=16, n_embd=1024, n_head=16),
           "500M": dict(n_layer=8, n_embd=1024, n_head=16)}
@@ -68,7 +70,7 @@ def build_model(size: str):
 
 @ray.remote(num_cpus=0, concurrency_groups={"compute": 1, "experience_io": 1, "model_io": 1})
 class Receiver:
-    """The model_io side of MakerWorker, same logic, one model."""
+    """The model_io side of MakerWorker, on its receiving code, one model."""
 
     def __init__(self, size: str):
         torch.set_num_threads(1)
@@ -77,37 +79,39 @@ class Receiver:
             for p in self.model.parameters():
                 p.zero_()
         self.model_lock = threading.Lock()
-        self.staging = None
-        self.spares = {}
+        self.receiver = WeightReceiver()
+        self.pipelined = True
         self.version = 0
         self.log = {}
 
+    def set_pipelined(self, pipelined: bool) -> None:
+        """How the next pushes are received: ``pipelined`` or ``serial`` (see the module docstring)."""
+        self.pipelined = pipelined
+
     @ray.method(concurrency_group="model_io")
-    def weights_start(self, version: int, num_chunks: int, meta: dict) -> None:
-        self.log[version] = {"start": time.time()}
-        if meta["pipelined"]:  # as MakerWorker: staged copies shaped like the model, into last push's spares
-            targets = {f"actor.{k}": v for k, v in self.model.state_dict().items()}
-            self.staging, self.spares = StagedPush(version, num_chunks, meta, targets, spares=self.spares), {}
-        else:  # the serial push stages views and copies at the swap (its spares stay for the next pipelined push)
-            self.staging = StagedPush(version, num_chunks, meta)
+    def weights_start(self, header: PushHeader) -> None:
+        self.log[header.version] = {"start": time.time()}
+        # pipelined, as MakerWorker: staged copies shaped like the model, into the last push's spares;
+        # serial: views of the buckets, copied at the swap (the spares stay for the next pipelined push)
+        targets = {f"actor.{k}": v for k, v in self.model.state_dict().items()} if self.pipelined else None
+        self.receiver.start(header, targets)
 
     @ray.method(concurrency_group="model_io")
     def weights_chunk(self, version: int, index: int, bucket_ref: list) -> None:
-        if self.staging is None or self.staging.version != version:
-            return
-        self.staging.add(index, ray.get(bucket_ref[0]))
+        self.receiver.chunk(version, index, bucket_ref)
 
     @ray.method(concurrency_group="model_io")
     def weights_end(self, version: int) -> bool:
-        staged, self.staging = self.staging, None
-        if staged is None or not staged.complete(version):
+        received = self.receiver.end(version)
+        if received is None:
             return False
+        _, staged = received
         state, _ = split_state(staged.tensors)
         start = time.perf_counter()
         with self.model_lock:
-            if staged.meta["pipelined"]:
+            if staged.targets is not None:
                 assign_state(self.model, state)  # as MakerWorker: rebinds to the staged copies, re-ties lm_head
-                self.spares = replaced_tensors(staged.targets, staged.tensors)  # reused by the next push
+                self.receiver.recycle(staged)  # reused by the next push
             else:
                 self.model.load_state_dict(state, strict=False)  # the copy; tied lm_head comes through wte
             self.version = version
@@ -138,10 +142,9 @@ def push(coordinator, state: dict, version: int, pipelined: bool) -> tuple[float
     """WeightPublisher.publish (or the serial push before it), then wait until every receiver
     loaded it; returns (end to end s, bytes, s until rank 0 is done putting)."""
     start = time.perf_counter()
-    meta = {"pipelined": pipelined}
     if pipelined:
         num_chunks, nbytes = push_size(state, BUCKET_MB)
-        ray.get(coordinator.publish_start.remote(version, num_chunks, nbytes, meta))
+        ray.get(coordinator.publish_start.remote(PushHeader(version, num_chunks, nbytes, kl_coef=0.0)))
         ray.get([coordinator.publish_chunk.remote(version, index, [ray.put(bucket)])
                  for index, bucket in enumerate(make_buckets(state, BUCKET_MB))])
         put_s = time.perf_counter() - start
@@ -151,7 +154,7 @@ def push(coordinator, state: dict, version: int, pipelined: bool) -> tuple[float
             refs.append(ray.put(bucket))
             nbytes += bucket_nbytes(bucket)
         put_s = time.perf_counter() - start
-        ray.get(coordinator.publish_weights.remote(version, refs, nbytes, meta))
+        ray.get(coordinator.publish_weights.remote(PushHeader(version, len(refs), nbytes, kl_coef=0.0), refs))
     versions = ray.get(coordinator.wait_for_version.remote(version, 600.0))
     elapsed = time.perf_counter() - start
     assert all(v >= version for v in versions.values()), versions
@@ -214,6 +217,7 @@ def main():
                 coord = ray.remote(num_cpus=0)(Coordinator).remote(
                     num_ranks=1, num_makers=n, buffer_size=1, max_staleness=1, items_per_version=1)
                 ray.get(coord.register_makers.remote({i: receivers[i] for i in range(n)}))
+                ray.get([r.set_pipelined.remote(variant == "pipelined") for r in receivers[:n]])
                 version += 1
                 elapsed, nbytes, put_s = push(coord, state, version, variant == "pipelined")
                 logs = ray.get([r.result.remote(version) for r in receivers[:n]])

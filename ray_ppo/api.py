@@ -28,6 +28,7 @@ from ray_ppo.config import Config
 from ray_ppo.coordinator import Coordinator
 from ray_ppo.data import read_prompt_dataset, select_prompt_column
 from ray_ppo.makers.actor import maker_actor_class
+from ray_ppo.messages import CoordinatorStatus
 from ray_ppo.preflight import check_run
 from ray_ppo.rundir import CheckpointPublisher
 from ray_ppo.samples import split_samples
@@ -126,7 +127,7 @@ class PPOTrainer(TorchTrainer):
             scaling_config=scaling_config, run_config=run_config, **trainer_kwargs)
         self.coordinator = None
         self.makers: dict[int, Any] = {}
-        self.final_status: dict = {}
+        self.final_status: CoordinatorStatus | None = None  # the coordinator's status at the end of fit()
         self.maker_summaries: list[dict] = []
         self.interrupted = False
         self._controller = None

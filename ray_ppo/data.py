@@ -1,15 +1,20 @@
 """Prompts: reading them (Ray Data or pandas) and encoding them into token ids.
 
 Reading validates the input once, with errors that name the path or the columns present.
-Encoding skips blank prompts and truncates long ones, and counts both.
+Encoding skips blank prompts and truncates long ones, and counts both. ``PromptFeed`` serves
+the texts to makers, by prompt identity (``ray_ppo.ledger``), for the coordinator.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
-from typing import Sequence
+from collections.abc import Callable, Mapping
+from typing import Any, Sequence
+
+from ray_ppo.ledger import PromptLedger
+from ray_ppo.messages import PromptBatch
 
 FORMATS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".json": "json", ".jsonl": "json"}
 
@@ -124,3 +129,55 @@ def read_prompt_texts(path: str, prompt_column: str, fmt: str | None = None) -> 
         raise DataError(f"cannot read data.path={path!r} as {fmt}: {e}") from e
     _check_column(list(frame.columns), prompt_column, path)
     return [None if pd.isna(v) else str(v) for v in frame[prompt_column]]
+
+
+class PromptFeed:
+    """Serves the prompt dataset's texts in the ledger's order (``ray_ppo.ledger``), epoch after epoch.
+
+    The texts are read once, in file order (Ray Data keeps the order only when asked:
+    ``execution_options.preserve_order``), and kept by the coordinator: a prompt id names a row,
+    so the same row must come back at the same index on every read, also after a resume.
+    ``read`` blocks: the coordinator runs it in a worker thread and hands the texts to ``load``.
+    """
+
+    def __init__(self, read: Callable[[], list[str | None]], ledger: PromptLedger):
+        self.read, self.ledger = read, ledger
+        self.texts: list[str | None] | None = None
+        self.first_prompt: str | None = None  # the first prompt this feed served (where a resume restarted)
+        self.served = 0  # prompts handed out
+        self.epochs = 0  # full passes over the dataset started
+
+    @classmethod
+    def of_dataset(cls, dataset: Any, ledger: PromptLedger) -> PromptFeed:
+        """A feed over a Ray Dataset with a ``prompt`` column."""
+        return cls(functools.partial(read_texts, dataset), ledger)
+
+    @property
+    def loaded(self) -> bool:
+        return self.texts is not None
+
+    def load(self, texts: list[str | None]) -> None:
+        self.texts = texts
+        self.ledger.configure(len(texts))
+
+    def next(self, maker_id: int, n: int) -> PromptBatch:
+        """The next ``n`` prompts for ``maker_id`` (requeued ones first; the stream wraps into the
+        next epoch, so always ``n``)."""
+        ids = self.ledger.take(n, maker_id)
+        texts = [self.texts[self.ledger.row(pid)] for pid in ids]
+        if self.first_prompt is None:
+            self.first_prompt = texts[0]
+        self.served += len(texts)
+        self.epochs = self.ledger.epoch + 1
+        return PromptBatch(texts, ids)
+
+
+def read_texts(dataset: Any, batch_size: int = 4096) -> list[str | None]:
+    """Every prompt text of a Ray Dataset with a ``prompt`` column, in the dataset's order."""
+    dataset.context.enable_progress_bars = False  # the driver shows the run's progress
+    dataset.context.print_on_execution_start = False  # no plan logged at every read
+    dataset.context.execution_options.preserve_order = True
+    texts: list[str | None] = []
+    for batch in dataset.iter_batches(batch_size=batch_size, batch_format="numpy", drop_last=False):
+        texts.extend(None if v is None else str(v) for v in batch["prompt"].tolist())
+    return texts

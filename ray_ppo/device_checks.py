@@ -11,7 +11,8 @@ from typing import Any, Iterable
 
 import torch
 
-from ray_ppo.sync import Bucket, join_state, make_buckets, push_aliases
+from ray_ppo.messages import PushHeader
+from ray_ppo.sync import Bucket, bucket_nbytes, join_state, make_buckets, push_aliases
 
 
 def perturbed_push(worker: Any, scale: float, bucket_mb: float, seed: int = 1) -> tuple[dict[str, torch.Tensor], list[Bucket]]:
@@ -42,9 +43,10 @@ def as_stored(bucket: Bucket) -> Bucket:
 def deliver_push(worker: Any, version: int, buckets: list[Bucket]) -> bool:
     """Stage ``buckets`` as push ``version`` the way ``weights_start`` / ``weights_chunk`` /
     ``weights_end`` do (each bucket already fetched); whether the maker loaded it."""
-    worker.weights_start(version, len(buckets), {})
+    worker.weights_start(PushHeader(version, len(buckets), sum(bucket_nbytes(b) for b in buckets),
+                                    kl_coef=worker.cfg.ppo.kl_coef))
     for index, bucket in enumerate(buckets):
-        worker.staging.add(index, bucket)  # weights_chunk, after its ray.get of the bucket's ref
+        worker.receiver.staging.add(index, bucket)  # weights_chunk, after its ray.get of the bucket's ref
     return worker.weights_end(version)
 
 

@@ -62,8 +62,7 @@ def run_local(cfg: Config, prompts: Sequence[str | None] | None = None,
     history, start = [], time.perf_counter()
     for step in range(1, cfg.trainer.total_steps + 1):
         step_start = time.perf_counter()
-        maker.kl_coef = kl_ctl.value
-        items, generate_s = _collect(maker, encoder, batches, cfg.trainer.train_batch_size, step - 1)
+        items, generate_s = _collect(maker, encoder, batches, cfg.trainer.train_batch_size, step - 1, kl_ctl.value)
         train_start = time.perf_counter()
         learner.kl_coef = kl_ctl.value
         metrics = drop_absent(learner.train_step(ExperienceBatch.merge(items, maker.tokenizer.pad_token_id),
@@ -81,7 +80,8 @@ def run_local(cfg: Config, prompts: Sequence[str | None] | None = None,
     return history
 
 
-def _collect(maker, encoder: PromptEncoder, batches: Iterator[list], n: int, version: int) -> tuple[list[ExperienceItem], float]:
+def _collect(maker, encoder: PromptEncoder, batches: Iterator[list], n: int, version: int,
+             kl_coef: float) -> tuple[list[ExperienceItem], float]:
     """Generate until ``n`` items are made (a surplus is dropped; ``n`` and every batch hold whole
     groups, so no group is cut); returns items and generation seconds."""
     items: list[ExperienceItem] = []
@@ -93,7 +93,7 @@ def _collect(maker, encoder: PromptEncoder, batches: Iterator[list], n: int, ver
     while len(items) < n:
         encoded = encoder.encode(next(batches))
         if encoded.ids:
-            items.extend(maker.make_experience(encoded.ids, version)[0])
+            items.extend(maker.make_experience(encoded.ids, version, kl_coef)[0])
             batches_without_prompts = 0
         else:
             batches_without_prompts += 1

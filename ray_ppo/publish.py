@@ -11,6 +11,7 @@ from typing import Any
 import ray
 import torch
 
+from ray_ppo.messages import PushHeader
 from ray_ppo.models.lora import trainable_names
 from ray_ppo.sync import join_state, make_buckets, push_aliases, push_size
 from ray_ppo.train.learner import PPOLearner
@@ -44,15 +45,18 @@ class WeightPublisher:
         keep = self.trainable if lora_only else set(state) - self.aliases
         return {k: v for k, v in state.items() if k in keep}
 
-    def publish(self, state: dict[str, torch.Tensor], version: int, meta: dict) -> tuple[float, int]:
+    def publish(self, state: dict[str, torch.Tensor], version: int, kl_coef: float,
+                partial: bool = False) -> tuple[float, int]:
         """Put the buckets, each handed on as soon as it is put; returns (seconds, bytes). Rank 0 only.
 
         The calls are not waited for: the coordinator runs them in order, before this rank's next
-        call, and the next push checks that the previous one's calls succeeded."""
+        call, and the next push checks that the previous one's calls succeeded. ``kl_coef`` is the
+        trainer's current KL coefficient: the makers shape this version's rewards with it."""
         start = time.perf_counter()
         ray.get(self.handed)
         num_chunks, nbytes = push_size(state, self.bucket_mb)
-        self.handed = [self.coordinator.publish_start.remote(version, num_chunks, nbytes, meta)]
+        header = PushHeader(version, num_chunks, nbytes, kl_coef, partial)
+        self.handed = [self.coordinator.publish_start.remote(header)]
         self.handed += [self.coordinator.publish_chunk.remote(version, index, [ray.put(bucket)])
                         for index, bucket in enumerate(make_buckets(state, self.bucket_mb))]
         return time.perf_counter() - start, nbytes

@@ -138,7 +138,6 @@ class StagedPush:
 
     version: int
     num_chunks: int
-    meta: dict
     targets: Mapping[str, torch.Tensor] | None = None
     spares: dict[str, torch.Tensor] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -8,7 +8,7 @@ and `split` strips that padding exactly (`split(merge(items)) == items`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +52,16 @@ class ExperienceItem:
     prompt_id: int = -1
     """Identity of the prompt the item answers (``ray_ppo.ledger``; several items may share one);
     -1 outside a prompt stream."""
+
+    @classmethod
+    def filled(cls, prompt_ids: torch.Tensor, response_ids: torch.Tensor,
+               per_token: Callable[[str], torch.Tensor] | None = None, **fields) -> ExperienceItem:
+        """An item whose per-token fields (``PER_TOKEN_FIELDS``) are ``per_token(name)``, zeros by
+        default: for tests and benchmarks that need items without a model. ``fields`` gives the
+        others (``reward``, ``policy_version``, ``uid``, ``prompt_id``)."""
+        make = per_token or (lambda name: torch.zeros(response_ids.numel()))
+        return cls(prompt_ids=prompt_ids, response_ids=response_ids, **{name: make(name) for name in PER_TOKEN_FIELDS},
+                   **fields)
 
     @property
     def response_length(self) -> int:

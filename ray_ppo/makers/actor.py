@@ -28,8 +28,9 @@ from ray_ppo.config import Config
 from ray_ppo.data import PromptEncoder
 from ray_ppo.makers.vllm_engine import engine_actor_state, hf_weights
 from ray_ppo.models.quantize import quantize_for_generation
-from ray_ppo.sync import (StagedPush, assign_state, fingerprint, join_state, replaced_tensors, split_state,
-                          tied_aliases)
+from ray_ppo.makers.receiver import WeightReceiver
+from ray_ppo.messages import MakerStats, PushHeader
+from ray_ppo.sync import assign_state, fingerprint, join_state, split_state, tied_aliases
 from ray_ppo.transport import ExperienceChunk
 
 CONCURRENCY_GROUPS = {"compute": 1, "experience_io": 1, "model_io": 1}
@@ -64,10 +65,10 @@ class MakerWorker:
         self.engine = self._build_engine() if self.cfg.maker.engine == "vllm" else None
         self.encoder = PromptEncoder(self.maker.tokenizer, self.cfg.data.max_prompt_len, self.cfg.data.chat_template)
         self.version = 0
+        self.kl_coef: float | None = None  # the trainer's, with the weights of ``version``; None: ppo.kl_coef
         self.model_lock = threading.Lock()
         self.outbox: queue.Queue = queue.Queue(maxsize=SEND_QUEUE_BATCHES)
-        self.staging: StagedPush | None = None
-        self.spares: dict[str, torch.Tensor] = {}  # CPU makers: the weights the last swap replaced, reused for staging
+        self.receiver = WeightReceiver()
         self.made = 0
         self.sent = 0
         self.pause_s = 0.0
@@ -126,23 +127,20 @@ class MakerWorker:
         (admission) and for the sender (back-pressure). Items carry their prompt's id, and the
         stats every id of the batch (the coordinator counts the ones without items as blank)."""
         encoded = self.encoder.encode(texts)
-        stats = {"num_prompts": len(texts), "blank": encoded.blank, "truncated": encoded.truncated,
-                 "prompt_ids": list(prompt_ids)}
+        items, made = [], {}
         if encoded.ids:
             with self.model_lock:
-                items, made = self.maker.make_experience(encoded.ids, self.version)
+                items, run = self.maker.make_experience(encoded.ids, self.version, self.kl_coef)
             if prompt_ids:
                 tag_prompt_ids(items, [prompt_ids[i] for i in encoded.kept])
             self.made += len(items)
-            stats.update(generate_s=made.generate_s + made.score_s, num_tokens=made.num_tokens)
-            if made.logprob_gap is not None:
-                stats["logprob_gap"] = made.logprob_gap
-        else:
-            items = []
+            made = dict(generate_s=run.generate_s + run.score_s, num_tokens=run.num_tokens, logprob_gap=run.logprob_gap)
         start = time.perf_counter()
-        stats["idle_s"], self._unreported_idle_s = waited_s + self._unreported_idle_s, 0.0
-        stats["admission_s"] = waited_s  # of idle_s: the wait for a prompt batch (admission control)
-        stats["pause_s"], self._unreported_pause_s = self._unreported_pause_s, 0.0
+        idle_s, self._unreported_idle_s = waited_s + self._unreported_idle_s, 0.0
+        pause_s, self._unreported_pause_s = self._unreported_pause_s, 0.0
+        stats = MakerStats(num_prompts=len(texts), prompt_ids=tuple(prompt_ids), blank=encoded.blank,
+                           truncated=encoded.truncated, idle_s=idle_s, pause_s=pause_s,
+                           admission_s=waited_s, **made)  # admission_s: of idle_s, the wait for this batch
         self.outbox.put((items, stats))
         self._unreported_idle_s += time.perf_counter() - start  # reported with the next batch
 
@@ -163,28 +161,25 @@ class MakerWorker:
 
     # -- model_io -------------------------------------------------------------------------------
     @ray.method(concurrency_group="model_io")
-    def weights_start(self, version: int, num_chunks: int, meta: dict) -> None:
-        """chunk_start: begin staging push ``version`` (any unfinished earlier push is dropped)."""
-        targets = join_state(self.float_actor.state_dict(), self._critic_state())
-        self.staging = StagedPush(version, num_chunks, meta, targets, spares=self.spares)
-        self.spares = {}  # the staging owns them now; dropped with it if the push never completes
+    def weights_start(self, header: PushHeader) -> None:
+        """chunk_start: begin staging push ``header.version`` (any unfinished earlier push is dropped)."""
+        self.receiver.start(header, join_state(self.float_actor.state_dict(), self._critic_state()))
 
     @ray.method(concurrency_group="model_io")
     def weights_chunk(self, version: int, index: int, bucket_ref: list) -> None:
         """One bucket of push ``version``; the ref comes nested so it is fetched here, zero-copy,
         and copied into staged tensors on the maker's device while generation goes on."""
-        if self.staging is None or self.staging.version != version:
-            return
-        self.staging.add(index, ray.get(bucket_ref[0]))
+        self.receiver.chunk(version, index, bucket_ref)
 
     @ray.method(concurrency_group="model_io")
     def weights_end(self, version: int) -> bool:
         """chunk_end: swap the staged weights in under the model lock. False if the push is incomplete."""
-        staged, self.staging = self.staging, None
-        if staged is None or not staged.complete(version):
+        received = self.receiver.end(version)
+        if received is None:
             return False
+        header, staged = received
         actor_state, critic_state = split_state(staged.tensors)
-        partial = bool(staged.meta.get("partial"))  # LoRA-only: adapters and value head
+        partial = header.partial  # LoRA-only: adapters and value head
         _check_keys(self.float_actor, actor_state, partial, "actor")  # before touching any weight
         if self.maker.critic is not None:
             _check_keys(self.maker.critic, critic_state, partial, "critic")
@@ -198,14 +193,12 @@ class MakerWorker:
             if self.maker.critic is not None:
                 assign_state(self.maker.critic, critic_state)
             if self.device.type == "cpu":  # on a GPU the caching allocator reuses the memory anyway
-                self.spares = replaced_tensors(staged.targets, staged.tensors)
+                self.receiver.recycle(staged)
             if self.cfg.maker.quantization:
                 self.maker.actor = quantize_for_generation(self.float_actor, self.cfg.maker.quantization)
             if self.engine is not None:  # after the HF copy swapped in the push, load it into the engine
                 self.engine.load(hf_weights(self.float_actor).items(), version)
-            if "kl_coef" in staged.meta:
-                self.maker.kl_coef = staged.meta["kl_coef"]
-            self.version = version
+            self.version, self.kl_coef = version, header.kl_coef
             self.pushes_loaded += 1
             paused = time.perf_counter() - start
         self.pause_s += paused

@@ -76,8 +76,8 @@ class ExperienceMaker:
       - shape per-token rewards with the KL penalty and compute advantages and returns.
 
     The settings are the run's ``Config``: ``cfg.maker`` samples (it is a ``SamplingParams``) and
-    sets the group size, ``ppo.*`` and ``algo.*`` shape the rewards and advantages. ``kl_coef``
-    starts at ``ppo.kl_coef``; an adaptive KL controller sets it between batches.
+    sets the group size, ``ppo.*`` and ``algo.*`` shape the rewards and advantages. The KL
+    coefficient is an argument of ``make_experience`` (the trainer's KL controller owns it).
 
     ``critic`` is None for the critic-free estimators. ``ref`` may be None when the actor is a peft
     model: the reference is then the actor with its adapters disabled, and stays so if a peft
@@ -104,7 +104,7 @@ class ExperienceMaker:
             raise ValueError(f"advantage estimator {estimator!r} needs {'a critic' if estimator == 'gae' else 'no critic'}")
         self.actor, self.ref, self.critic, self.tokenizer = actor, ref, critic, tokenizer
         self.sampling, self.ppo, self.algo = cfg.maker, cfg.ppo, cfg.algo
-        self.group_size, self.kl_coef = cfg.maker.samples_per_prompt, cfg.ppo.kl_coef
+        self.group_size = cfg.maker.samples_per_prompt
         self.reward_fn, self.reward_model = reward_fn, reward_model
         self.name = name
         self.ref_disable_adapters = ref is None
@@ -112,9 +112,12 @@ class ExperienceMaker:
         self._counter = 0
 
     @torch.no_grad()
-    def make_experience(self, prompts: Sequence[Sequence[int]], policy_version: int) -> tuple[list[ExperienceItem], MakeStats]:
+    def make_experience(self, prompts: Sequence[Sequence[int]], policy_version: int,
+                        kl_coef: float | None = None) -> tuple[list[ExperienceItem], MakeStats]:
         """One batch of experience from token-id prompts, every item tagged with ``policy_version``:
-        ``samples_per_prompt`` items per prompt, each prompt's items next to each other."""
+        ``samples_per_prompt`` items per prompt, each prompt's items next to each other. Rewards
+        are shaped with ``kl_coef``, the trainer's current coefficient (its KL controller owns it:
+        ``ray_ppo.messages``); None means the initial ``ppo.kl_coef``."""
         n = self.group_size
         prompts = [p for p in prompts for _ in range(n)]
         stats = MakeStats(num_samples=len(prompts))
@@ -127,7 +130,8 @@ class ExperienceMaker:
         stats.generate_s = time.perf_counter() - start
         start = time.perf_counter()
         reward = self._score(rollout)
-        batch = self._to_batch(rollout, reward, policy_version, stats).to("cpu")
+        kl_coef = self.ppo.kl_coef if kl_coef is None else kl_coef
+        batch = self._to_batch(rollout, reward, policy_version, kl_coef, stats).to("cpu")
         stats.score_s = time.perf_counter() - start
         stats.num_tokens = int(rollout.action_mask.sum())
         items = batch.split()
@@ -177,7 +181,7 @@ class ExperienceMaker:
         with model.disable_adapter():
             return action_log_probs(model, *args)
 
-    def _to_batch(self, rollout: Rollout, reward: torch.Tensor, policy_version: int,
+    def _to_batch(self, rollout: Rollout, reward: torch.Tensor, policy_version: int, kl_coef: float,
                   stats: MakeStats) -> ExperienceBatch:
         mask = rollout.action_mask
         log_probs = action_log_probs(self.actor, rollout.sequences, rollout.attention_mask, rollout.num_actions,
@@ -193,7 +197,7 @@ class ExperienceMaker:
         p = self.ppo
         kl = compute_kl(log_probs, ref_log_probs, p.kl_estimator) * mask
         rewards, advantages, returns = compute_advantages(
-            self.algo.advantage, reward, kl, values, mask, kl_coef=self.kl_coef, kl_in=p.kl_in, gamma=p.gamma,
+            self.algo.advantage, reward, kl, values, mask, kl_coef=kl_coef, kl_in=p.kl_in, gamma=p.gamma,
             lam=p.lam, group_size=self.group_size, group_norm_std=self.algo.group_norm_std)
         return ExperienceBatch(
             sequences=rollout.sequences, attention_mask=rollout.attention_mask, action_mask=mask,

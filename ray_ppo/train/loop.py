@@ -156,14 +156,14 @@ def _start_makers(w: _Worker, restored: bool, first_step: int) -> None:
     # Versions never go backwards for makers: after a worker-group restart the coordinator may
     # already hold later pushes (made after the checkpoint, or with no checkpoint at all); the
     # weights this group starts from then get a new, higher version.
-    latest = ray.get(w.coordinator.status.remote())["trainer_version"]
+    latest = ray.get(w.coordinator.status.remote()).trainer_version
     behind = latest > w.version
     w.version = latest + 1 if behind else w.version
     _rewind_prompts(w.coordinator, first_step - 1, w.rank)
     if restored or behind or w.cfg.maker.wait_for_weights:  # makers start from these weights
         state = w.publisher.gather()
         if w.rank == 0:
-            w.publisher.publish(state, w.version, {"kl_coef": w.kl_ctl.value})
+            w.publisher.publish(state, w.version, w.kl_ctl.value)
 
 
 # -- the phases of a step ---------------------------------------------------------------------------
@@ -210,7 +210,7 @@ def _publish(w: _Worker, plan: _StepPlan) -> tuple[dict[str, torch.Tensor], floa
         return state, 0.0, 0
     lora_only = w.cfg.sync.lora_only
     push_s, push_bytes = w.publisher.publish(w.publisher.to_push(state, lora_only), w.version,
-                                             {"kl_coef": w.kl_ctl.value, "partial": lora_only})
+                                             w.kl_ctl.value, partial=lora_only)
     return state, push_s, push_bytes
 
 

@@ -28,21 +28,21 @@ class MakerMonitor:
     def metrics(self, step_s: float) -> dict[str, float]:
         status = ray.get(self.pending if self.pending is not None else self.coordinator.status.remote())
         self.pending = None
-        makers = status["makers"].values()
-        totals = {key: sum(m[key] for m in makers) for key in self.last}
+        makers = status.makers.values()
+        totals = {key: sum(getattr(m, key) for m in makers) for key in self.last}
         delta = {key: totals[key] - self.last[key] for key in totals}
         self.last = totals
-        n = max(1, len(status["makers"]))
-        counters = status["counters"]
+        n = max(1, len(status.makers))
+        counters = status.counters
         return {"generated_tokens_per_s": delta["tokens"] / step_s, "maker_generate_s": delta["generate_s"] / n,
                 "maker_idle_ratio": min(1.0, delta["idle_s"] / (n * step_s)),
-                "items_produced": float(counters["produced"]), "items_consumed": float(counters["consumed"]),
-                "items_discarded": float(counters["discarded"]), "items_in_flight": float(counters["in_flight"]),
-                "items_lost_in_transit": float(counters["lost_in_transit"]),
-                "prompts_trained": float(counters["prompts_trained"]),
-                "prompts_requeued": float(counters["prompts_requeued"]),
-                "prompts_served": float(counters["prompts_served"]), "prompts_blank": float(counters["blank_prompts"]),
-                "prompts_truncated": float(counters["truncated_prompts"]), "prompts_lost": float(counters["lost"]),
+                "items_produced": float(counters.produced), "items_consumed": float(counters.consumed),
+                "items_discarded": float(counters.discarded), "items_in_flight": float(counters.in_flight),
+                "items_lost_in_transit": float(counters.lost_in_transit),
+                "prompts_trained": float(counters.prompts_trained),
+                "prompts_requeued": float(counters.prompts_requeued),
+                "prompts_served": float(counters.prompts_served), "prompts_blank": float(counters.blank_prompts),
+                "prompts_truncated": float(counters.truncated_prompts), "prompts_lost": float(counters.lost),
                 **(self._logprob_gap() if self.engine_gaps else {})}
 
     def _logprob_gap(self) -> dict[str, float]:

@@ -15,6 +15,7 @@ weights, and the run finishes every step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -124,8 +125,8 @@ def run_scenario(out_path: str, run_dir: str) -> None:
         cluster.remove_node(makers_node, allow_graceful=False)
         seen["recovery"] = _watch_recovery(trainer, killed_at, fit, makers_node.node_id)
         fit.join(timeout=SCENARIO_TIMEOUT_S)
-        seen.update(history=trainer.history, final_status=trainer.final_status, makers_after=_makers(),
-                    coordinator_node=trainer.final_status.get("node_id"), scenario_s=time.monotonic() - start)
+        seen.update(history=trainer.history, final_status=dataclasses.asdict(trainer.final_status), makers_after=_makers(),
+                    coordinator_node=trainer.final_status.node_id, scenario_s=time.monotonic() - start)
         Path(out_path).write_text(json.dumps(seen, default=str))
     finally:
         ray.shutdown()
@@ -161,7 +162,7 @@ def _status(trainer) -> dict:
     import ray
 
     try:
-        return ray.get(trainer.coordinator.status.remote(), timeout=30)
+        return dataclasses.asdict(ray.get(trainer.coordinator.status.remote(), timeout=30))  # json-able
     except (AttributeError, ray.exceptions.RayActorError):
         return {}
 

@@ -12,6 +12,7 @@ is stored and a later step trained, the trainer's node is killed (no graceful sh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -118,7 +119,7 @@ def run_scenario(out_path: str, run_dir: str) -> None:
         save()
         rank_nodes.append(_node_of(_status(trainer)["rank_pids"][0]))
         fit.join(timeout=SCENARIO_TIMEOUT_S)
-        seen.update(history=trainer.history, final_status=trainer.final_status, rank_nodes=rank_nodes,
+        seen.update(history=trainer.history, final_status=dataclasses.asdict(trainer.final_status), rank_nodes=rank_nodes,
                     nodes={"trainer": trainer_node.node_id, "spare": spare.node_id},
                     final_checkpoint=json.loads(checkpoint.read_text()), scenario_s=time.monotonic() - start)
         Path(out_path).write_text(json.dumps(seen, default=str))
@@ -146,7 +147,7 @@ def _status(trainer) -> dict:
     import ray
 
     try:
-        return ray.get(trainer.coordinator.status.remote(), timeout=30)
+        return dataclasses.asdict(ray.get(trainer.coordinator.status.remote(), timeout=30))  # json-able
     except (AttributeError, ray.exceptions.RayActorError):
         return {}
 

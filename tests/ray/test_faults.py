@@ -13,6 +13,7 @@ from ray.train import FailureConfig, RunConfig
 from ray_ppo.api import PPOTrainer
 from ray_ppo.checkpoint import publish_checkpoint, validate_checkpoint
 from ray_ppo.config import load_config
+from ray_ppo.messages import CoordinatorStatus
 
 pytestmark = pytest.mark.ray
 REPO = Path(__file__).parents[2]
@@ -39,9 +40,9 @@ def when_step(trainer: PPOTrainer, step: int, action, timeout_s: float = 240) ->
     return thread
 
 
-def accounted(status: dict) -> bool:
-    c = status["counters"]
-    return c["produced"] == c["consumed"] + c["in_flight"] + c["discarded"] + c["lost_in_transit"]
+def accounted(status: CoordinatorStatus) -> bool:
+    c = status.counters
+    return c.produced == c.consumed + c.in_flight + c.discarded + c.lost_in_transit
 
 
 def trained_ids(state: dict) -> list[int]:
@@ -67,8 +68,8 @@ def test_resume_continues_step_version_and_prompt_position(ray_session, tmp_path
     # The resumed stream starts at the first prompt (file order: data.shuffle=false) not trained
     # by the checkpoint: prompts are read in file order (Ray Data's preserve_order), so this
     # holds on every run, not only when Ray Data happens to keep the blocks in order.
-    assert first.final_status["data"]["first_prompt"] == PROMPTS[0]
-    assert resumed.final_status["data"]["first_prompt"] == PROMPTS[saved["data"]["watermark"]]
+    assert first.final_status.data["first_prompt"] == PROMPTS[0]
+    assert resumed.final_status.data["first_prompt"] == PROMPTS[saved["data"]["watermark"]]
     with result.checkpoint.as_directory() as directory:
         trained = trained_ids(validate_checkpoint(directory))
     assert len(trained) == 4 * 16 == len(set(trained))  # across the resume: no prompt trained twice
@@ -87,13 +88,13 @@ def test_killed_maker_is_restarted_and_resynced(ray_session, tmp_path):
     when_step(trainer, 2, kill_maker_0)
     trainer.fit()
     status = trainer.final_status
-    assert killed and status["makers"][0]["restarts"] == 1 and status["makers"][1]["restarts"] == 0
+    assert killed and status.makers[0].restarts == 1 and status.makers[1].restarts == 0
     assert trainer.history[-1]["step"] == 8
     assert trainer.history[-1]["weights_in_sync"] == 1.0  # the restarted maker resynced to the last push
     assert accounted(status)
-    assert status["counters"]["lost"] >= 0  # prompts that died with the maker are counted, not silently dropped
-    assert status["counters"]["lost_in_transit"] == 0  # inline transport: what it had sent is the coordinator's
-    print(f"maker kill: lost {status['counters']['lost']} prompts; run finished "
+    assert status.counters.lost >= 0  # prompts that died with the maker are counted, not silently dropped
+    assert status.counters.lost_in_transit == 0  # inline transport: what it had sent is the coordinator's
+    print(f"maker kill: lost {status.counters.lost} prompts; run finished "
           f"{time.monotonic() - killed['at']:.1f} s after the kill")
 
 
@@ -105,7 +106,7 @@ def test_killed_trainer_worker_restarts_from_checkpoint(ray_session, tmp_path):
     killed = {}
 
     def kill_rank_0():
-        killed["pid"] = ray.get(trainer.coordinator.status.remote())["rank_pids"][0]
+        killed["pid"] = ray.get(trainer.coordinator.status.remote()).rank_pids[0]
         os.kill(killed["pid"], signal.SIGKILL)
 
     when_step(trainer, 3, kill_rank_0)
@@ -116,7 +117,7 @@ def test_killed_trainer_worker_restarts_from_checkpoint(ray_session, tmp_path):
     assert len(steps) > len(set(steps))  # steps after the checkpoint ran again
     assert versions == sorted(versions)  # the makers never saw the policy version go backwards
     status = trainer.final_status
-    assert all(m["restarts"] == 0 for m in status["makers"].values())  # makers and coordinator survived
+    assert all(m.restarts == 0 for m in status.makers.values())  # makers and coordinator survived
     assert trainer.history[-1]["weights_in_sync"] == 1.0
     assert accounted(status)
     # Exactly once: what the killed group trained after its checkpoint was served again (rewound),
@@ -126,7 +127,7 @@ def test_killed_trainer_worker_restarts_from_checkpoint(ray_session, tmp_path):
     trained = trained_ids(state)
     assert len(trained) == 6 * 16 == len(set(trained))
     assert [s for s, _ in state["data"]["trained"]] == [1, 2, 3, 4, 5, 6]
-    assert status["counters"]["prompts_requeued"] > 0
+    assert status.counters.prompts_requeued > 0
 
 
 def test_killed_coordinator_fails_the_run_clearly(ray_session, tmp_path):

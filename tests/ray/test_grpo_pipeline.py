@@ -32,8 +32,8 @@ def test_grpo_groups_without_a_critic(ray_session, tmp_path):
         assert key in last, key
     assert any(k.startswith("behaviour_kl_stale_") for k in last)
     assert last["weights_in_sync"] == 1.0  # makers hold exactly the pushed actor (no critic pushed)
-    counters = trainer.final_status["counters"]
-    assert counters["consumed"] == STEPS * BATCH * 2
+    counters = trainer.final_status.counters
+    assert counters.consumed == STEPS * BATCH * 2
     with result.checkpoint.as_directory() as directory:
         assert not (Path(directory) / "critic").exists()
         actor, critic, optim, state = load_trainer_state(directory)

@@ -11,6 +11,7 @@ from ray_ppo.api import resolve_config
 from ray_ppo.config import load_config
 from ray_ppo.coordinator import Coordinator
 from ray_ppo.makers.actor import maker_actor_class
+from ray_ppo.messages import MakerStats, PushHeader
 from ray_ppo.models import Critic, load_actor
 from ray_ppo.sync import fingerprint, make_buckets
 from ray_ppo.train.loop import _pull
@@ -59,23 +60,23 @@ def test_push_is_atomic_and_exact(ray_session, cfg):
     assert len(refs) > 3  # several chunks, so "some but not all" is meaningful
 
     # Interrupted: chunk_start and all chunks but one, then chunk_end -> refused, old weights kept.
-    ray.get(maker.weights_start.remote(1, len(refs), {}))
+    ray.get(maker.weights_start.remote(PushHeader(1, len(refs), 0, kl_coef=0.05)))
     for i, ref in enumerate(refs[:-1]):
         ray.get(maker.weights_chunk.remote(1, i, [ref]))
     assert ray.get(maker.weights_end.remote(1)) is False
     assert ray.get(maker.weights_fingerprint.remote()) == (version0, print0)
 
     # A push abandoned midway by a newer one: only the newer completes.
-    ray.get(maker.weights_start.remote(2, len(refs), {}))
+    ray.get(maker.weights_start.remote(PushHeader(2, len(refs), 0, kl_coef=0.05)))
     ray.get(maker.weights_chunk.remote(2, 0, [refs[0]]))
     newer = perturbed_state(cfg, seed=2)
     newer_refs = put_buckets(newer)
-    ray.get(maker.weights_start.remote(3, len(newer_refs), {"kl_coef": 0.5}))
+    ray.get(maker.weights_start.remote(PushHeader(3, len(newer_refs), 0, kl_coef=0.5)))
     for i, ref in enumerate(newer_refs):
         ray.get(maker.weights_chunk.remote(3, i, [ref]))
     assert ray.get(maker.weights_end.remote(2)) is False
     assert ray.get(maker.weights_end.remote(3)) is False  # staging was consumed by the stale chunk_end
-    ray.get(maker.weights_start.remote(3, len(newer_refs), {"kl_coef": 0.5}))
+    ray.get(maker.weights_start.remote(PushHeader(3, len(newer_refs), 0, kl_coef=0.5)))
     for i, ref in enumerate(newer_refs):
         ray.get(maker.weights_chunk.remote(3, i, [ref]))
     assert ray.get(maker.weights_end.remote(3)) is True
@@ -86,7 +87,7 @@ def test_coordinator_relays_pushes_as_refs(ray_session, cfg):
     coordinator, maker = start(cfg)
     state = perturbed_state(cfg, seed=3)
     refs = put_buckets(state)
-    ray.get(coordinator.publish_weights.remote(1, refs, 0, {}))
+    ray.get(coordinator.publish_weights.remote(PushHeader(1, len(refs), 0, kl_coef=0.05), refs))
     versions = ray.get(coordinator.wait_for_version.remote(1, 30))
     assert versions == {0: 1}
     assert ray.get(coordinator.maker_fingerprints.remote()) == {0: (1, fingerprint(state))}
@@ -100,7 +101,7 @@ def test_streamed_push_interrupted_midway_keeps_the_previous_weights(ray_session
     before = ray.get(maker.weights_fingerprint.remote())
     state = perturbed_state(cfg, seed=4)
     refs = put_buckets(state)
-    ray.get(coordinator.publish_start.remote(1, len(refs), 0, {}))
+    ray.get(coordinator.publish_start.remote(PushHeader(1, len(refs), 0, kl_coef=0.05)))
     ray.get([coordinator.publish_chunk.remote(1, i, [ref]) for i, ref in enumerate(refs[:-1])])
     assert ray.get(coordinator.wait_for_version.remote(1, 2)) == {0: 0}
     assert ray.get(maker.weights_fingerprint.remote()) == before
@@ -108,7 +109,7 @@ def test_streamed_push_interrupted_midway_keeps_the_previous_weights(ray_session
     newer = perturbed_state(cfg, seed=5)
     aliases = {"actor.lm_head.weight"}
     newer_refs = put_buckets({k: v for k, v in newer.items() if k not in aliases})
-    ray.get(coordinator.publish_start.remote(2, len(newer_refs), 0, {}))
+    ray.get(coordinator.publish_start.remote(PushHeader(2, len(newer_refs), 0, kl_coef=0.05)))
     ray.get([coordinator.publish_chunk.remote(2, i, [ref]) for i, ref in enumerate(newer_refs)])
     assert ray.get(coordinator.wait_for_version.remote(2, 30)) == {0: 2}
     assert ray.get(coordinator.maker_fingerprints.remote()) == {0: (2, fingerprint(newer))}
@@ -119,30 +120,30 @@ def test_slow_trainer_makes_makers_wait_and_loses_nothing(ray_session, cfg):
     coordinator, maker = start(cfg, buffer_size=8, prompts=prompts)
     loops = [maker.run.remote(), maker.send_loop.remote()]
     deadline = time.monotonic() + 120  # the "trainer" pulls nothing: the buffer fills, then the maker blocks
-    while ray.get(coordinator.status.remote())["buffered"] != [8] and time.monotonic() < deadline:
+    while ray.get(coordinator.status.remote()).buffered != (8,) and time.monotonic() < deadline:
         time.sleep(0.5)
     time.sleep(3)  # let the maker run into the full buffer
     status = ray.get(coordinator.status.remote())
-    assert status["buffered"] == [8]
+    assert status.buffered == (8,)
     # Blocked: at most one send waiting in the coordinator and SEND_QUEUE_BATCHES queued in the maker.
-    assert status["counters"]["produced"] <= 8 + 2 * cfg.maker.batch_size
-    first = ray.get(coordinator.status.remote())["counters"]["produced"]
+    assert status.counters.produced <= 8 + 2 * cfg.maker.batch_size
+    first = ray.get(coordinator.status.remote()).counters.produced
     time.sleep(2)
-    assert ray.get(coordinator.status.remote())["counters"]["produced"] == first  # still waiting
+    assert ray.get(coordinator.status.remote()).counters.produced == first  # still waiting
 
     pulled = []
     for _ in range(4):
         pulled += resolve(ray.get(coordinator.pull.remote(0, 8, 0, 30))).items
     final = ray.get(coordinator.finish.remote())
     summaries = ray.get(loops, timeout=30)
-    counters = ray.get(coordinator.status.remote())["counters"]
-    assert len(pulled) == 32 == counters["consumed"]
+    counters = ray.get(coordinator.status.remote()).counters
+    assert len(pulled) == 32 == counters.consumed
     assert len({item.uid for item in pulled}) == 32  # no duplicates
-    assert counters["produced"] == (counters["consumed"] + counters["in_flight"] + counters["discarded"]
-                                    + counters["lost_in_transit"])
-    assert counters["discarded"] == 0
-    assert summaries[0]["made"] == counters["produced"]
-    assert final["makers"][0]["idle_s"] > 1.0  # back-pressure time is reported as maker idle time
+    assert counters.produced == (counters.consumed + counters.in_flight + counters.discarded
+                                    + counters.lost_in_transit)
+    assert counters.discarded == 0
+    assert summaries[0]["made"] == counters.produced
+    assert final.makers[0].idle_s > 1.0  # back-pressure time is reported as maker idle time
 
 
 @ray.remote(num_cpus=0)
@@ -150,7 +151,7 @@ class Sender:
     """Sends batches the way ``MakerWorker.send_loop`` does: put once, send the chunk."""
 
     def send(self, coordinator, items) -> int:
-        return ray.get(coordinator.send.remote(0, ExperienceChunk.put(items), {}))
+        return ray.get(coordinator.send.remote(0, ExperienceChunk.put(items), MakerStats()))
 
 
 def test_a_maker_killed_after_sending_costs_no_hang_and_no_miscount(ray_session):
@@ -169,19 +170,18 @@ def test_a_maker_killed_after_sending_costs_no_hang_and_no_miscount(ray_session)
     assert ray.get(alive.send.remote(coordinator, made)) == 4
 
     got = _pull(coordinator, rank=0, n=4, version=0, timeout_s=30, step=1)
-    counters = ray.get(coordinator.status.remote())["counters"]
-    expected = made if counters["lost_in_transit"] else doomed_items
+    counters = ray.get(coordinator.status.remote()).counters
+    expected = made if counters.lost_in_transit else doomed_items
     assert [it.uid for it in got] == [it.uid for it in expected]
     assert all(torch.equal(a.values, b.values) for a, b in zip(got, expected))
-    assert counters["lost_in_transit"] in (0, 4)
-    assert (counters["produced"], counters["consumed"]) == (8, 4)
-    assert counters["in_flight"] == 4 - counters["lost_in_transit"]
+    assert counters.lost_in_transit in (0, 4)
+    assert (counters.produced, counters.consumed) == (8, 4)
+    assert counters.in_flight == 4 - counters.lost_in_transit
 
 
 def _item(uid: str):
     from ray_ppo.algo import ExperienceItem
 
     n = 2 + int(uid.split("-")[1])  # items of different lengths
-    return ExperienceItem(prompt_ids=torch.arange(3), response_ids=torch.arange(n), action_log_probs=torch.randn(n),
-                          ref_log_probs=torch.randn(n), values=torch.randn(n), rewards=torch.randn(n),
-                          advantages=torch.randn(n), returns=torch.randn(n), reward=0.5, policy_version=0, uid=uid)
+    return ExperienceItem.filled(torch.arange(3), torch.arange(n), lambda name: torch.randn(n), reward=0.5,
+                                 policy_version=0, uid=uid)

@@ -67,21 +67,21 @@ def test_fit_accounts_for_every_item(ray_session, tmp_path, strategy, num_makers
     assert max(m["staleness_max"] for m in history) <= MAX_STALENESS
     assert history[-1]["weights_in_sync"] == 1.0  # every maker holds exactly the last published weights
 
-    counters = trainer.final_status["counters"]
-    assert counters["consumed"] == STEPS * BATCH * num_workers
-    assert counters["produced"] == (counters["consumed"] + counters["in_flight"] + counters["discarded"]
-                                    + counters["lost_in_transit"])
-    assert counters["blank_prompts"] > 0 and counters["truncated_prompts"] > 0
+    counters = trainer.final_status.counters
+    assert counters.consumed == STEPS * BATCH * num_workers
+    assert counters.produced == (counters.consumed + counters.in_flight + counters.discarded
+                                    + counters.lost_in_transit)
+    assert counters.blank_prompts > 0 and counters.truncated_prompts > 0
     # Every item a maker made reached the coordinator's books (sends cut short at the end count in flight).
     assert len(trainer.maker_summaries) == 2 * num_makers
-    assert sum(s.get("made", 0) for s in trainer.maker_summaries) == counters["produced"]
+    assert sum(s.get("made", 0) for s in trainer.maker_summaries) == counters.produced
 
     assert trainer.namespace not in run_namespaces()  # fit() removed the actors it started
     assert_checkpoint_loads(Path(result.checkpoint.path))
     # rank 0's push, not a mean over ranks: the size of the last push the coordinator relayed
-    assert history[-1]["push_bytes"] == trainer.final_status["pushes"][-1][1]
-    assert 0 < history[-1]["prompts_blank"] <= counters["blank_prompts"]
-    assert 0 < history[-1]["prompts_truncated"] <= counters["truncated_prompts"]
+    assert history[-1]["push_bytes"] == trainer.final_status.last_push.nbytes
+    assert 0 < history[-1]["prompts_blank"] <= counters.blank_prompts
+    assert 0 < history[-1]["prompts_truncated"] <= counters.truncated_prompts
     assert_run_files(tmp_path / "run")
 
 

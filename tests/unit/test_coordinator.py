@@ -1,29 +1,29 @@
 """Unit tests of ray_ppo.coordinator.Coordinator, driven with asyncio in-process (no Ray).
 
 The coordinator is built inside the event loop of each test (``asyncio.run``), as the Ray async
-actor builds it inside its own loop. Paths that need a prompt dataset (``next_prompts`` serving
-batches) are left to the Ray tests.
+actor builds it inside its own loop. Prompt feeds read texts given here instead of a dataset; the
+state objects it delegates to are tested without asyncio in ``test_coordinator_state.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
 
 from ray_ppo.algo import ExperienceItem
-from ray_ppo.coordinator import Coordinator, PromptBatch
+from ray_ppo.coordinator import Coordinator
+from ray_ppo.data import PromptFeed
+from ray_ppo.messages import Counters, LastPush, MakerStats, PushHeader
 from ray_ppo.transport import ExperienceChunk, resolve
 
 SHORT_S = 0.1  # long enough for any runnable task to run; the blocked ones stay blocked
 
 
 def item(version: int, uid: str) -> ExperienceItem:
-    zeros = torch.zeros(2)
-    return ExperienceItem(prompt_ids=torch.tensor([3, 4, 5]), response_ids=torch.tensor([6, 1]),
-                          action_log_probs=zeros, ref_log_probs=zeros, values=zeros, rewards=zeros,
-                          advantages=zeros, returns=zeros, reward=0.5, policy_version=version, uid=uid)
+    return ExperienceItem.filled(torch.tensor([3, 4, 5]), torch.tensor([6, 1]), reward=0.5, policy_version=version, uid=uid)
 
 
 def items(n: int, version: int = 0, prefix: str = "m0") -> ExperienceChunk:
@@ -40,11 +40,18 @@ def coordinator(**kwargs) -> Coordinator:
     return Coordinator(**{**args, **kwargs})
 
 
-def counters(coord: Coordinator) -> dict:
+def counters(coord: Coordinator) -> Counters:
     """The coordinator's counters, after checking the accounting identity."""
-    c = coord.status()["counters"]
-    assert c["produced"] == c["consumed"] + c["in_flight"] + c["discarded"] + c["lost_in_transit"], c
+    c = coord.status().counters
+    assert c.produced == c.consumed + c.in_flight + c.discarded + c.lost_in_transit, c
     return c
+
+
+def header(version: int, num_chunks: int, nbytes: int = 0) -> PushHeader:
+    return PushHeader(version, num_chunks, nbytes, kl_coef=0.05)
+
+
+NO_STATS = MakerStats()
 
 
 async def is_blocked(task: asyncio.Task) -> bool:
@@ -91,19 +98,19 @@ class FakeMaker:
 def test_send_then_pull_returns_the_items_in_order():
     async def main():
         coord = coordinator()
-        stats = {"num_prompts": 3, "blank": 1, "truncated": 2, "num_tokens": 6, "generate_s": 0.5}
+        stats = MakerStats(num_prompts=3, blank=1, truncated=2, num_tokens=6, generate_s=0.5)
         assert await coord.send(0, items(3), stats) == 3
         c = counters(coord)
-        assert (c["produced"], c["in_flight"], c["consumed"]) == (3, 3, 0)
-        assert (c["blank_prompts"], c["truncated_prompts"]) == (1, 2)
-        assert coord.status()["makers"][0]["tokens"] == 6
-        assert coord.status()["buffered"] == [3]
+        assert (c.produced, c.in_flight, c.consumed) == (3, 3, 0)
+        assert (c.blank_prompts, c.truncated_prompts) == (1, 2)
+        assert coord.status().makers[0].tokens == 6
+        assert coord.status().buffered == (3,)
 
         got = await coord.pull(0, 3, trainer_version=0, timeout_s=1.0)
         assert uids(got) == ["m0-0", "m0-1", "m0-2"]
         c = counters(coord)
-        assert (c["produced"], c["consumed"], c["in_flight"], c["discarded"]) == (3, 3, 0, 0)
-        assert coord.status()["buffered"] == [0]
+        assert (c.produced, c.consumed, c.in_flight, c.discarded) == (3, 3, 0, 0)
+        assert coord.status().buffered == (0,)
 
     asyncio.run(main())
 
@@ -111,18 +118,18 @@ def test_send_then_pull_returns_the_items_in_order():
 def test_send_waits_for_buffer_space():
     async def main():
         coord = coordinator(buffer_size=4)
-        send = asyncio.create_task(coord.send(0, items(6), {}))
+        send = asyncio.create_task(coord.send(0, items(6), NO_STATS))
         assert await is_blocked(send)
-        assert coord.status()["buffered"] == [4]
-        assert counters(coord)["in_flight"] == 6  # 4 buffered + 2 waiting for space
+        assert coord.status().buffered == (4,)
+        assert counters(coord).in_flight == 6  # 4 buffered + 2 waiting for space
 
         pull = asyncio.create_task(coord.pull(0, 4, trainer_version=0, timeout_s=1.0))
         assert await asyncio.wait_for(send, timeout=1.0) == 6
         assert uids(await pull) == ["m0-0", "m0-1", "m0-2", "m0-3"]
-        assert coord.status()["buffered"] == [2]
+        assert coord.status().buffered == (2,)
         assert uids(await coord.pull(0, 2, trainer_version=0, timeout_s=1.0)) == ["m0-4", "m0-5"]
         c = counters(coord)
-        assert (c["produced"], c["consumed"], c["in_flight"]) == (6, 6, 0)
+        assert (c.produced, c.consumed, c.in_flight) == (6, 6, 0)
 
     asyncio.run(main())
 
@@ -131,11 +138,11 @@ def test_pull_waits_for_items_to_arrive():
     async def main():
         coord = coordinator()
         pull = asyncio.create_task(coord.pull(0, 3, trainer_version=0, timeout_s=5.0))
-        await coord.send(0, items(2), {})
+        await coord.send(0, items(2), NO_STATS)
         assert await is_blocked(pull)
-        await coord.send(0, items(2, prefix="late"), {})
+        await coord.send(0, items(2, prefix="late"), NO_STATS)
         assert uids(await asyncio.wait_for(pull, timeout=2.0)) == ["m0-0", "m0-1", "late-0"]
-        assert coord.status()["buffered"] == [1]
+        assert coord.status().buffered == (1,)
 
     asyncio.run(main())
 
@@ -145,18 +152,18 @@ def test_items_older_than_max_staleness_are_discarded_on_pull():
         coord = coordinator(max_staleness=1)
         for version, names in ((0, ["v0"]), (1, ["v1"]), (2, ["v2a", "v2b"])):  # one chunk per version
             chunk = ExperienceChunk.inline([item(version, name) for name in names])
-            assert await coord.send(0, chunk, {}) == len(names)
+            assert await coord.send(0, chunk, NO_STATS) == len(names)
         # trainer at version 2, max_staleness 1: the oldest usable version is 1, so "v0" goes
         got = await coord.pull(0, 2, trainer_version=2, timeout_s=1.0)
         assert uids(got) == ["v1", "v2a"]
         c = counters(coord)
-        assert (c["produced"], c["consumed"], c["in_flight"], c["discarded"]) == (4, 2, 1, 1)
-        assert coord.status()["trainer_version"] == 2
+        assert (c.produced, c.consumed, c.in_flight, c.discarded) == (4, 2, 1, 1)
+        assert coord.status().trainer_version == 2
         # at version 4 the buffered v2 item is stale too
         with pytest.raises(TimeoutError):
             await coord.pull(0, 1, trainer_version=4, timeout_s=0.05)
         c = counters(coord)
-        assert (c["consumed"], c["in_flight"], c["discarded"]) == (2, 0, 2)
+        assert (c.consumed, c.in_flight, c.discarded) == (2, 0, 2)
 
     asyncio.run(main())
 
@@ -168,7 +175,7 @@ def test_pull_timeout_reports_what_it_got_and_keeps_the_items():
     async def main():
         coord = coordinator(num_makers=1)
         coord.register_makers({})
-        await coord.send(0, items(2), {})
+        await coord.send(0, items(2), NO_STATS)
         with pytest.raises(TimeoutError) as info:
             await coord.pull(0, 5, trainer_version=0, timeout_s=0.2)
         message = str(info.value)
@@ -177,8 +184,8 @@ def test_pull_timeout_reports_what_it_got_and_keeps_the_items():
         assert "trainer version 0, max_staleness 1" in message
         assert "makers alive 0/1" in message
         # the partial batch went back to the buffer, in order
-        assert coord.status()["buffered"] == [2]
-        assert counters(coord)["consumed"] == 0
+        assert coord.status().buffered == (2,)
+        assert counters(coord).consumed == 0
         assert uids(await coord.pull(0, 2, trainer_version=0, timeout_s=1.0)) == ["m0-0", "m0-1"]
 
     asyncio.run(main())
@@ -188,7 +195,7 @@ def test_stall_report_pings_the_makers():
     async def main():
         coord = coordinator(num_makers=2)
         coord.register_makers({0: FakeMaker(), 1: FakeMaker(dead=True)})
-        coord.maker_state[0].version = 3
+        coord.book.loaded(0, 3)
         with pytest.raises(TimeoutError) as info:
             await coord.pull(0, 1, trainer_version=3, timeout_s=0.05)
         message = str(info.value)
@@ -202,14 +209,14 @@ def test_stall_report_pings_the_makers():
 def test_maker_failure_surfaces_on_the_next_pull():
     async def main():
         coord = coordinator(num_makers=2)
-        await coord.send(0, items(3), {})
+        await coord.send(0, items(3), NO_STATS)
         coord.maker_failed(1, "ValueError: boom")
         with pytest.raises(RuntimeError) as info:
             await coord.pull(0, 2, trainer_version=0, timeout_s=1.0)
         assert str(info.value) == "maker_1 failed (1/2 makers failed): ValueError: boom"
-        assert coord.status()["makers"][1]["failed"] == "ValueError: boom"
-        assert coord.status()["buffered"] == [3]
-        assert counters(coord)["consumed"] == 0
+        assert coord.status().makers[1].failed == "ValueError: boom"
+        assert coord.status().buffered == (3,)
+        assert counters(coord).consumed == 0
 
     asyncio.run(main())
 
@@ -232,14 +239,14 @@ def test_maker_failure_wakes_a_waiting_pull_within_its_poll_interval():
 def test_finish_releases_a_blocked_send():
     async def main():
         coord = coordinator(buffer_size=2)
-        send = asyncio.create_task(coord.send(0, items(5), {}))
+        send = asyncio.create_task(coord.send(0, items(5), NO_STATS))
         assert await is_blocked(send)
         status = await coord.finish()
         assert await asyncio.wait_for(send, timeout=1.0) == 2
-        assert status["buffered"] == [2]
+        assert status.buffered == (2,)
         c = counters(coord)
-        assert (c["produced"], c["in_flight"]) == (5, 5)  # the 3 never buffered stay counted in flight
-        assert await coord.send(0, items(1), {}) == 0
+        assert (c.produced, c.in_flight) == (5, 5)  # the 3 never buffered stay counted in flight
+        assert await coord.send(0, items(1), NO_STATS) == 0
         assert await coord.next_prompts(0) is None  # no dataset needed: a finished run hands out nothing
 
     asyncio.run(main())
@@ -251,12 +258,12 @@ def test_finish_releases_a_blocked_send():
 def test_round_robin_balances_items_between_ranks():
     async def main():
         coord = coordinator(num_ranks=2, buffer_size=8)
-        await coord.send(0, items(6), {})
-        assert coord.status()["buffered"] == [3, 3]
+        await coord.send(0, items(6), NO_STATS)
+        assert coord.status().buffered == (3, 3,)
         await coord.pull(0, 3, trainer_version=0, timeout_s=1.0)
-        assert coord.status()["buffered"] == [0, 3]
-        await coord.send(0, items(3, prefix="b"), {})  # the emptier rank fills first
-        assert coord.status()["buffered"] == [3, 3]
+        assert coord.status().buffered == (0, 3,)
+        await coord.send(0, items(3, prefix="b"), NO_STATS)  # the emptier rank fills first
+        assert coord.status().buffered == (3, 3,)
         assert uids(await coord.pull(0, 3, trainer_version=0, timeout_s=1.0)) == ["b-0", "b-1", "b-2"]
 
     asyncio.run(main())
@@ -266,15 +273,15 @@ def test_a_chunk_is_sliced_across_ranks_and_pulls_without_copying_items():
     async def main():
         coord = coordinator(num_ranks=2, buffer_size=8)
         chunk = items(5)
-        await coord.send(0, chunk, {})
-        assert sorted(coord.status()["buffered"]) == [2, 3]
+        await coord.send(0, chunk, NO_STATS)
+        assert sorted(coord.status().buffered) == [2, 3]
         first = await coord.pull(0, 2, trainer_version=0, timeout_s=1.0)
         second = await coord.pull(1, 2, trainer_version=0, timeout_s=1.0)
         assert all(c.payload is chunk.payload for c in first + second)  # slices of the one payload
-        rest = await coord.pull(max((0, 1), key=lambda r: coord.status()["buffered"][r]), 1, 0, timeout_s=1.0)
+        rest = await coord.pull(max((0, 1), key=lambda r: coord.status().buffered[r]), 1, 0, timeout_s=1.0)
         assert sorted(uids(first) + uids(second) + uids(rest)) == [f"m0-{i}" for i in range(5)]
         c = counters(coord)
-        assert (c["produced"], c["consumed"], c["in_flight"]) == (5, 5, 0)
+        assert (c.produced, c.consumed, c.in_flight) == (5, 5, 0)
 
     asyncio.run(main())
 
@@ -282,11 +289,11 @@ def test_a_chunk_is_sliced_across_ranks_and_pulls_without_copying_items():
 def test_round_robin_uses_a_free_rank_when_one_is_full():
     async def main():
         coord = coordinator(num_ranks=2, buffer_size=2)
-        await coord.send(0, items(2), {})
+        await coord.send(0, items(2), NO_STATS)
         await coord.pull(0, 1, trainer_version=0, timeout_s=1.0)
         await coord.pull(1, 1, trainer_version=0, timeout_s=1.0)
-        assert await asyncio.wait_for(coord.send(0, items(4, prefix="b"), {}), timeout=1.0) == 4
-        assert coord.status()["buffered"] == [2, 2]
+        assert await asyncio.wait_for(coord.send(0, items(4, prefix="b"), NO_STATS), timeout=1.0) == 4
+        assert coord.status().buffered == (2, 2,)
 
     asyncio.run(main())
 
@@ -294,10 +301,10 @@ def test_round_robin_uses_a_free_rank_when_one_is_full():
 def test_modulo_routing_keeps_each_maker_on_its_ranks():
     async def main():
         coord = coordinator(num_ranks=2, num_makers=2, buffer_size=8, routing="modulo")
-        await coord.send(1, items(3, prefix="m1"), {})
-        assert coord.status()["buffered"] == [0, 3]
-        await coord.send(0, items(2), {})
-        assert coord.status()["buffered"] == [2, 3]
+        await coord.send(1, items(3, prefix="m1"), NO_STATS)
+        assert coord.status().buffered == (0, 3,)
+        await coord.send(0, items(2), NO_STATS)
+        assert coord.status().buffered == (2, 3,)
         assert uids(await coord.pull(1, 3, trainer_version=0, timeout_s=1.0)) == ["m1-0", "m1-1", "m1-2"]
 
     asyncio.run(main())
@@ -312,26 +319,26 @@ def test_admission_hand_computed():
         coord = coordinator(num_makers=2, buffer_size=32, max_staleness=1, items_per_version=8, prompt_batch_size=4)
         # V = 0, maker v = 0: capacity = (0 + 1 - 0 + 1) * 8 - 0 = 16
         assert coord._admitted(0)                    # 0 + 0 + 4 <= 16
-        await coord.send(0, items(8), {})            # in_flight = 8
-        coord.reserved = 4                           # one batch handed out, not yet sent back
+        await coord.send(0, items(8), NO_STATS)      # in_flight = 8
+        coord.admission.reserved[0] = 4              # one batch handed out, not yet sent back
         assert coord._admitted(0)                    # 8 + 4 + 4 = 16 <= 16
-        coord.reserved = 5
+        coord.admission.reserved[0] = 5
         assert not coord._admitted(0)                # 17 > 16
 
         await coord.pull(0, 8, trainer_version=1, timeout_s=1.0)  # V = 1, consumed_at_version = 8, in_flight = 0
-        coord.reserved = 0
+        coord.admission.reserved[0] = 0
         # maker 0 still at v = 0: capacity = (0 + 1 - 1 + 1) * 8 - 8 = 0
         assert not coord._admitted(0)                # 0 + 0 + 4 > 0
-        coord.maker_state[1].version = 1             # maker 1 loaded v1: capacity = (1 + 1 - 1 + 1) * 8 - 8 = 8
-        coord.reserved = 4
+        coord.book.loaded(1, 1)                      # maker 1 loaded v1: capacity = (1 + 1 - 1 + 1) * 8 - 8 = 8
+        coord.admission.reserved[0] = 4
         assert coord._admitted(1)                    # 0 + 4 + 4 = 8 <= 8
-        coord.reserved = 5
+        coord.admission.reserved[0] = 5
         assert not coord._admitted(1)                # 9 > 8
 
-        coord.reserved = 0
+        coord.admission.reserved[0] = 0
         await coord.pull(0, 0, trainer_version=3, timeout_s=1.0)  # V = 3 resets consumed_at_version to 0
         assert not coord._admitted(1)                # v = 1: (1 + 1 - 3 + 1) * 8 - 0 = 0 < 4
-        coord.maker_state[1].version = 2
+        coord.book.loaded(1, 2)
         assert coord._admitted(1)                    # v = 2: (2 + 1 - 3 + 1) * 8 = 8 >= 4
 
     asyncio.run(main())
@@ -344,14 +351,14 @@ def test_a_rank_finishing_the_previous_step_does_not_use_up_the_new_versions_adm
     async def main():
         coord = coordinator(num_ranks=2, num_makers=1, buffer_size=32, max_staleness=1, items_per_version=8,
                             prompt_batch_size=4)
-        await coord.send(0, items(4), {})                          # routed 2 + 2
+        await coord.send(0, items(4), NO_STATS)                    # routed 2 + 2
         await coord.pull(0, 2, trainer_version=0, timeout_s=1.0)  # rank 0's step-0 batch
-        await coord.publish_weights(1, [], 0, {})                  # rank 0 pushed v1: V = 1
-        coord.maker_state[0].version = 1                           # the maker loaded it
+        await coord.publish_weights(header(1, 0), [])              # rank 0 pushed v1: V = 1
+        coord.book.loaded(0, 1)                                    # the maker loaded it
         await coord.pull(1, 2, trainer_version=0, timeout_s=1.0)  # rank 1 finishes its step-0 pull late
-        assert coord.consumed_at_version == 0
+        assert coord.admission.consumed_at_version == 0
         # v = 1, V = 1: capacity = (1 + 1 - 1 + 1) * 8 - 0 = 16; in flight 0 -> admitted for 4 batches
-        coord.reserved = 12
+        coord.admission.reserved[0] = 12
         assert coord._admitted(0)                                  # 0 + 12 + 4 <= 16
 
     asyncio.run(main())
@@ -360,55 +367,54 @@ def test_a_rank_finishing_the_previous_step_does_not_use_up_the_new_versions_adm
 def test_send_returns_the_reserved_prompts():
     async def main():
         coord = coordinator(prompt_batch_size=4)
-        coord.reserved = 8  # two batches of 4 prompts handed out
-        await coord.send(0, items(3), {"num_prompts": 4})  # one prompt was blank: 3 items for 4 prompts
-        assert coord.reserved == 4
+        coord.admission.reserved[0] = 8  # two batches of 4 prompts handed out
+        await coord.send(0, items(3), MakerStats(num_prompts=4))  # one prompt was blank: 3 items for 4 prompts
+        assert coord.admission.total_reserved == 4
 
     asyncio.run(main())
 
 
-class HeldFeed:
-    """A prompt feed whose next batch is read only once ``release`` is set."""
+def feed(coord: Coordinator, texts: list[str], gate: threading.Event | None = None) -> PromptFeed:
+    """A prompt feed over ``texts`` (its read waits for ``gate``, if given), as the coordinator's."""
+    def read() -> list[str]:
+        if gate is not None:
+            gate.wait(timeout=5.0)
+        return list(texts)
 
-    epoch, first_prompt = 0, None
-
-    def __init__(self, texts: list[str]):
-        self.texts, self.release = texts, asyncio.Event()
-
-    async def next(self, maker_id: int, n: int) -> PromptBatch:
-        await self.release.wait()
-        return PromptBatch(self.texts, epoch=0)
+    coord.feed = PromptFeed(read, coord.ledger)
+    return coord.feed
 
 
 def test_a_restart_ends_the_dead_callers_waiting_next_prompts():
     async def main():
         coord = coordinator(prompt_batch_size=4)
-        coord.trainer_version = 5  # maker 0 at version 0 is far too stale: not admitted
+        coord.admission.trainer_version = 5  # maker 0 at version 0 is far too stale: not admitted
         waiting = asyncio.create_task(coord.next_prompts(0))
         assert await is_blocked(waiting)
         await coord.maker_restarted(0)  # the caller died while waiting: it gets nothing
         assert await asyncio.wait_for(waiting, 1.0) is None
-        assert coord.reserved == 0 and counters(coord)["lost"] == 0
+        assert coord.admission.total_reserved == 0 and counters(coord).lost == 0
 
     asyncio.run(main())
 
 
-def test_a_batch_read_for_a_maker_that_restarted_meanwhile_is_counted_lost():
+def test_a_batch_read_for_a_maker_that_restarted_meanwhile_is_counted_lost_and_served_again():
     async def main():
-        coord = coordinator(prompt_batch_size=4)
-        coord._prompts = HeldFeed(["a", "b", "c"])  # the epoch's last 3 prompts
+        coord = coordinator(prompt_batch_size=4, shuffle=False)
+        gate = threading.Event()
+        feed(coord, ["a", "b", "c", "d", "e", "f"], gate)
         reading = asyncio.create_task(coord.next_prompts(0))
-        assert await is_blocked(reading)
-        assert coord.maker_state[0].reserved == 4
+        assert await is_blocked(reading)  # the texts are being read (in a worker thread)
+        assert coord.status().makers[0].reserved == 4
         await coord.maker_restarted(0)
-        coord._prompts.release.set()
-        assert await asyncio.wait_for(reading, 1.0) is None
+        gate.set()
+        assert await asyncio.wait_for(reading, 2.0) is None
         c = counters(coord)
-        assert (c["prompts_served"], c["lost"], coord.reserved, coord.maker_state[0].reserved) == (3, 3, 0, 0)
-        coord._prompts = HeldFeed(["d"])
-        coord._prompts.release.set()
-        assert (await coord.next_prompts(0)).texts == ["d"]  # the restarted maker's own calls are served
-        assert coord.maker_state[0].reserved == 1
+        assert (c.prompts_served, c.lost, coord.status().makers[0].reserved) == (4, 4, 0)
+        assert c.prompts_requeued == 4  # given back to the ledger
+        batch = await coord.next_prompts(0)  # the restarted maker's own calls are served: the same prompts
+        assert (batch.texts, batch.ids) == (["a", "b", "c", "d"], [0, 1, 2, 3])
+        assert coord.status().makers[0].reserved == 4
 
     asyncio.run(main())
 
@@ -421,14 +427,15 @@ def test_publish_weights_relays_the_buckets_in_order_and_tracks_versions():
         coord = coordinator(num_makers=2)
         makers = {0: FakeMaker(), 1: FakeMaker()}
         coord.register_makers(makers)
-        await coord.publish_weights(1, ["ref-a", "ref-b"], 128, {"n": 2})
+        push = header(1, 2, nbytes=128)
+        await coord.publish_weights(push, ["ref-a", "ref-b"])
         assert await coord.wait_for_version(1, timeout_s=1.0) == {0: 1, 1: 1}
         for maker in makers.values():
-            assert maker.calls == [("start", 1, 2, {"n": 2}), ("chunk", 1, 0, ["ref-a"]),
+            assert maker.calls == [("start", push), ("chunk", 1, 0, ["ref-a"]),
                                    ("chunk", 1, 1, ["ref-b"]), ("end", 1)]
         status = coord.status()
-        assert status["trainer_version"] == 1
-        assert status["pushes"] == [(1, 128)]
+        assert status.trainer_version == 1
+        assert (status.pushes, status.last_push) == (1, LastPush(1, 128))
 
     asyncio.run(main())
 
@@ -438,9 +445,9 @@ def test_each_bucket_is_relayed_as_soon_as_rank_0_hands_it_in():
         coord = coordinator(num_makers=1)
         maker = FakeMaker()
         coord.register_makers({0: maker})
-        await coord.publish_start(1, 3, 96, {})
+        await coord.publish_start(header(1, 3))
         await asyncio.sleep(SHORT_S)
-        assert maker.calls == [("start", 1, 3, {})] and coord.status()["trainer_version"] == 1
+        assert maker.calls == [("start", header(1, 3))] and coord.status().trainer_version == 1
         await coord.publish_chunk(1, 0, ["ref-a"])
         await asyncio.sleep(SHORT_S)  # bucket 0 reaches the maker before bucket 1 is even put
         assert maker.calls[-1] == ("chunk", 1, 0, ["ref-a"])
@@ -462,15 +469,15 @@ def test_a_push_interrupted_midway_is_never_ended_and_the_next_one_completes():
         coord = coordinator(num_makers=1)
         maker = FakeMaker()
         coord.register_makers({0: maker})
-        await coord.publish_start(1, 2, 64, {})
+        await coord.publish_start(header(1, 2))
         await coord.publish_chunk(1, 0, ["old-a"])
         assert await coord.wait_for_version(1, timeout_s=SHORT_S) == {0: 0}
-        await coord.publish_weights(2, ["new-a", "new-b"], 64, {})
+        await coord.publish_weights(header(2, 2), ["new-a", "new-b"])
         await coord.publish_chunk(1, 1, ["old-b"])  # a late bucket of the abandoned push: ignored
         assert await coord.wait_for_version(2, timeout_s=1.0) == {0: 2}
         await asyncio.sleep(SHORT_S)
         assert ("end", 1) not in maker.calls and ("chunk", 1, 1, ["old-b"]) not in maker.calls
-        assert maker.calls[-4:] == [("start", 2, 2, {}), ("chunk", 2, 0, ["new-a"]), ("chunk", 2, 1, ["new-b"]), ("end", 2)]
+        assert maker.calls[-4:] == [("start", header(2, 2)), ("chunk", 2, 0, ["new-a"]), ("chunk", 2, 1, ["new-b"]), ("end", 2)]
         assert not coord.push_tasks  # no relay left waiting
 
     asyncio.run(main())
@@ -481,12 +488,12 @@ def test_a_restarted_maker_gets_the_latest_push_again():
         coord = coordinator(num_makers=1)
         maker = FakeMaker()
         coord.register_makers({0: maker})
-        await coord.publish_weights(1, ["ref-a"], 32, {})
+        await coord.publish_weights(header(1, 1), ["ref-a"])
         assert await coord.wait_for_version(1, timeout_s=1.0) == {0: 1}
         await coord.maker_restarted(0)
-        assert coord.maker_state[0].version == 0
+        assert coord.book.states[0].version == 0
         assert await coord.wait_for_version(1, timeout_s=1.0) == {0: 1}
-        assert maker.calls[-3:] == [("start", 1, 1, {}), ("chunk", 1, 0, ["ref-a"]), ("end", 1)]
+        assert maker.calls[-3:] == [("start", header(1, 1)), ("chunk", 1, 0, ["ref-a"]), ("end", 1)]
 
     asyncio.run(main())
 
@@ -495,7 +502,7 @@ def test_a_failed_weight_push_fails_the_maker():
     async def main():
         coord = coordinator(num_makers=2)
         coord.register_makers({0: FakeMaker(), 1: FakeMaker(fail_push=True)})
-        await coord.publish_weights(2, ["ref"], 64, {})
+        await coord.publish_weights(header(2, 1), ["ref"])
         assert await coord.wait_for_version(2, timeout_s=1.0) == {0: 2, 1: 0}
         with pytest.raises(RuntimeError, match="maker_1 failed .*weight push v2 failed: ConnectionError: maker died"):
             await coord.pull(0, 1, trainer_version=2, timeout_s=1.0)
@@ -504,24 +511,6 @@ def test_a_failed_weight_push_fails_the_maker():
 
 
 # -- prompts by identity (ray_ppo.ledger) ------------------------------------------------------
-
-
-class LedgerFeed:
-    """The coordinator's PromptFeed minus the dataset: texts are 'p<row>'."""
-
-    first_prompt = None
-
-    def __init__(self, ledger, num_prompts: int):
-        self.ledger = ledger
-        ledger.configure(num_prompts)
-
-    @property
-    def epoch(self) -> int:
-        return self.ledger.epoch
-
-    async def next(self, maker_id: int, n: int) -> PromptBatch:
-        ids = self.ledger.take(n, maker_id)
-        return PromptBatch([f"p{self.ledger.row(i)}" for i in ids], self.ledger.epoch, ids)
 
 
 def answering(ids: list[int], version: int = 0) -> ExperienceChunk:
@@ -535,18 +524,18 @@ def answering(ids: list[int], version: int = 0) -> ExperienceChunk:
 def test_the_coordinator_follows_prompts_by_identity_until_trained():
     async def main():
         coord = coordinator(num_makers=2, prompt_batch_size=2, items_per_version=8, max_staleness=1, shuffle=False)
-        coord._prompts = LedgerFeed(coord.ledger, num_prompts=6)
+        feed(coord, [f"p{i}" for i in range(6)])
         a, b = await coord.next_prompts(0), await coord.next_prompts(1)
         assert (a.ids, b.ids, a.texts) == ([0, 1], [2, 3], ["p0", "p1"])
-        await coord.send(1, answering([2]), {"num_prompts": 2, "prompt_ids": [2, 3]})  # prompt 3 was blank
-        await coord.send(0, answering([0, 1]), {"num_prompts": 2, "prompt_ids": [0, 1]})
+        await coord.send(1, answering([2]), MakerStats(num_prompts=2, prompt_ids=(2, 3)))  # prompt 3 was blank
+        await coord.send(0, answering([0, 1]), MakerStats(num_prompts=2, prompt_ids=(0, 1)))
         await coord.pull(0, 2, trainer_version=0, timeout_s=1.0, step=1)  # prompts 2 and 0, in arrival order
         state = coord.data_state(step=1)
         assert state["trained"] == [[1, [2, 0]]] and (state["watermark"], state["next"], state["done"]) == (1, 4, [2, 3])
         await coord.pull(0, 1, trainer_version=0, timeout_s=1.0, step=2)
         assert coord.data_state(step=1)["watermark"] == 1  # prompt 1 was trained after step 1's checkpoint
         assert coord.data_state(step=2)["watermark"] == 4
-        assert coord.status()["counters"]["prompts_trained"] == 3
+        assert coord.status().counters.prompts_trained == 3
 
     asyncio.run(main())
 
@@ -554,22 +543,21 @@ def test_the_coordinator_follows_prompts_by_identity_until_trained():
 def test_stale_lost_and_rewound_prompts_are_served_again():
     async def main():
         coord = coordinator(num_makers=2, prompt_batch_size=2, items_per_version=8, max_staleness=1, shuffle=False)
-        coord._prompts = LedgerFeed(coord.ledger, num_prompts=10)
+        feed(coord, [f"p{i}" for i in range(10)])
         await coord.next_prompts(0)                       # 0, 1
         await coord.next_prompts(1)                       # 2, 3: maker 1 dies holding them
-        await coord.send(0, answering([0, 1], version=0), {"num_prompts": 2, "prompt_ids": [0, 1]})
+        await coord.send(0, answering([0, 1], version=0), MakerStats(num_prompts=2, prompt_ids=(0, 1)))
         await coord.maker_restarted(1)
-        coord._set_trainer_version(2)  # items of version 0 are too stale now
-        coord._drop_stale(0)
-        coord.maker_state[0].version = 2  # maker 0 loaded the new weights: admitted again
-        assert coord.status()["counters"]["discarded"] == 2
+        await coord.pull(0, 0, trainer_version=2, timeout_s=1.0)  # items of version 0 are too stale now
+        coord.book.loaded(0, 2)  # maker 0 loaded the new weights: admitted again
+        assert coord.status().counters.discarded == 2
         assert (await coord.next_prompts(0)).ids == [2, 3]   # the lost ones first ...
         assert (await coord.next_prompts(0)).ids == [0, 1]   # ... then the discarded ones
-        await coord.send(0, answering([2, 3], version=2), {"num_prompts": 2, "prompt_ids": [2, 3]})
+        await coord.send(0, answering([2, 3], version=2), MakerStats(num_prompts=2, prompt_ids=(2, 3)))
         await coord.pull(0, 2, trainer_version=2, timeout_s=1.0, step=1)
         assert await coord.rewind(0) == 2                    # a restarted worker group redoes step 1
         assert (await coord.next_prompts(0)).ids == [2, 3]
         await coord.lost_in_transit(0, 1, [7])               # an id it never handed out: ignored
-        assert coord.status()["counters"]["prompts_requeued"] == 2 + 2 + 2
+        assert coord.status().counters.prompts_requeued == 2 + 2 + 2
 
     asyncio.run(main())

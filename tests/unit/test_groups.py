@@ -9,6 +9,7 @@ import itertools
 import pytest
 
 from ray_ppo.config import Config, ConfigError
+from ray_ppo.messages import MakerStats
 from ray_ppo.transport import ExperienceChunk, resolve
 from tests.unit.test_coordinator import coordinator, counters, item
 
@@ -40,14 +41,14 @@ def test_groups_stay_whole_on_one_rank_and_in_one_pull(group_size):
     async def run():
         n = group_size
         coord = coordinator(num_ranks=3, num_makers=3, buffer_size=4 * n, items_per_version=12 * n)
-        sends = [asyncio.create_task(coord.send(m, grouped_chunk(g, n, f"m{m}"), {}))
+        sends = [asyncio.create_task(coord.send(m, grouped_chunk(g, n, f"m{m}"), MakerStats()))
                  for m, g in zip(range(3), (5, 3, 7))]
         seen: dict[str, set[int]] = {}
         pulled = 0
         for rank in itertools.islice(itertools.cycle(range(3)), 100):
             if pulled == 15 * n:
                 break
-            status = coord.status()["buffered"]
+            status = coord.status().buffered
             if status[rank] < 2 * n:
                 await asyncio.sleep(0)
                 continue
@@ -59,7 +60,7 @@ def test_groups_stay_whole_on_one_rank_and_in_one_pull(group_size):
                 seen.setdefault(g, set()).add(rank)
         await asyncio.gather(*sends)
         assert all(len(ranks) == 1 for ranks in seen.values()), seen
-        assert counters(coord)["produced"] == 15 * n
+        assert counters(coord).produced == 15 * n
     asyncio.run(run())
 
 

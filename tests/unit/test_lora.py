@@ -8,6 +8,7 @@ import torch
 from ray_ppo.build import build_actor, build_experience_maker
 from ray_ppo.config import Config
 from ray_ppo.makers.actor import _check_keys
+from ray_ppo.messages import PushHeader
 from ray_ppo.models.lora import trainable_names
 from ray_ppo.sync import make_buckets, unpack_bucket
 
@@ -102,9 +103,9 @@ def test_lora_only_pushes_through_a_maker_swap_in_only_the_adapters(cfg):
                     p.add_(0.05 * torch.randn_like(p))
         state = join_state(lora_push(trainer_actor), {k: v for k, v in trainer_critic.state_dict().items()
                                                        if k in trainable_names(trainer_critic)})
-        worker.weights_start(version, 1, {"partial": True})
-        worker.staging.stage(state)
-        worker.staging.seen.add(0)
+        worker.weights_start(PushHeader(version, 1, 0, kl_coef=0.05, partial=True))
+        worker.receiver.staging.stage(state)
+        worker.receiver.staging.seen.add(0)
         assert worker.weights_end(version) is True
     assert worker.float_actor.get_parameter(base_name) is base_tensor  # not swapped, not copied
     for k, v in {**lora_push(trainer_actor)}.items():

@@ -84,7 +84,7 @@ def test_read_only_push_loads_and_fingerprints_match(cfg):
     assert deliver_push(worker, 1, push)
     assert worker.weights_fingerprint() == (1, fingerprint(full))
     # the second push stages into the tensors the first one replaced (spares): still exact
-    assert worker.spares and worker.float_actor.lm_head.weight is worker.float_actor.transformer.wte.weight
+    assert worker.receiver.spares and worker.float_actor.lm_head.weight is worker.float_actor.transformer.wte.weight
     full2, push2 = new_weights(worker)
     assert deliver_push(worker, 2, push2)
     assert worker.weights_fingerprint() == (2, fingerprint(full2)) and full2.keys() == full.keys()

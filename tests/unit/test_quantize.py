@@ -5,6 +5,7 @@ import torch
 
 from ray_ppo.config import Config
 from ray_ppo.makers.actor import MakerWorker
+from ray_ppo.messages import PushHeader
 from ray_ppo.models import SamplingParams, action_logits, generate, load_actor
 from ray_ppo.models.quantize import quantize_for_generation
 
@@ -37,9 +38,9 @@ def test_push_to_quantized_maker_requantizes(tiny_path):
             p.add_(0.2 * torch.randn_like(p))
     state = {f"actor.{k}": v for k, v in new.state_dict().items()}
     state.update({f"critic.{k}": v for k, v in worker.maker.critic.state_dict().items()})
-    worker.weights_start(1, 1, {})
-    worker.staging.stage(state)  # what weights_chunk does with each bucket from the object store
-    worker.staging.seen.add(0)
+    worker.weights_start(PushHeader(1, 1, 0, kl_coef=0.05))
+    worker.receiver.staging.stage(state)  # what weights_chunk does with each bucket from the object store
+    worker.receiver.staging.seen.add(0)
     assert worker.weights_end(1) is True
     assert worker.version == 1 and worker.maker.actor is not old_generator
     x = torch.tensor([[3, 4, 5, 6]])

@@ -183,7 +183,7 @@ def test_staging_copies_each_tensor_into_its_targets_dtype_and_device():
     source = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     view = torch.from_numpy(source.numpy().copy())  # stands in for a read-only object-store view
     targets = {"w": torch.zeros(2, 3, dtype=torch.bfloat16), "other_shape": torch.zeros(4)}
-    staged = StagedPush(1, 1, {}, targets)
+    staged = StagedPush(1, 1, targets)
     staged.stage({"w": view, "other_shape": view, "unknown": view})
     assert staged.tensors["w"].dtype == torch.bfloat16
     assert staged.tensors["w"].data_ptr() not in (view.data_ptr(), targets["w"].data_ptr())  # a fresh copy
@@ -202,7 +202,7 @@ def test_assign_state_swaps_staged_tensors_in_without_copy_and_reties(tiny_path)
         for p in donor.parameters():
             p.add_(0.1 * torch.randn_like(p))
     pushed = {k: v for k, v in donor.state_dict().items() if k != "lm_head.weight"}  # aliases are not sent
-    staged = StagedPush(1, 1, {}, actor.state_dict())
+    staged = StagedPush(1, 1, actor.state_dict())
     staged.stage(pushed)
     assign_state(actor, staged.tensors)
     wte = actor.transformer.wte.weight
@@ -229,7 +229,7 @@ def test_staging_reuses_matching_spares_and_a_swap_frees_only_untied_replaced_te
     actor, donor = load_actor(tiny_path), load_actor(tiny_path)
     pushed = {k: v for k, v in donor.state_dict().items() if k != "lm_head.weight"}
     before = actor.state_dict()
-    staged = StagedPush(1, 1, {}, before)
+    staged = StagedPush(1, 1, before)
     staged.stage(pushed)
     assign_state(actor, staged.tensors)
     spares = replaced_tensors(before, staged.tensors)
@@ -238,7 +238,7 @@ def test_staging_reuses_matching_spares_and_a_swap_frees_only_untied_replaced_te
     live = {t.data_ptr() for t in actor.state_dict().values()}
     assert not live & {t.data_ptr() for t in spares.values()}  # no model uses them any more
 
-    second = StagedPush(2, 1, {}, actor.state_dict(), spares=dict(spares))
+    second = StagedPush(2, 1, actor.state_dict(), spares=dict(spares))
     second.stage(pushed)
     name = "transformer.h.0.attn.c_attn.weight"
     assert second.tensors[name].data_ptr() == spares[name].data_ptr()  # copied into the spare, not a fresh tensor

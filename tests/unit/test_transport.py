@@ -9,9 +9,8 @@ from ray_ppo.transport import ExperienceChunk, resolve
 
 
 def item(uid: str, version: int = 3, n: int = 2) -> ExperienceItem:
-    return ExperienceItem(prompt_ids=torch.tensor([1, 2]), response_ids=torch.arange(n), action_log_probs=torch.ones(n),
-                          ref_log_probs=torch.zeros(n), values=torch.zeros(n), rewards=torch.zeros(n),
-                          advantages=torch.zeros(n), returns=torch.zeros(n), reward=0.1, policy_version=version, uid=uid)
+    return ExperienceItem.filled(torch.tensor([1, 2]), torch.arange(n), lambda name: torch.full((n,), float(name == "values")),
+                                 reward=0.1, policy_version=version, uid=uid)
 
 
 def test_split_chunks_resolve_to_the_original_items_in_order():

@@ -15,6 +15,9 @@ import time
 import pytest
 import torch
 
+from ray_ppo.algo.experience import PER_TOKEN_FIELDS
+from ray_ppo.messages import PushHeader
+
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -62,9 +65,9 @@ def push(worker, state: dict, version: int, num_chunks: int = 2, deliver: int | 
 
     buckets = list(make_buckets(state, bucket_mb=sum(t.numel() * t.element_size() for t in state.values())
                                 / num_chunks / 2**20 + 1e-3))
-    worker.weights_start(version, len(buckets), {"partial": False})
+    worker.weights_start(PushHeader(version, len(buckets), 0, kl_coef=0.05))
     for index, bucket in enumerate(buckets[:deliver]):
-        worker.staging.add(index, bucket)
+        worker.receiver.staging.add(index, bucket)
     return worker.weights_end(version)
 
 
@@ -96,7 +99,7 @@ def test_items_are_well_formed_and_equal_to_the_hf_makers(worker):
         maker.engine = worker.engine
     for item, hf_item in zip(items, hf_items):
         assert torch.equal(item.response_ids, hf_item.response_ids)
-        for field in ("action_log_probs", "ref_log_probs", "values", "rewards", "advantages", "returns"):
+        for field in PER_TOKEN_FIELDS:
             torch.testing.assert_close(getattr(item, field), getattr(hf_item, field), rtol=0, atol=1e-6)
         assert item.reward == hf_item.reward
 

@@ -1,0 +1,295 @@
+"""The coordinator's state as plain, synchronous objects (no asyncio, no Ray).
+
+``ray_ppo.coordinator.Coordinator`` is the async actor shell around them: it waits (for buffer
+space, for items, for admission, for weight buckets) and calls these objects to decide and to
+count. Each object has one job and each counter is changed in one place:
+
+  - ``RankBuffers``: per-rank bounded buffers of experience chunks and the item counters
+    (``produced = consumed + in_flight + discarded + lost_in_transit`` by construction);
+  - ``Admission``: the trainer's version, the items consumed at it, the prompts reserved by each
+    maker, and whether a maker may take another prompt batch;
+  - ``MakerBook``: each maker's version, failure, restarts and reported totals;
+  - ``PushRelay``: the latest weight push and the refs of its buckets as they arrive;
+  - ``Mailbox``: what rank 0 hands the driver (per-step metrics, stored checkpoints), in order.
+
+The prompt stream is ``ray_ppo.data.PromptFeed`` over a ``ray_ppo.ledger.PromptLedger``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray_ppo.messages import LastPush, MakerStats, MakerStatus, PushHeader
+from ray_ppo.transport import ExperienceChunk
+
+
+class RankBuffers:
+    """Responsibilities: hold each trainer rank's chunks (FIFO, at most ``buffer_size`` items),
+    place arriving chunks by free space, hand out and take back items, drop stale ones, count.
+
+    Stored counters: ``produced`` (items makers sent), ``pulled`` (items ranks took for a step),
+    ``discarded`` (dropped as too stale), ``lost_in_transit`` (pulled, but their payload died with
+    its maker). ``consumed`` and ``in_flight`` are derived from them, so the accounting identity
+    cannot drift.
+    """
+
+    def __init__(self, num_ranks: int, buffer_size: int):
+        self.buffer_size = buffer_size
+        self.queues: list[collections.deque[ExperienceChunk]] = [collections.deque() for _ in range(num_ranks)]
+        self.produced = self.pulled = self.discarded = self.lost_in_transit = 0
+        self._rr = 0
+
+    @property
+    def consumed(self) -> int:
+        """Items ranks trained on: pulled and not lost in transit."""
+        return self.pulled - self.lost_in_transit
+
+    @property
+    def in_flight(self) -> int:
+        """Items buffered or waiting for buffer space (or never placed: a run that finished first)."""
+        return self.produced - self.pulled - self.discarded
+
+    def accept(self, n: int) -> None:
+        """A maker handed ``n`` items to the coordinator; they are placed as space frees up."""
+        self.produced += n
+
+    def buffered(self, rank: int) -> int:
+        """Items in ``rank``'s buffer."""
+        return sum(chunk.count for chunk in self.queues[rank])
+
+    def has_space(self, targets: list[int]) -> bool:
+        return any(self.buffered(r) < self.buffer_size for r in targets)
+
+    def route(self, chunk: ExperienceChunk, targets: list[int]) -> ExperienceChunk:
+        """Place as many of the chunk's groups as fit, each on the target rank with the most free
+        space (ties round-robin), as one slice per rank; returns the slice that did not fit. A
+        group (``chunk.group_size`` items, the responses to one prompt) is never split: buffer
+        sizes and batch sizes are multiples of it (``config._check_groups``)."""
+        load = {r: self.buffered(r) for r in targets}
+        shares = dict.fromkeys(targets, 0)
+        g = chunk.group_size
+        for _ in range(chunk.count // g):
+            if all(load[r] >= self.buffer_size for r in targets):
+                break
+            rank = self._pick(targets, load)
+            load[rank] += g
+            shares[rank] += g
+        for rank, n in shares.items():
+            if n:
+                head, chunk = chunk.split(n)
+                self.queues[rank].append(head)
+        return chunk
+
+    def _pick(self, targets: list[int], load: dict[int, int]) -> int:
+        """The target rank with the least ``load`` (the most free space); ties go round-robin."""
+        self._rr += 1
+        order = targets[self._rr % len(targets):] + targets[:self._rr % len(targets)]
+        return min(order, key=load.__getitem__)
+
+    def take(self, rank: int, n: int, out: list[ExperienceChunk]) -> int:
+        """Move up to ``n`` items from the head of ``rank``'s buffer to ``out`` (splitting a chunk if
+        needed, at a group boundary: ``n`` is a multiple of the group size). Not counted as pulled
+        until ``commit``; ``put_back`` returns them."""
+        buffer, taken = self.queues[rank], 0
+        while buffer and taken < n:
+            chunk = buffer.popleft()
+            if chunk.count > n - taken:
+                chunk, rest = chunk.split(n - taken)
+                buffer.appendleft(rest)
+            out.append(chunk)
+            taken += chunk.count
+        return taken
+
+    def put_back(self, rank: int, taken: list[ExperienceChunk]) -> None:
+        """Return chunks ``take`` moved out (a pull that gave up) to the head of the buffer, in order."""
+        self.queues[rank].extendleft(reversed(taken))
+
+    def commit(self, n: int) -> None:
+        """A rank leaves with ``n`` taken items."""
+        self.pulled += n
+
+    def lost(self, n: int) -> None:
+        """``n`` pulled items could not be fetched: their payload died with its maker."""
+        self.lost_in_transit += n
+
+    def drop_stale(self, rank: int, oldest_allowed: int) -> list[int]:
+        """Drop (and count) ``rank``'s chunks made before version ``oldest_allowed``; returns the
+        prompt ids of the dropped items."""
+        buffer = self.queues[rank]
+        stale = [chunk for chunk in buffer if chunk.policy_version < oldest_allowed]
+        if not stale:
+            return []
+        fresh = [chunk for chunk in buffer if chunk.policy_version >= oldest_allowed]
+        buffer.clear()
+        buffer.extend(fresh)
+        self.discarded += sum(chunk.count for chunk in stale)
+        return [pid for chunk in stale for pid in chunk.item_prompt_ids()]
+
+
+class Admission:
+    """Responsibilities: know the trainer's version and what it consumed at it, keep each maker's
+    reserved prompts (handed out, items not yet back; lost when the maker restarts), and decide
+    whether a maker may take another batch.
+
+    Items made at maker version v are usable while the trainer's version is <= v + S
+    (``max_staleness``); until then the trainer consumes at most ``(v + S - V + 1) *
+    items_per_version`` items, minus what it already consumed at its current version V. A prompt
+    reserved or handed out becomes ``samples_per_prompt`` items.
+    """
+
+    def __init__(self, num_makers: int, max_staleness: int, items_per_version: int, prompt_batch_size: int,
+                 samples_per_prompt: int = 1, initial_version: int = 0):
+        self.max_staleness, self.items_per_version = max_staleness, items_per_version
+        self.prompt_batch_size, self.samples_per_prompt = prompt_batch_size, samples_per_prompt
+        self.trainer_version = initial_version  # > 0 when resuming: makers wait for the restored weights
+        self.consumed_at_version = 0  # items pulled since the trainer reached its current version
+        self.reserved = dict.fromkeys(range(num_makers), 0)
+        self.lost = 0  # prompts reserved by makers that restarted before sending their items
+
+    @property
+    def total_reserved(self) -> int:
+        return sum(self.reserved.values())
+
+    def admits(self, maker_version: int, in_flight: int) -> bool:
+        """Whether a maker at ``maker_version`` may take a batch, counting ``in_flight`` items and
+        every reserved prompt."""
+        v, V, S = maker_version, self.trainer_version, self.max_staleness
+        capacity = (v + S - V + 1) * self.items_per_version - self.consumed_at_version
+        pending = (self.total_reserved + self.prompt_batch_size) * self.samples_per_prompt
+        return in_flight + pending <= capacity
+
+    @property
+    def oldest_allowed(self) -> int:
+        """The oldest policy version a rank may still train on."""
+        return self.trainer_version - self.max_staleness
+
+    def reserve(self, maker_id: int, n: int) -> None:
+        """``n`` prompts handed to ``maker_id`` (negative: their items came back)."""
+        self.reserved[maker_id] += n
+
+    def drop(self, maker_id: int) -> None:
+        """``maker_id``'s process died: what it held is lost."""
+        self.lost += self.reserved[maker_id]
+        self.reserved[maker_id] = 0
+
+    def trainer_at(self, version: int) -> None:
+        """A trainer rank reported (pull) or pushed ``version``; versions never go back."""
+        if version > self.trainer_version:
+            self.trainer_version = version
+            self.consumed_at_version = 0
+
+    def consumed(self, n: int, rank_version: int) -> None:
+        """A rank at ``rank_version`` pulled ``n`` items. A rank still finishing the previous
+        version's step (rank 0 already pushed the next one) consumed from that version's budget,
+        not from the new version's."""
+        if rank_version >= self.trainer_version:
+            self.consumed_at_version += n
+
+    def unconsumed(self, n: int) -> None:
+        """``n`` pulled items were lost in transit: the trainer still needs as many."""
+        self.consumed_at_version = max(0, self.consumed_at_version - n)
+
+
+class MakerBook:
+    """Responsibilities: each maker's loaded version, failure and restarts, the totals makers
+    report with their batches, and the engine log-prob gaps they measured."""
+
+    def __init__(self, num_makers: int):
+        self.states = {i: MakerStatus() for i in range(num_makers)}  # ``reserved`` is Admission's: left 0 here
+        self.blank = 0      # prompts skipped because they were empty
+        self.truncated = 0  # prompts cut to data.max_prompt_len tokens
+        self.logprob_gaps: list[tuple[float, float, int]] = []  # per engine batch: (sum, max, tokens)
+
+    def _update(self, maker_id: int, **changes) -> None:
+        self.states[maker_id] = dataclasses.replace(self.states[maker_id], **changes)
+
+    def record(self, maker_id: int, stats: MakerStats) -> None:
+        s = self.states[maker_id]
+        self._update(maker_id, generate_s=s.generate_s + stats.generate_s, idle_s=s.idle_s + stats.idle_s,
+                     admission_s=s.admission_s + stats.admission_s, pause_s=s.pause_s + stats.pause_s,
+                     tokens=s.tokens + stats.num_tokens)
+        self.blank += stats.blank
+        self.truncated += stats.truncated
+        if stats.logprob_gap is not None:
+            self.logprob_gaps.append(tuple(stats.logprob_gap))
+
+    def loaded(self, maker_id: int, version: int) -> None:
+        self._update(maker_id, version=max(self.states[maker_id].version, version))
+
+    def fail(self, maker_id: int, error: str) -> None:
+        self._update(maker_id, failed=error)
+
+    def restarted(self, maker_id: int) -> None:
+        """A new process: back to the initial weights until it loads the latest push."""
+        self._update(maker_id, version=0, restarts=self.states[maker_id].restarts + 1)
+
+    def failure(self) -> str | None:
+        """The first failed maker's error, as the run's one-line diagnosis; None if none failed."""
+        failed = {i: s.failed for i, s in self.states.items() if s.failed}
+        if not failed:
+            return None
+        maker_id, error = next(iter(failed.items()))
+        return f"maker_{maker_id} failed ({len(failed)}/{len(self.states)} makers failed): {error}"
+
+    def all_at(self, version: int) -> bool:
+        """Every maker that has not failed loaded ``version`` (or later)."""
+        return all(s.version >= version or s.failed for s in self.states.values())
+
+    def versions(self) -> dict[int, int]:
+        return {i: s.version for i, s in self.states.items()}
+
+    def snapshot(self, reserved: dict[int, int]) -> dict[int, MakerStatus]:
+        return {i: dataclasses.replace(s, reserved=reserved.get(i, 0)) for i, s in self.states.items()}
+
+
+@dataclass
+class Push:
+    """A weight push: its header and the refs of its buckets as rank 0 hands them in (index -> ref)."""
+
+    header: PushHeader
+    bucket_refs: dict[int, Any] = field(default_factory=dict)
+
+    @property
+    def version(self) -> int:
+        return self.header.version
+
+
+class PushRelay:
+    """Responsibilities: keep the latest push (its refs stay alive for makers that restart later)
+    and its buckets as they arrive; tell a relay whether its push was superseded."""
+
+    def __init__(self):
+        self.latest: Push | None = None
+        self.count = 0  # pushes started
+
+    def start(self, header: PushHeader) -> Push:
+        """Open push ``header.version``; older pushes' refs are released here."""
+        self.latest = Push(header)
+        self.count += 1
+        return self.latest
+
+    def add(self, version: int, index: int, ref: Any) -> bool:
+        """Bucket ``index`` of push ``version``; False (ignored) if a newer push started."""
+        if self.latest is None or self.latest.version != version:
+            return False
+        self.latest.bucket_refs[index] = ref
+        return True
+
+    def superseded(self, push: Push) -> bool:
+        return self.latest is not None and self.latest.version > push.version
+
+    @property
+    def last(self) -> LastPush | None:
+        return None if self.latest is None else LastPush(self.latest.version, self.latest.header.nbytes)
+
+
+class Mailbox:
+    """Responsibilities: keep what rank 0 sends the driver, in order, for the driver to read from
+    where it left off (the driver polls; rank 0 never waits for it)."""
+
+    def __init__(self):
+        self.metrics: list[dict] = []
+        self.checkpoints: list[tuple[int, Any]] = []  # (step, ray.train.Checkpoint) as Ray Train stored them

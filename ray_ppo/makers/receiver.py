@@ -1,0 +1,59 @@
+"""The receiving side of a weight push, shared by ``MakerWorker`` and ``benchmarks/weight_sync.py``.
+
+A push arrives as ``weights_start(header)``, one ``weights_chunk`` per bucket, ``weights_end``
+(``ray_ppo.coordinator.Coordinator`` relays them in this order, in the maker's ``model_io``
+group). ``WeightReceiver`` stages the buckets as they arrive (``sync.StagedPush``: copies shaped
+like the receiving model, into the tensors the previous swap replaced), and hands back a complete
+push for the caller's swap; an incomplete or superseded push is dropped and the model keeps its
+weights.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import ray
+import torch
+
+from ray_ppo.messages import PushHeader
+from ray_ppo.sync import StagedPush, replaced_tensors
+
+
+class WeightReceiver:
+    """Responsibilities: stage one push at a time, drop an unfinished one when a newer starts,
+    and recycle the tensors a swap replaced as the next push's staging memory."""
+
+    def __init__(self):
+        self.staging: StagedPush | None = None
+        self.header: PushHeader | None = None  # of the push being staged
+        self.spares: dict[str, torch.Tensor] = {}  # the weights the last swap replaced, reused for staging
+
+    def start(self, header: PushHeader, targets: Mapping[str, torch.Tensor] | None) -> None:
+        """chunk_start: begin staging push ``header.version`` (any unfinished earlier push is
+        dropped). ``targets``: the receiving models' state dict, keys prefixed ``actor.`` /
+        ``critic.`` (``sync.join_state``); None stages views of the buckets (copied at the swap)."""
+        self.header = header
+        if targets is None:
+            self.staging = StagedPush(header.version, header.num_chunks)
+            return
+        self.staging = StagedPush(header.version, header.num_chunks, targets, spares=self.spares)
+        self.spares = {}  # the staging owns them now; dropped with it if the push never completes
+
+    def chunk(self, version: int, index: int, bucket_ref: list) -> None:
+        """One bucket of push ``version``; the ref comes nested so it is fetched here, zero-copy,
+        and copied into staged tensors while generation goes on."""
+        if self.staging is None or self.staging.version != version:
+            return
+        self.staging.add(index, ray.get(bucket_ref[0]))
+
+    def end(self, version: int) -> tuple[PushHeader, StagedPush] | None:
+        """chunk_end: the complete push ``version`` (header and staged tensors), or None if it is
+        incomplete or was superseded."""
+        staged, self.staging = self.staging, None
+        if staged is None or not staged.complete(version):
+            return None
+        return self.header, staged
+
+    def recycle(self, staged: StagedPush) -> None:
+        """After ``staged`` was swapped in: the tensors it replaced stage the next push."""
+        self.spares = replaced_tensors(staged.targets, staged.tensors)

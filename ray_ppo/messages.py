@@ -1,0 +1,156 @@
+"""The typed messages that cross a process boundary between the run's actors.
+
+Every call between maker, coordinator, trainer ranks and driver passes one of these frozen
+dataclasses (or an ``ExperienceChunk``, ``ray_ppo.transport``), never a loose dict, so a misspelt
+field fails where it is written instead of silently reading as zero.
+
+  - ``PromptBatch``    coordinator -> maker: the prompts of one work item;
+  - ``MakerStats``     maker -> coordinator: what making one batch cost and skipped;
+  - ``PushHeader``     trainer rank 0 -> coordinator -> maker: what a weight push carries besides
+                       its buckets;
+  - ``CoordinatorStatus`` coordinator -> trainer rank 0 and driver: counters, versions, maker states.
+
+``kl_coef`` has one owner: the trainer's KL controller (``ray_ppo.algo.make_kl_controller``),
+which ``ppo.kl_coef`` only seeds. Its current value reaches the makers in the ``PushHeader`` of
+every weight push; a maker shapes rewards with the value that came with the weights it holds
+(swapped in together, so items tagged policy version v were shaped with version v's
+coefficient), and with ``ppo.kl_coef`` until its first push. The local loop, which has no
+pushes, passes the controller's value to ``ExperienceMaker.make_experience`` directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """Work item for a maker: raw prompt texts (encoding happens in the maker)."""
+
+    texts: list[str]
+    ids: list[int] = field(default_factory=list)
+    """Prompt id of each text (``ray_ppo.ledger``); the maker tags the items it makes with them."""
+
+
+@dataclass(frozen=True)
+class MakerStats:
+    """What a maker reports with each batch it sends (``Coordinator.send``)."""
+
+    num_prompts: int = 0
+    """Prompts of the batch, blank ones included (their reservation is returned)."""
+    prompt_ids: tuple[int, ...] = ()
+    """Every prompt id of the batch; ids without items count as blank (``ray_ppo.ledger``)."""
+    blank: int = 0
+    """Prompts skipped because they were empty."""
+    truncated: int = 0
+    """Prompts cut to ``data.max_prompt_len`` tokens."""
+    num_tokens: int = 0
+    """Response tokens generated."""
+    generate_s: float = 0.0
+    """Seconds generating and scoring the batch."""
+    idle_s: float = 0.0
+    """Seconds waiting since the previous batch: for prompts (admission) and for the sender (back-pressure)."""
+    admission_s: float = 0.0
+    """Of ``idle_s``: the wait for this prompt batch (admission control)."""
+    pause_s: float = 0.0
+    """Seconds generation was paused for weight swaps since the previous batch."""
+    logprob_gap: tuple[float, float, int] | None = None
+    """With an inference engine: (sum, max, tokens) of |engine - HF| log-probs of the sampled tokens."""
+
+
+@dataclass(frozen=True)
+class PushHeader:
+    """A weight push, apart from its buckets: sent at chunk_start (``weights_start``)."""
+
+    version: int
+    """Policy version of the pushed weights."""
+    num_chunks: int
+    """Buckets that follow (``weights_chunk``), indices 0 .. num_chunks - 1."""
+    nbytes: int
+    """Bytes of all buckets together."""
+    kl_coef: float
+    """The trainer's KL coefficient when it pushed (its KL controller's value): the maker shapes
+    the rewards of items made with these weights with it."""
+    partial: bool = False
+    """LoRA-only push (``sync.lora_only``): adapters and value head; the rest is the maker's own."""
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Item and prompt accounting. At any time: produced = consumed + in_flight + discarded + lost_in_transit."""
+
+    produced: int = 0
+    """Items makers handed to ``send``."""
+    consumed: int = 0
+    """Items returned to trainer ranks by ``pull`` (less those lost in transit)."""
+    discarded: int = 0
+    """Items dropped because they exceeded ``max_staleness``."""
+    lost: int = 0
+    """Prompts handed to a maker that died before sending their items."""
+    lost_in_transit: int = 0
+    """Items sent by a maker that died before a rank fetched them."""
+    in_flight: int = 0
+    """Items buffered or waiting for buffer space."""
+    prompts_served: int = 0
+    """Prompts handed to makers."""
+    blank_prompts: int = 0
+    """Prompts skipped because they were empty."""
+    truncated_prompts: int = 0
+    """Prompts cut to ``data.max_prompt_len`` tokens."""
+    epochs: int = 0
+    """Full passes over the prompt dataset started."""
+    prompts_trained: int = 0
+    """Prompts all of whose items were pulled for a step (each counted once)."""
+    prompts_requeued: int = 0
+    """Prompts served again: items discarded, lost, or trained in redone steps."""
+
+
+@dataclass(frozen=True)
+class MakerStatus:
+    """One maker as the coordinator sees it; times and tokens are totals since the run started."""
+
+    version: int = 0
+    """Policy version of the weights it loaded last."""
+    failed: str | None = None
+    """Why it failed, or None."""
+    generate_s: float = 0.0
+    idle_s: float = 0.0
+    admission_s: float = 0.0
+    """Of ``idle_s``: waiting for prompts (admission control); the rest is back-pressure."""
+    pause_s: float = 0.0
+    """Generation paused for weight swaps."""
+    tokens: int = 0
+    reserved: int = 0
+    """Prompts handed out whose items have not come back."""
+    restarts: int = 0
+
+
+@dataclass(frozen=True)
+class LastPush:
+    """The latest weight push the coordinator relayed."""
+
+    version: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CoordinatorStatus:
+    """A snapshot of the coordinator (``Coordinator.status``): small and of fixed size, so rank 0
+    can ask for it at every step."""
+
+    counters: Counters
+    trainer_version: int
+    """The highest policy version a trainer rank reported (pull) or pushed."""
+    data: dict
+    """Where the prompt stream stands (``PromptLedger.summary``) and ``first_prompt``, the first
+    prompt served (where a resumed run restarted)."""
+    buffered: tuple[int, ...]
+    """Items in each rank's buffer."""
+    makers: dict[int, MakerStatus]
+    pushes: int = 0
+    """Weight pushes started."""
+    last_push: LastPush | None = None
+    rank_pids: dict[int, int | None] = field(default_factory=dict)
+    """Process id of each trainer rank (from its last pull), for diagnostics."""
+    node_id: str | None = None
+    """The Ray node the coordinator runs on."""

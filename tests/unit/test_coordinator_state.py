@@ -1,0 +1,201 @@
+"""Unit tests of the coordinator's state objects (``ray_ppo.coordinator_state``, ``ray_ppo.data.PromptFeed``)
+and its messages: plain synchronous calls, no asyncio, no Ray."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from ray_ppo.coordinator_state import Admission, MakerBook, PushRelay, RankBuffers
+from ray_ppo.data import PromptFeed
+from ray_ppo.ledger import PromptLedger
+from ray_ppo.messages import LastPush, MakerStats, MakerStatus, PushHeader
+from tests.unit.test_coordinator import item, items
+from ray_ppo.transport import ExperienceChunk
+
+
+def identity_holds(b: RankBuffers) -> bool:
+    return b.produced == b.consumed + b.in_flight + b.discarded + b.lost_in_transit
+
+
+# -- messages -----------------------------------------------------------------------------------
+
+
+def test_a_misspelt_stat_fails_where_it_is_written():
+    with pytest.raises(TypeError, match="num_prompt"):
+        MakerStats(num_prompt=3)
+    stats = MakerStats(num_prompts=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.num_prompts = 4
+
+
+# -- RankBuffers --------------------------------------------------------------------------------
+
+
+def test_buffers_route_take_and_count():
+    b = RankBuffers(num_ranks=2, buffer_size=4)
+    chunk = items(6)
+    b.accept(chunk.count)
+    rest = b.route(chunk, [0, 1])
+    assert (rest.count, b.buffered(0), b.buffered(1)) == (0, 3, 3)
+    assert b.has_space([0, 1])  # 3 < 4: both still have room
+    out: list[ExperienceChunk] = []
+    assert b.take(0, 2, out) == 2 and b.buffered(0) == 1
+    assert (b.in_flight, b.consumed) == (6, 0)  # taken is not pulled until committed
+    b.commit(2)
+    assert (b.produced, b.consumed, b.in_flight) == (6, 2, 4) and identity_holds(b)
+    b.lost(2)  # their payload died with the maker
+    assert (b.consumed, b.lost_in_transit, b.in_flight) == (0, 2, 4) and identity_holds(b)
+
+
+def test_route_returns_what_does_not_fit_and_put_back_keeps_the_order():
+    b = RankBuffers(num_ranks=1, buffer_size=4)
+    chunk = items(6)
+    b.accept(6)
+    rest = b.route(chunk, [0])
+    assert (rest.count, b.buffered(0), b.has_space([0])) == (2, 4, False)
+    out: list[ExperienceChunk] = []
+    b.take(0, 3, out)
+    b.put_back(0, out)
+    again: list[ExperienceChunk] = []
+    b.take(0, 4, again)
+    assert [c.start for c in again] == [0, 3] and sum(c.count for c in again) == 4  # same items, same order
+
+
+def test_drop_stale_counts_and_names_the_dropped_prompts():
+    b = RankBuffers(num_ranks=1, buffer_size=16)
+    for version in (0, 1, 2):
+        chunk = ExperienceChunk.inline([item(version, f"v{version}-{i}") for i in range(2)])
+        b.accept(2)
+        b.route(chunk, [0])
+    assert b.drop_stale(0, oldest_allowed=2) == [-1] * 4  # items made outside a prompt stream: id -1
+    assert (b.discarded, b.in_flight, b.buffered(0)) == (4, 2, 2) and identity_holds(b)
+    assert b.drop_stale(0, oldest_allowed=2) == []
+
+
+def test_the_counter_identity_holds_through_any_sequence():
+    rng = random.Random(0)
+    b = RankBuffers(num_ranks=2, buffer_size=8)
+    waiting: list[ExperienceChunk] = []
+    for step in range(300):
+        action = rng.choice(["send", "route", "pull", "lost", "stale"])
+        if action == "send":
+            chunk = ExperienceChunk.inline([item(step // 20, f"s{step}-{i}") for i in range(rng.randint(1, 5))])
+            b.accept(chunk.count)
+            waiting.append(chunk)
+        elif action == "route" and waiting:
+            rest = b.route(waiting.pop(0), [0, 1])
+            if rest.count:
+                waiting.insert(0, rest)
+        elif action == "pull":
+            out: list[ExperienceChunk] = []
+            b.commit(b.take(rng.randint(0, 1), rng.randint(1, 6), out))
+        elif action == "lost" and b.consumed:
+            b.lost(rng.randint(1, b.consumed))
+        elif action == "stale":
+            b.drop_stale(rng.randint(0, 1), oldest_allowed=step // 20 - 1)
+        assert identity_holds(b), (step, action)
+        assert b.in_flight == b.buffered(0) + b.buffered(1) + sum(c.count for c in waiting)
+
+
+# -- Admission ----------------------------------------------------------------------------------
+
+
+def test_admission_hand_computed():
+    # S = 1 version of staleness, 8 items per version, batches of 4 prompts, one item per prompt
+    a = Admission(num_makers=2, max_staleness=1, items_per_version=8, prompt_batch_size=4)
+    # V = 0, maker v = 0: capacity = (0 + 1 - 0 + 1) * 8 - 0 = 16
+    assert a.admits(0, in_flight=0)          # 0 + 0 + 4 <= 16
+    a.reserve(0, 4)                          # one batch handed out, not yet sent back
+    assert a.admits(0, in_flight=8)          # 8 + 4 + 4 = 16 <= 16
+    a.reserve(1, 1)
+    assert not a.admits(0, in_flight=8)      # 8 + 5 + 4 = 17 > 16: reservations of every maker count
+    a.reserve(0, -4)
+    a.reserve(1, -1)
+
+    a.trainer_at(1)
+    a.consumed(8, rank_version=1)            # V = 1, consumed_at_version = 8
+    assert not a.admits(0, in_flight=0)      # v = 0: (0 + 1 - 1 + 1) * 8 - 8 = 0 < 4
+    assert a.admits(1, in_flight=0)          # v = 1: (1 + 1 - 1 + 1) * 8 - 8 = 8 >= 4
+    a.reserve(0, 5)
+    assert not a.admits(1, in_flight=0)      # 5 + 4 = 9 > 8
+
+    a.trainer_at(3)                          # a new version resets consumed_at_version
+    assert a.consumed_at_version == 0 and a.oldest_allowed == 2
+    a.trainer_at(2)                          # versions never go back
+    assert a.trainer_version == 3
+
+
+def test_admission_counts_groups_and_keeps_the_previous_versions_budget_apart():
+    a = Admission(num_makers=1, max_staleness=0, items_per_version=8, prompt_batch_size=2, samples_per_prompt=4)
+    assert a.admits(0, in_flight=0)          # (0 + 2) prompts * 4 = 8 <= 8
+    a.reserve(0, 1)
+    assert not a.admits(0, in_flight=0)      # (1 + 2) * 4 = 12 > 8
+    a.trainer_at(1)
+    a.consumed(4, rank_version=0)            # a rank finishing version 0's step: not version 1's budget
+    assert a.consumed_at_version == 0
+    a.consumed(4, rank_version=1)
+    a.unconsumed(6)                          # lost in transit: never below zero
+    assert a.consumed_at_version == 0
+
+
+def test_a_restarted_maker_loses_its_reservation():
+    a = Admission(num_makers=2, max_staleness=1, items_per_version=8, prompt_batch_size=4)
+    a.reserve(0, 4)
+    a.reserve(1, 4)
+    a.drop(1)
+    assert (a.reserved, a.total_reserved, a.lost) == ({0: 4, 1: 0}, 4, 4)
+
+
+# -- MakerBook ----------------------------------------------------------------------------------
+
+
+def test_maker_book_sums_stats_and_reports_the_first_failure():
+    book = MakerBook(num_makers=2)
+    book.record(0, MakerStats(num_prompts=4, blank=1, truncated=2, num_tokens=10, generate_s=1.5, idle_s=0.5,
+                              admission_s=0.25, pause_s=0.1, logprob_gap=(0.3, 0.2, 6)))
+    book.record(0, MakerStats(num_tokens=5, generate_s=0.5))
+    book.loaded(1, 2)
+    book.loaded(1, 1)  # an older push completing late does not move it back
+    assert book.snapshot({0: 4}) == {
+        0: MakerStatus(version=0, generate_s=2.0, idle_s=0.5, admission_s=0.25, pause_s=0.1, tokens=15, reserved=4),
+        1: MakerStatus(version=2)}
+    assert (book.blank, book.truncated, book.logprob_gaps) == (1, 2, [(0.3, 0.2, 6)])
+    assert not book.all_at(2) and book.failure() is None
+    book.fail(0, "ValueError: boom")
+    assert book.all_at(2)  # a failed maker is not waited for
+    assert book.failure() == "maker_0 failed (1/2 makers failed): ValueError: boom"
+    book.restarted(1)
+    assert book.versions() == {0: 0, 1: 0} and book.states[1].restarts == 1
+
+
+# -- PushRelay ----------------------------------------------------------------------------------
+
+
+def test_push_relay_keeps_the_latest_push_and_ignores_late_buckets():
+    relay = PushRelay()
+    assert relay.last is None
+    first = relay.start(PushHeader(1, 2, 64, kl_coef=0.1))
+    assert relay.add(1, 0, "a") and first.bucket_refs == {0: "a"}
+    second = relay.start(PushHeader(2, 1, 32, kl_coef=0.2))
+    assert relay.superseded(first) and not relay.superseded(second)
+    assert not relay.add(1, 1, "late")  # a bucket of the abandoned push
+    assert relay.add(2, 0, "b") and second.bucket_refs == {0: "b"}
+    assert (relay.count, relay.last) == (2, LastPush(2, 32))
+
+
+# -- PromptFeed ---------------------------------------------------------------------------------
+
+
+def test_prompt_feed_serves_by_identity_across_epochs():
+    ledger = PromptLedger(shuffle=False)
+    feed = PromptFeed(lambda: ["a", "b", "c"], ledger)
+    assert not feed.loaded
+    feed.load(feed.read())
+    first = feed.next(maker_id=0, n=2)
+    assert (first.texts, first.ids, feed.epochs) == (["a", "b"], [0, 1], 1)
+    second = feed.next(maker_id=1, n=2)  # wraps into the second epoch: always n prompts
+    assert (second.texts, len(second.ids), feed.served, feed.epochs) == (["c", "a"], 2, 4, 2)
+    assert feed.first_prompt == "a"
