@@ -5,6 +5,7 @@ Both are in the ``test`` extra (``pip install -e .[test]``); without them these 
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,23 @@ def wandb_records(path: Path):
             pending = b""
 
 
+def finished_records(path: Path, timeout_s: float = 60.0) -> list:
+    """The run file's records once its exit record is there: wandb-core (a process of its own)
+    may still be writing the file when ``finish()`` returns (seen here: a 7-byte header-only file
+    right after ``finish()``, 3 times in 6)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            records = list(wandb_records(path))
+        except Exception:  # noqa: BLE001 - a record still being written does not parse yet
+            if time.monotonic() > deadline:
+                raise
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def test_wandb_gets_every_numeric_metric_with_its_step(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is in the test extra: pip install -e .[test]")
     monkeypatch.setenv("WANDB_MODE", "offline")  # nothing leaves the machine; the run is written under dir
@@ -53,7 +71,7 @@ def test_wandb_gets_every_numeric_metric_with_its_step(tmp_path, monkeypatch):
     run.close()
 
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    records = list(wandb_records(run_file))
+    records = finished_records(run_file)
     (started,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert (started.project, started.display_name) == ("p", "run-a")
     config = {item.key: json.loads(item.value_json) for item in started.config.update}
