@@ -10,7 +10,7 @@ train loop's ``_pull`` does. Items are realistic ``ExperienceItem``s with torch 
 1 KB of tensor data each (16 prompt tokens, 24 response tokens, six float32 per-token fields),
 built before the clock starts; packing them is the makers' work and is inside the clock.
 
-Variants (the real ``Coordinator`` and ``ray_ppo.transport``, as ``topology.transport`` sets them):
+Variants (the real ``Coordinator`` and ``ray_ppo.runtime.transport``, as ``topology.transport`` sets them):
   inline  the default: the maker packs the batch into the call (``ExperienceChunk.inline``); the
           coordinator deserializes it and serializes it again for the rank
   ref     the maker packs the batch and ``ray.put``s it (``ExperienceChunk.put``), the coordinator
@@ -37,9 +37,9 @@ from _common import init_ray, median, table
 import numpy as np
 import ray
 
-from ray_ppo.coordinator import Coordinator
-from ray_ppo.messages import MakerStats
-from ray_ppo.transport import ExperienceChunk, resolve
+from ray_ppo.runtime.coordinator import Coordinator
+from ray_ppo.runtime.messages import MakerStats
+from ray_ppo.runtime.transport import ExperienceChunk, resolve
 
 BATCH = 32
 P_LEN, R_LEN = 16, 24
@@ -47,7 +47,7 @@ P_LEN, R_LEN = 16, 24
 
 def make_items(maker_id: int, batch_index: int, batch: int = BATCH):
     import torch
-    from ray_ppo.algo import ExperienceItem
+    from ray_ppo.core.algo import ExperienceItem
 
     rng = np.random.default_rng(maker_id * 100003 + batch_index)
     return [ExperienceItem.filled(
@@ -57,7 +57,7 @@ def make_items(maker_id: int, batch_index: int, batch: int = BATCH):
 
 
 def item_bytes() -> int:
-    from ray_ppo.algo.experience import PER_TOKEN_FIELDS
+    from ray_ppo.core.algo.experience import PER_TOKEN_FIELDS
 
     return P_LEN * 8 + R_LEN * 8 + len(PER_TOKEN_FIELDS) * R_LEN * 4
 

@@ -33,7 +33,7 @@ def build_model(kind: str, directory: str):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from ray_ppo.models import load_actor, resolve_pretrained
+    from ray_ppo.core.models import load_actor, resolve_pretrained
 
     if kind == "tiny-vllm":
         path = resolve_pretrained("tiny-vllm")
@@ -52,7 +52,7 @@ def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def hf_tokens_per_s(model, ids) -> float:
-    from ray_ppo.models import SamplingParams, generate
+    from ray_ppo.core.models import SamplingParams, generate
 
     start = time.perf_counter()
     rollout = generate(model, ids, SamplingParams(max_new_tokens=NEW_TOKENS), 0, None)
@@ -60,7 +60,7 @@ def hf_tokens_per_s(model, ids) -> float:
 
 
 def vllm_tokens_per_s(engine, ids) -> float:
-    from ray_ppo.models import SamplingParams
+    from ray_ppo.core.models import SamplingParams
 
     start = time.perf_counter()
     rollout = engine.generate(ids, SamplingParams(max_new_tokens=NEW_TOKENS), 0, None)
@@ -76,7 +76,7 @@ def local_load_s(model, state) -> float:
 def measure(kind: str, rounds: int) -> list:
     import torch
 
-    from ray_ppo.makers.vllm_engine import VllmEngine, hf_weights
+    from ray_ppo.core.vllm_engine import VllmEngine, hf_weights
 
     with tempfile.TemporaryDirectory() as directory:
         model, path = build_model(kind, directory)

@@ -47,9 +47,9 @@ from _common import init_ray, median, table, tiny_config
 import ray
 import torch
 
-from ray_ppo.algo import ExperienceItem
-from ray_ppo.makers.experience import MakeStats
-from ray_ppo.train.learner import PPOLearner
+from ray_ppo.core.algo import ExperienceItem
+from ray_ppo.core.experience import MakeStats
+from ray_ppo.core.learner import PPOLearner
 
 PROMPTS_PER_BATCH = 16   # maker.batch_size
 ITEMS_PER_RANK = 32      # trainer.train_batch_size
@@ -61,8 +61,8 @@ class SimExperienceMaker:
     meanwhile); its actor and critic are the real tiny models, so weight pushes are real."""
 
     def __init__(self, cfg, name: str, device, gen_s: float):
-        from ray_ppo.build import build_actor, build_critic, tokenizer_path
-        from ray_ppo.models import load_tokenizer
+        from ray_ppo.core.build import build_actor, build_critic, tokenizer_path
+        from ray_ppo.core.models import load_tokenizer
 
         self.actor, self.critic, self.ref, self.reward_model = build_actor(cfg), build_critic(cfg), None, None
         self.tokenizer = load_tokenizer(tokenizer_path(cfg))

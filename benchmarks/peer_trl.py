@@ -171,7 +171,7 @@ def trl_run(seed: int, samples: int, skip: int, reward_updates: int, freeze: boo
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
-    from ray_ppo.models import ensure_tiny_model, load_tokenizer
+    from ray_ppo.core.models import ensure_tiny_model, load_tokenizer
 
     path = str(ensure_tiny_model("lm"))
     tokenizer = load_tokenizer(path)

@@ -28,8 +28,8 @@ import time
 import _common  # noqa: F401
 from _common import ROOT, init_ray, median, table
 
-from ray_ppo.build import build_experience_maker
-from ray_ppo.train.learner import PPOLearner
+from ray_ppo.core.build import build_experience_maker
+from ray_ppo.core.learner import PPOLearner
 
 
 def note(directory: str, event: str) -> None:

@@ -45,10 +45,10 @@ import numpy as np
 import ray
 import torch
 
-from ray_ppo.coordinator import Coordinator
-from ray_ppo.makers.receiver import WeightReceiver
-from ray_ppo.messages import PushHeader
-from ray_ppo.sync import assign_state, bucket_nbytes, fingerprint, make_buckets, push_size, split_state, tied_aliases
+from ray_ppo.runtime.coordinator import Coordinator
+from ray_ppo.runtime.receiver import WeightReceiver
+from ray_ppo.runtime.messages import PushHeader
+from ray_ppo.core.sync import assign_state, bucket_nbytes, fingerprint, make_buckets, push_size, split_state, tied_aliases
 
 SHAPES = {"100M": dict(n_layer=4, n_embd=256, n_head=4), "1G": dict(n_layer=16, n_embd=1024, n_head=16),
           "500M": dict(n_layer=8, n_embd=1024, n_head=16)}

@@ -22,18 +22,18 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ray_ppo.build import resolve_config
-from ray_ppo.checkpoint import validate_checkpoint
+from ray_ppo.core.build import resolve_config
+from ray_ppo.core.checkpoint import validate_checkpoint
 from ray_ppo.config import Config
-from ray_ppo.coordinator import Coordinator
+from ray_ppo.runtime.coordinator import Coordinator
 from ray_ppo.data import read_prompt_dataset, select_prompt_column
-from ray_ppo.makers.actor import maker_actor_class
-from ray_ppo.messages import CoordinatorStatus
+from ray_ppo.runtime.maker import maker_actor_class
+from ray_ppo.runtime.messages import CoordinatorStatus
 from ray_ppo.preflight import check_run
 from ray_ppo.rundir import CheckpointPublisher
 from ray_ppo.samples import split_samples
 from ray_ppo.tasks.toy import make_prompts
-from ray_ppo.train.loop import RunHandles, train_loop_per_worker
+from ray_ppo.runtime.loop import RunHandles, train_loop_per_worker
 
 ACTOR_READY_TIMEOUT_S = 300.0
 """How long the coordinator may take to start before ``fit()`` gives up."""

@@ -2,7 +2,7 @@
 
 ``ray_ppo.config`` declares its fields with these ``Literal`` types (so pydantic checks them and
 the error lists them); the code that dispatches on a name imports the tuple. Standard library
-only, so ``ray_ppo.algo`` and ``ray_ppo.models`` import it without pulling in the config's
+only, so ``ray_ppo.core.algo`` and ``ray_ppo.core.models`` import it without pulling in the config's
 dependencies.
 """
 

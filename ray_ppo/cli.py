@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from ray_ppo.checkpoint import CheckpointError
+from ray_ppo.core.checkpoint import CheckpointError
 from ray_ppo.config import ConfigError, load_config
 from ray_ppo.data import DataError
 from ray_ppo.preflight import check_run, check_sweep_spec, read_sweep_file

@@ -2,7 +2,7 @@
 
 Reading validates the input once, with errors that name the path or the columns present.
 Encoding skips blank prompts and truncates long ones, and counts both. ``PromptFeed`` serves
-the texts to makers, by prompt identity (``ray_ppo.ledger``), for the coordinator.
+the texts to makers, by prompt identity (``ray_ppo.runtime.ledger``), for the coordinator.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 from collections.abc import Callable, Mapping
 from typing import Any, Sequence
 
-from ray_ppo.ledger import PromptLedger
-from ray_ppo.messages import PromptBatch
+from ray_ppo.runtime.ledger import PromptLedger
+from ray_ppo.runtime.messages import PromptBatch
 
 FORMATS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".json": "json", ".jsonl": "json"}
 
@@ -132,7 +132,7 @@ def read_prompt_texts(path: str, prompt_column: str, fmt: str | None = None) -> 
 
 
 class PromptFeed:
-    """Serves the prompt dataset's texts in the ledger's order (``ray_ppo.ledger``), epoch after epoch.
+    """Serves the prompt dataset's texts in the ledger's order (``ray_ppo.runtime.ledger``), epoch after epoch.
 
     The texts are read once, in file order (Ray Data keeps the order only when asked:
     ``execution_options.preserve_order``), and kept by the coordinator: a prompt id names a row,

@@ -12,15 +12,15 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from ray_ppo.algo import ExperienceBatch, ExperienceItem, make_kl_controller
-from ray_ppo.build import build_actor, build_critic_if_needed, build_experience_maker, resolve_config
+from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, make_kl_controller
+from ray_ppo.core.build import build_actor, build_critic_if_needed, build_experience_maker, resolve_config
 from ray_ppo.config import Config, ConfigError
 from ray_ppo.data import DataError, PromptEncoder, read_prompt_texts
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.tasks.toy import make_prompts
-from ray_ppo.train.learner import PPOLearner, drop_absent
-from ray_ppo.train.metrics import experience_metrics
-from ray_ppo.train.strategies import LocalStrategy
+from ray_ppo.core.learner import PPOLearner, drop_absent
+from ray_ppo.core.metrics import experience_metrics
+from ray_ppo.core.strategies import LocalStrategy
 
 MAX_EMPTY_BATCHES = 1000
 """Consecutive prompt batches without a usable prompt before the loop gives up."""

@@ -62,7 +62,7 @@ def _local_looking(path: str) -> bool:
 
 def check_model_path(key: str, value: str) -> None:
     """The model's ``config.json`` loads (a local directory, or a hub name transformers can resolve)."""
-    from ray_ppo.models.tiny import resolve_pretrained
+    from ray_ppo.core.models.tiny import resolve_pretrained
 
     path = resolve_pretrained(value)
     if _local_looking(value):
@@ -75,7 +75,7 @@ def check_model_path(key: str, value: str) -> None:
                                  f"directory written by save_pretrained, or tiny for the built-in tiny model")
     from transformers import AutoConfig
 
-    from ray_ppo.models.quiet import quiet_transformers
+    from ray_ppo.core.models.quiet import quiet_transformers
 
     quiet_transformers()
     try:
@@ -88,7 +88,7 @@ def check_model_path(key: str, value: str) -> None:
 def check_reward_model(value: str) -> None:
     from transformers import AutoConfig
 
-    from ray_ppo.models.tiny import resolve_pretrained
+    from ray_ppo.core.models.tiny import resolve_pretrained
 
     config = AutoConfig.from_pretrained(resolve_pretrained(value))
     if getattr(config, "num_labels", 1) != 1:
@@ -97,7 +97,7 @@ def check_reward_model(value: str) -> None:
 
 
 def load_tokenizer_checked(key: str, path: str):
-    from ray_ppo.models.hf import load_tokenizer
+    from ray_ppo.core.models.hf import load_tokenizer
 
     try:
         return load_tokenizer(path)
@@ -117,8 +117,8 @@ def check_chat_template(tokenizer, path: str) -> None:
 
 def check_reward_fn(spec: str, prompts: Sequence[str]) -> None:
     """``spec`` imports, and answers a probe batch with one finite number per response."""
-    from ray_ppo.makers.experience import reward_problem
-    from ray_ppo.models.hf import load_reward_fn
+    from ray_ppo.core.experience import reward_problem
+    from ray_ppo.core.models.hf import load_reward_fn
 
     try:
         fn = load_reward_fn(spec)

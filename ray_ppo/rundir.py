@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ray_ppo.checkpoint import LINK, CheckpointError, publish_checkpoint, validate_checkpoint
+from ray_ppo.core.checkpoint import LINK, CheckpointError, publish_checkpoint, validate_checkpoint
 from ray_ppo.failures import ERROR_LOG
 
 
@@ -107,7 +107,7 @@ def nothing_to_do(run_dir: str | Path, step: int, total_steps: int) -> str | Non
 
 def stopped_line(command: str, run_dir: str | Path, steps_done: int | None, why: str = "interrupted") -> str:
     """One line for a run that stopped early: where it got to and how to continue."""
-    from ray_ppo.checkpoint import linked_step
+    from ray_ppo.core.checkpoint import linked_step
 
     saved = linked_step(run_dir)
     at = f" after step {steps_done}" if steps_done else " before its first step"

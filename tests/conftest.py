@@ -27,7 +27,7 @@ def tiny_model_cache(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_path(tiny_model_cache) -> str:
     """Directory of the built-in tiny causal LM (built on first use)."""
-    from ray_ppo.models import ensure_tiny_model
+    from ray_ppo.core.models import ensure_tiny_model
 
     return str(ensure_tiny_model("lm"))
 
@@ -35,7 +35,7 @@ def tiny_path(tiny_model_cache) -> str:
 @pytest.fixture(scope="session")
 def tiny_reward_path(tiny_model_cache) -> str:
     """Directory of the built-in tiny one-label reward model (built on first use)."""
-    from ray_ppo.models import ensure_tiny_model
+    from ray_ppo.core.models import ensure_tiny_model
 
     return str(ensure_tiny_model("reward"))
 
@@ -43,6 +43,6 @@ def tiny_reward_path(tiny_model_cache) -> str:
 @pytest.fixture(scope="session")
 def tokenizer(tiny_path):
     """The tiny model's tokenizer, loaded for generation (left padding)."""
-    from ray_ppo.models import load_tokenizer
+    from ray_ppo.core.models import load_tokenizer
 
     return load_tokenizer(tiny_path)

@@ -11,9 +11,9 @@ import ray
 from ray.train import FailureConfig, RunConfig
 
 from ray_ppo.api import PPOTrainer
-from ray_ppo.checkpoint import publish_checkpoint, validate_checkpoint
+from ray_ppo.core.checkpoint import publish_checkpoint, validate_checkpoint
 from ray_ppo.config import load_config
-from ray_ppo.messages import CoordinatorStatus
+from ray_ppo.runtime.messages import CoordinatorStatus
 
 pytestmark = pytest.mark.ray
 REPO = Path(__file__).parents[2]

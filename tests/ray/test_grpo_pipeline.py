@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from ray_ppo.api import PPOTrainer
-from ray_ppo.checkpoint import load_trainer_state
+from ray_ppo.core.checkpoint import load_trainer_state
 from ray_ppo.config import load_config
 
 pytestmark = pytest.mark.ray

@@ -9,13 +9,13 @@ import torch
 
 from ray_ppo.api import resolve_config
 from ray_ppo.config import load_config
-from ray_ppo.coordinator import Coordinator
-from ray_ppo.makers.actor import maker_actor_class
-from ray_ppo.messages import MakerStats, PushHeader
-from ray_ppo.models import Critic, load_actor
-from ray_ppo.sync import fingerprint, make_buckets
-from ray_ppo.train.loop import _pull
-from ray_ppo.transport import ExperienceChunk, resolve
+from ray_ppo.runtime.coordinator import Coordinator
+from ray_ppo.runtime.maker import maker_actor_class
+from ray_ppo.runtime.messages import MakerStats, PushHeader
+from ray_ppo.core.models import Critic, load_actor
+from ray_ppo.core.sync import fingerprint, make_buckets
+from ray_ppo.runtime.loop import _pull
+from ray_ppo.runtime.transport import ExperienceChunk, resolve
 
 pytestmark = pytest.mark.ray
 REPO = Path(__file__).parents[2]
@@ -180,7 +180,7 @@ def test_a_maker_killed_after_sending_costs_no_hang_and_no_miscount(ray_session)
 
 
 def _item(uid: str):
-    from ray_ppo.algo import ExperienceItem
+    from ray_ppo.core.algo import ExperienceItem
 
     n = 2 + int(uid.split("-")[1])  # items of different lengths
     return ExperienceItem.filled(torch.arange(3), torch.arange(n), lambda name: torch.randn(n), reward=0.5,

@@ -101,7 +101,7 @@ def assert_checkpoint_loads(directory: Path) -> None:
     """The checkpoint's actor and critic load with the ordinary from_pretrained(path)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ray_ppo.models import Critic
+    from ray_ppo.core.models import Critic
 
     actor = AutoModelForCausalLM.from_pretrained(directory / "actor")
     AutoTokenizer.from_pretrained(directory / "actor")
@@ -175,7 +175,7 @@ def test_fit_variants(ray_session, tmp_path, overrides):
 
 
 def _model_bytes(cfg) -> int:
-    from ray_ppo.build import build_actor, build_critic
+    from ray_ppo.core.build import build_actor, build_critic
 
     return sum(v.numel() * v.element_size() for m in (build_actor(cfg), build_critic(cfg))
                for v in m.state_dict().values())

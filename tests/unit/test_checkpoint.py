@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from ray_ppo.checkpoint import (
+from ray_ppo.core.checkpoint import (
     CheckpointError,
     load_trainer_state,
     publish_checkpoint,
@@ -109,7 +109,7 @@ def test_a_full_disk_leaves_the_previous_checkpoint_intact(checkpoint, tmp_path,
     and no partial copy is left behind to fill the disk further."""
     import errno
 
-    import ray_ppo.checkpoint as ckpt
+    import ray_ppo.core.checkpoint as ckpt
 
     directory = checkpoint[0]
     run = tmp_path / "run"
@@ -152,10 +152,10 @@ def test_a_full_disk_on_the_trainer_leaves_no_partial_checkpoint(tmp_path, monke
     import tempfile
     from pathlib import Path
 
-    import ray_ppo.checkpoint as checkpoint_module
-    from ray_ppo.build import build_actor, build_critic
+    import ray_ppo.core.checkpoint as checkpoint_module
+    from ray_ppo.core.build import build_actor, build_critic
     from ray_ppo.config import load_config
-    from ray_ppo.sync import join_state
+    from ray_ppo.core.sync import join_state
 
     cfg = load_config(Path(__file__).parents[2] / "configs" / "tiny.yaml")
     state = join_state(build_actor(cfg).state_dict(), build_critic(cfg).state_dict())

@@ -1,4 +1,4 @@
-"""Unit tests of ray_ppo.coordinator.Coordinator, driven with asyncio in-process (no Ray).
+"""Unit tests of ray_ppo.runtime.coordinator.Coordinator, driven with asyncio in-process (no Ray).
 
 The coordinator is built inside the event loop of each test (``asyncio.run``), as the Ray async
 actor builds it inside its own loop. Prompt feeds read texts given here instead of a dataset; the
@@ -13,11 +13,11 @@ import threading
 import pytest
 import torch
 
-from ray_ppo.algo import ExperienceItem
-from ray_ppo.coordinator import Coordinator
+from ray_ppo.core.algo import ExperienceItem
+from ray_ppo.runtime.coordinator import Coordinator
 from ray_ppo.data import PromptFeed
-from ray_ppo.messages import Counters, LastPush, MakerStats, PushHeader
-from ray_ppo.transport import ExperienceChunk, resolve
+from ray_ppo.runtime.messages import Counters, LastPush, MakerStats, PushHeader
+from ray_ppo.runtime.transport import ExperienceChunk, resolve
 
 SHORT_S = 0.1  # long enough for any runnable task to run; the blocked ones stay blocked
 
@@ -510,7 +510,7 @@ def test_a_failed_weight_push_fails_the_maker():
     asyncio.run(main())
 
 
-# -- prompts by identity (ray_ppo.ledger) ------------------------------------------------------
+# -- prompts by identity (ray_ppo.runtime.ledger) ------------------------------------------------------
 
 
 def answering(ids: list[int], version: int = 0) -> ExperienceChunk:

@@ -9,8 +9,8 @@ import itertools
 import pytest
 
 from ray_ppo.config import Config, ConfigError
-from ray_ppo.messages import MakerStats
-from ray_ppo.transport import ExperienceChunk, resolve
+from ray_ppo.runtime.messages import MakerStats
+from ray_ppo.runtime.transport import ExperienceChunk, resolve
 from tests.unit.test_coordinator import coordinator, counters, item
 
 

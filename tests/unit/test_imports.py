@@ -31,7 +31,7 @@ def package_imports() -> dict[str, set[str]]:
         targets = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                for alias in node.names:  # ``from ray_ppo.models import tiny`` names a module
+                for alias in node.names:  # ``from ray_ppo.core.models import tiny`` names a module
                     full = f"{node.module}.{alias.name}"
                     targets.add(full if full in modules else node.module)
             elif isinstance(node, ast.Import):
@@ -56,6 +56,25 @@ def cycle_from(start: str, graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_module_imports_itself_through_others():
     graph = package_imports()
-    assert "ray_ppo.models.tiny" in graph["ray_ppo.models.hf"]  # the scan does see the package's imports
+    assert "ray_ppo.core.models.tiny" in graph["ray_ppo.core.models.hf"]  # the scan does see the package's imports
     cycles = [cycle for name in sorted(graph) if (cycle := cycle_from(name, graph))]
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_core_needs_no_ray_and_no_runtime():
+    """The layout's promise: every module of ``ray_ppo.core`` imports without Ray, and none of
+    them imports a ``ray_ppo.runtime`` module (the roles build on the core, never the reverse)."""
+    graph = package_imports()
+    core = sorted(name for name in graph if name.startswith("ray_ppo.core"))
+    assert len(core) > 20  # the scan found the core's modules
+    upward = {name: sorted(t for t in graph[name] if t.startswith(("ray_ppo.runtime", "ray_ppo.api", "ray_ppo.cli")))
+              for name in core}
+    assert not {k: v for k, v in upward.items() if v}
+    skip = ("ray_ppo.core.colossalai_strategy", "ray_ppo.core.vllm_engine")  # optional extras, imported on use
+    code = ("import importlib, sys\n"
+            f"for name in {[n for n in core if n not in skip]!r}:\n"
+            "    importlib.import_module(name)\n"
+            "assert 'ray' not in sys.modules, 'a core module imported ray'")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -1,4 +1,4 @@
-"""Unit tests of ray_ppo.models: the tiny offline models, padding, generation, log-probs, critic, reward model."""
+"""Unit tests of ray_ppo.core.models: the tiny offline models, padding, generation, log-probs, critic, reward model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ray_ppo.models import (
+from ray_ppo.core.models import (
     Critic,
     RewardModel,
     SamplingParams,
@@ -23,7 +23,7 @@ from ray_ppo.models import (
     response_mask,
     torch_dtype,
 )
-from ray_ppo.models.tiny import TINY_NAME, resolve_pretrained, tiny_gpt2_config
+from ray_ppo.core.models.tiny import TINY_NAME, resolve_pretrained, tiny_gpt2_config
 
 PAD, EOS = 0, 1  # ids of <pad> and <eos> in the tiny tokenizer: <pad> <eos> <unk> 0 1 ... 9
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ray_ppo.checkpoint import publish_checkpoint, write_trainer_state
+from ray_ppo.core.checkpoint import publish_checkpoint, write_trainer_state
 from ray_ppo.rundir import RunDirError, claim_run_dir, nothing_to_do, resume_point, stopped_line
 
 

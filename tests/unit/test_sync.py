@@ -1,4 +1,4 @@
-"""Unit tests of ray_ppo.sync: byte buckets of a state dict, and weight fingerprints."""
+"""Unit tests of ray_ppo.core.sync: byte buckets of a state dict, and weight fingerprints."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ray_ppo.sync import TensorMeta, bucket_nbytes, fingerprint, make_buckets, unpack_bucket
+from ray_ppo.core.sync import TensorMeta, bucket_nbytes, fingerprint, make_buckets, unpack_bucket
 
 MIB = 2**20
 
@@ -131,7 +131,7 @@ def test_unpack_reads_read_only_arrays_without_copy_or_warning():
 
 
 def test_round_trip_of_the_tiny_model(tiny_path):
-    from ray_ppo.models import load_actor
+    from ray_ppo.core.models import load_actor
 
     state = load_actor(tiny_path).state_dict()
     buckets, rebuilt = round_trip(state, 0.05)
@@ -162,8 +162,8 @@ def test_fingerprint_is_equal_iff_bit_identical():
 
 
 def test_tied_aliases_of_gpt2_are_sent_once(tiny_path):
-    from ray_ppo.models import load_actor
-    from ray_ppo.sync import tied_aliases
+    from ray_ppo.core.models import load_actor
+    from ray_ppo.core.sync import tied_aliases
 
     actor = load_actor(tiny_path)
     assert tied_aliases(actor) == {"lm_head.weight"}
@@ -178,7 +178,7 @@ def test_tied_aliases_of_gpt2_are_sent_once(tiny_path):
 
 
 def test_staging_copies_each_tensor_into_its_targets_dtype_and_device():
-    from ray_ppo.sync import StagedPush
+    from ray_ppo.core.sync import StagedPush
 
     source = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     view = torch.from_numpy(source.numpy().copy())  # stands in for a read-only object-store view
@@ -193,8 +193,8 @@ def test_staging_copies_each_tensor_into_its_targets_dtype_and_device():
 
 
 def test_assign_state_swaps_staged_tensors_in_without_copy_and_reties(tiny_path):
-    from ray_ppo.models import load_actor
-    from ray_ppo.sync import StagedPush, assign_state, tied_groups
+    from ray_ppo.core.models import load_actor
+    from ray_ppo.core.sync import StagedPush, assign_state, tied_groups
 
     actor, donor = load_actor(tiny_path), load_actor(tiny_path)
     assert tied_groups(actor) == [["transformer.wte.weight", "lm_head.weight"]]
@@ -214,7 +214,7 @@ def test_assign_state_swaps_staged_tensors_in_without_copy_and_reties(tiny_path)
 
 
 def test_assign_state_keeps_the_models_dtype():
-    from ray_ppo.sync import assign_state
+    from ray_ppo.core.sync import assign_state
 
     model = torch.nn.Linear(2, 2).to(torch.bfloat16)
     assign_state(model, {"weight": torch.ones(2, 2), "bias": torch.zeros(2)})
@@ -223,8 +223,8 @@ def test_assign_state_keeps_the_models_dtype():
 
 
 def test_staging_reuses_matching_spares_and_a_swap_frees_only_untied_replaced_tensors(tiny_path):
-    from ray_ppo.models import load_actor
-    from ray_ppo.sync import StagedPush, assign_state, replaced_tensors
+    from ray_ppo.core.models import load_actor
+    from ray_ppo.core.sync import StagedPush, assign_state, replaced_tensors
 
     actor, donor = load_actor(tiny_path), load_actor(tiny_path)
     pushed = {k: v for k, v in donor.state_dict().items() if k != "lm_head.weight"}

@@ -1,11 +1,11 @@
-"""Unit tests of ray_ppo.transport: experience chunks, in-process (inline payloads, no Ray)."""
+"""Unit tests of ray_ppo.runtime.transport: experience chunks, in-process (inline payloads, no Ray)."""
 
 import numpy as np
 import pytest
 import torch
 
-from ray_ppo.algo import ExperienceItem, PackedItems
-from ray_ppo.transport import ExperienceChunk, resolve
+from ray_ppo.core.algo import ExperienceItem, PackedItems
+from ray_ppo.runtime.transport import ExperienceChunk, resolve
 
 
 def item(uid: str, version: int = 3, n: int = 2) -> ExperienceItem:

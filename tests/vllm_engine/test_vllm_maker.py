@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from ray_ppo.algo.experience import PER_TOKEN_FIELDS
-from ray_ppo.messages import PushHeader
+from ray_ppo.core.algo.experience import PER_TOKEN_FIELDS
+from ray_ppo.runtime.messages import PushHeader
 
 pytestmark = [
     pytest.mark.vllm,
@@ -33,7 +33,7 @@ def worker(tiny_model_cache):
     """A MakerWorker (no Ray: no coordinator) whose engine is vLLM, greedy sampling."""
     from ray_ppo.api import resolve_config
     from ray_ppo.config import load_config
-    from ray_ppo.makers.actor import MakerWorker
+    from ray_ppo.runtime.maker import MakerWorker
 
     cfg = resolve_config(load_config("configs/tiny_vllm.yaml", [
         "maker.engine=vllm", "maker.top_k=1", "maker.max_new_tokens=8", "maker.torch_threads=1"]))
@@ -44,7 +44,7 @@ def worker(tiny_model_cache):
 
 
 def hf_greedy(actor, prompts, tokenizer, max_new_tokens=8):
-    from ray_ppo.models import SamplingParams, generate
+    from ray_ppo.core.models import SamplingParams, generate
 
     return generate(actor, prompts, SamplingParams(max_new_tokens=max_new_tokens, top_k=1), tokenizer.pad_token_id,
                     tokenizer.eos_token_id)
@@ -61,7 +61,7 @@ def perturb(model, scale: float, seed: int) -> None:
 def push(worker, state: dict, version: int, num_chunks: int = 2, deliver: int | None = None) -> bool:
     """A push through the worker's real ``weights_start`` / staging / ``weights_end`` (buckets added
     directly: no Ray)."""
-    from ray_ppo.sync import make_buckets
+    from ray_ppo.core.sync import make_buckets
 
     buckets = list(make_buckets(state, bucket_mb=sum(t.numel() * t.element_size() for t in state.values())
                                 / num_chunks / 2**20 + 1e-3))
@@ -73,7 +73,7 @@ def push(worker, state: dict, version: int, num_chunks: int = 2, deliver: int | 
 
 def full_push_state(actor, critic) -> dict:
     """What the trainer sends: both models' state without tied aliases (``sync.push_aliases``)."""
-    from ray_ppo.sync import join_state, push_aliases
+    from ray_ppo.core.sync import join_state, push_aliases
 
     state = join_state(actor.state_dict(), critic.state_dict())
     return {k: v.clone() for k, v in state.items() if k not in push_aliases(actor, critic)}
@@ -105,7 +105,7 @@ def test_items_are_well_formed_and_equal_to_the_hf_makers(worker):
 
 
 def test_greedy_generation_equals_the_hf_makers(worker):
-    from ray_ppo.models.generation import SamplingParams
+    from ray_ppo.core.models.generation import SamplingParams
 
     tokenizer = worker.maker.tokenizer
     hf = hf_greedy(worker.float_actor, PROMPTS, tokenizer)
@@ -120,9 +120,9 @@ def test_three_pushes_land_in_the_engine(worker):
     the engine's read-back weights fingerprint equal to the trainer's."""
     import copy
 
-    from ray_ppo.models import action_log_probs
-    from ray_ppo.models.generation import SamplingParams
-    from ray_ppo.sync import fingerprint, join_state
+    from ray_ppo.core.models import action_log_probs
+    from ray_ppo.core.models.generation import SamplingParams
+    from ray_ppo.core.sync import fingerprint, join_state
 
     trainer_actor, trainer_critic = copy.deepcopy(worker.float_actor), copy.deepcopy(worker.maker.critic)
     tokenizer = worker.maker.tokenizer
@@ -148,7 +148,7 @@ def test_three_pushes_land_in_the_engine(worker):
 
 
 def test_an_interrupted_push_leaves_the_engine_on_its_version(worker):
-    from ray_ppo.models.generation import SamplingParams
+    from ray_ppo.core.models.generation import SamplingParams
 
     tokenizer = worker.maker.tokenizer
     version, print_before = worker.weights_fingerprint()
@@ -166,7 +166,7 @@ def test_an_interrupted_push_leaves_the_engine_on_its_version(worker):
 
 
 def test_an_unsupported_shape_is_one_line(tiny_path):
-    from ray_ppo.makers.vllm_engine import EngineError, VllmEngine
+    from ray_ppo.core.vllm_engine import EngineError, VllmEngine
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with pytest.raises(EngineError) as error:

@@ -1,7 +1,7 @@
 """Hugging Face model factories: actor/reference, critic, reward model, rule rewards, generation."""
 
-from ray_ppo.models.generation import Rollout, SamplingParams, generate, left_pad, model_device, response_mask
-from ray_ppo.models.hf import (
+from ray_ppo.core.models.generation import Rollout, SamplingParams, generate, left_pad, model_device, response_mask
+from ray_ppo.core.models.hf import (
     Critic,
     RewardFn,
     RewardModel,
@@ -14,7 +14,7 @@ from ray_ppo.models.hf import (
     position_ids_from_mask,
     torch_dtype,
 )
-from ray_ppo.models.tiny import ensure_tiny_model, resolve_pretrained
+from ray_ppo.core.models.tiny import ensure_tiny_model, resolve_pretrained
 
 __all__ = [
     "Critic", "RewardFn", "RewardModel", "Rollout", "SamplingParams", "action_log_probs", "action_logits",

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from ray_ppo.choices import DTYPES as DTYPE_NAMES
-from ray_ppo.models.quiet import quiet_transformers
-from ray_ppo.models.tiny import resolve_pretrained
+from ray_ppo.core.models.quiet import quiet_transformers
+from ray_ppo.core.models.tiny import resolve_pretrained
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -91,7 +91,7 @@ def action_logits(model: nn.Module, sequences: torch.Tensor, attention_mask: tor
 def action_log_probs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int,
                      temperature: float = 1.0) -> torch.Tensor:
     """Log-probs (B, R) of the response tokens under ``model``."""
-    from ray_ppo.algo import log_probs_from_logits
+    from ray_ppo.core.algo import log_probs_from_logits
 
     logits = action_logits(model, sequences, attention_mask, num_actions, temperature)
     return log_probs_from_logits(logits, sequences[:, -num_actions:])

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from ray_ppo.build import build_actor, build_critic_if_needed, tokenizer_path
+from ray_ppo.core.build import build_actor, build_critic_if_needed, tokenizer_path
 from ray_ppo.config import Config
-from ray_ppo.models import load_tokenizer
-from ray_ppo.sync import split_state
+from ray_ppo.core.models import load_tokenizer
+from ray_ppo.core.sync import split_state
 
 FORMAT_VERSION = 1
 STATE_FILE = "state.json"

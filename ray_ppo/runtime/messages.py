@@ -1,7 +1,7 @@
 """The typed messages that cross a process boundary between the run's actors.
 
 Every call between maker, coordinator, trainer ranks and driver passes one of these frozen
-dataclasses (or an ``ExperienceChunk``, ``ray_ppo.transport``), never a loose dict, so a misspelt
+dataclasses (or an ``ExperienceChunk``, ``ray_ppo.runtime.transport``), never a loose dict, so a misspelt
 field fails where it is written instead of silently reading as zero.
 
   - ``PromptBatch``    coordinator -> maker: the prompts of one work item;
@@ -10,7 +10,7 @@ field fails where it is written instead of silently reading as zero.
                        its buckets;
   - ``CoordinatorStatus`` coordinator -> trainer rank 0 and driver: counters, versions, maker states.
 
-``kl_coef`` has one owner: the trainer's KL controller (``ray_ppo.algo.make_kl_controller``),
+``kl_coef`` has one owner: the trainer's KL controller (``ray_ppo.core.algo.make_kl_controller``),
 which ``ppo.kl_coef`` only seeds. Its current value reaches the makers in the ``PushHeader`` of
 every weight push; a maker shapes rewards with the value that came with the weights it holds
 (swapped in together, so items tagged policy version v were shaped with version v's
@@ -29,7 +29,7 @@ class PromptBatch:
 
     texts: list[str]
     ids: list[int] = field(default_factory=list)
-    """Prompt id of each text (``ray_ppo.ledger``); the maker tags the items it makes with them."""
+    """Prompt id of each text (``ray_ppo.runtime.ledger``); the maker tags the items it makes with them."""
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class MakerStats:
     num_prompts: int = 0
     """Prompts of the batch, blank ones included (their reservation is returned)."""
     prompt_ids: tuple[int, ...] = ()
-    """Every prompt id of the batch; ids without items count as blank (``ray_ppo.ledger``)."""
+    """Every prompt id of the batch; ids without items count as blank (``ray_ppo.runtime.ledger``)."""
     blank: int = 0
     """Prompts skipped because they were empty."""
     truncated: int = 0

@@ -1,8 +1,8 @@
 """``train_loop_per_worker`` for the detached PPO ``TorchTrainer``: the loop and nothing else.
 
 Each step reads top to bottom: pull -> train -> publish -> checkpoint -> report. The parts live
-with their kind: the weight publisher in ``ray_ppo.publish``, the checkpoint writer in
-``ray_ppo.checkpoint``, the statistics in ``train.metrics`` and ``train.monitor``, and the step's
+with their kind: the weight publisher in ``ray_ppo.runtime.publish``, the checkpoint writer in
+``ray_ppo.core.checkpoint``, the statistics in ``train.metrics`` and ``train.monitor``, and the step's
 collectives, named for what they synchronise, in ``train.collectives``.
 """
 
@@ -18,20 +18,20 @@ import ray
 import ray.train
 import torch
 
-from ray_ppo.algo import ExperienceBatch, ExperienceItem, KLController, make_kl_controller
-from ray_ppo.build import build_actor, build_critic_if_needed, tokenizer_path
-from ray_ppo.checkpoint import CheckpointWriter, restore_point, restored_critic
+from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, KLController, make_kl_controller
+from ray_ppo.core.build import build_actor, build_critic_if_needed, tokenizer_path
+from ray_ppo.core.checkpoint import CheckpointWriter, restore_point, restored_critic
 from ray_ppo.config import Config
-from ray_ppo.models import load_tokenizer
-from ray_ppo.publish import WeightPublisher
+from ray_ppo.core.models import load_tokenizer
+from ray_ppo.runtime.publish import WeightPublisher
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
-from ray_ppo.sync import fingerprint
-from ray_ppo.train.collectives import all_reduce_metrics, barrier, broadcast_time_up
-from ray_ppo.train.learner import PPOLearner, drop_absent
-from ray_ppo.train.metrics import experience_metrics
-from ray_ppo.train.monitor import MakerMonitor, verify_makers
-from ray_ppo.train.strategies import make_strategy
-from ray_ppo.transport import resolve
+from ray_ppo.core.sync import fingerprint
+from ray_ppo.core.collectives import all_reduce_metrics, barrier, broadcast_time_up
+from ray_ppo.core.learner import PPOLearner, drop_absent
+from ray_ppo.core.metrics import experience_metrics
+from ray_ppo.runtime.monitor import MakerMonitor, verify_makers
+from ray_ppo.core.strategies import make_strategy
+from ray_ppo.runtime.transport import resolve
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ray_ppo.algo import ExperienceItem
+from ray_ppo.core.algo import ExperienceItem
 
 
 def experience_metrics(items: list[ExperienceItem], version: int) -> dict[str, float]:

@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
-from ray_ppo.algo import ExperienceItem, PackedItems
+from ray_ppo.core.algo import ExperienceItem, PackedItems
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class ExperienceChunk:
     start: int
     stop: int
     prompt_ids: Any = None
-    """(N,) int64 NumPy array: the prompt id of each item of the payload (``ray_ppo.ledger``),
+    """(N,) int64 NumPy array: the prompt id of each item of the payload (``ray_ppo.runtime.ledger``),
     readable without fetching the payload; None for items made outside a prompt stream."""
     group_size: int = 1
     """Items per group; a chunk is only ever cut at a group boundary, so a group never splits."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ray_ppo.algo.functional import masked_mean
+from ray_ppo.core.algo.functional import masked_mean
 from ray_ppo.choices import OFF_POLICY as OFF_POLICY_MODES
 
 

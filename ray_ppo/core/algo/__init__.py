@@ -4,8 +4,8 @@ Imports torch and the standard library only (no Ray, no transformers), so everyt
 unit-testable in-process.
 """
 
-from ray_ppo.algo.experience import PER_TOKEN_FIELDS, ExperienceBatch, ExperienceItem, PackedItems
-from ray_ppo.algo.estimators import (
+from ray_ppo.core.algo.experience import PER_TOKEN_FIELDS, ExperienceBatch, ExperienceItem, PackedItems
+from ray_ppo.core.algo.estimators import (
     ADVANTAGE_ESTIMATORS,
     broadcast_to_tokens,
     compute_advantages,
@@ -15,7 +15,7 @@ from ray_ppo.algo.estimators import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from ray_ppo.algo.functional import (
+from ray_ppo.core.algo.functional import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     aggregate_loss,
@@ -36,8 +36,8 @@ from ray_ppo.algo.functional import (
     policy_loss,
     value_loss,
 )
-from ray_ppo.algo.kl_controller import AdaptiveKLController, FixedKLController, KLController, make_kl_controller
-from ray_ppo.algo.off_policy import (
+from ray_ppo.core.algo.kl_controller import AdaptiveKLController, FixedKLController, KLController, make_kl_controller
+from ray_ppo.core.algo.off_policy import (
     OFF_POLICY_MODES,
     behaviour_kl,
     decoupled_weights,

@@ -26,12 +26,12 @@ import torch
 
 from ray_ppo.config import Config
 from ray_ppo.data import PromptEncoder
-from ray_ppo.makers.vllm_engine import engine_actor_state, hf_weights
-from ray_ppo.models.quantize import quantize_for_generation
-from ray_ppo.makers.receiver import WeightReceiver
-from ray_ppo.messages import MakerStats, PushHeader
-from ray_ppo.sync import assign_state, fingerprint, join_state, split_state, tied_aliases
-from ray_ppo.transport import ExperienceChunk
+from ray_ppo.core.vllm_engine import engine_actor_state, hf_weights
+from ray_ppo.core.models.quantize import quantize_for_generation
+from ray_ppo.runtime.receiver import WeightReceiver
+from ray_ppo.runtime.messages import MakerStats, PushHeader
+from ray_ppo.core.sync import assign_state, fingerprint, join_state, split_state, tied_aliases
+from ray_ppo.runtime.transport import ExperienceChunk
 
 CONCURRENCY_GROUPS = {"compute": 1, "experience_io": 1, "model_io": 1}
 SEND_QUEUE_BATCHES = 2
@@ -46,7 +46,7 @@ class MakerWorker:
     def __init__(self, maker_id: int, config: dict, coordinator: Any, maker_factory: Any = None):
         """``maker_factory(cfg, name=, device=)`` builds the ``ExperienceMaker`` (default
         ``build.build_experience_maker``); benchmarks pass one that simulates generation."""
-        from ray_ppo.build import build_experience_maker, maker_device
+        from ray_ppo.core.build import build_experience_maker, maker_device
 
         self.cfg = Config.from_dict(config)
         torch.set_num_threads(self.cfg.maker.torch_threads)
@@ -85,7 +85,7 @@ class MakerWorker:
 
     def _build_engine(self):
         """maker.engine=vllm: a vLLM engine in this process generates; the HF models score."""
-        from ray_ppo.makers.vllm_engine import build_engine
+        from ray_ppo.core.vllm_engine import build_engine
 
         engine = build_engine(self.cfg, self.cfg.model.pretrained, self.cfg.seed + 1000 * (self.maker_id + 1),
                               on_gpu=self.device.type == "cuda")
@@ -149,7 +149,7 @@ class MakerWorker:
     def send_loop(self) -> dict:
         """Forward made batches to the coordinator, waiting on back-pressure; returns counts.
         A batch travels packed, inside the call or by ref (``topology.transport``,
-        ``ray_ppo.transport``)."""
+        ``ray_ppo.runtime.transport``)."""
         unsent = 0
         while (entry := self.outbox.get()) is not None:
             items, stats = entry

@@ -27,10 +27,10 @@ import torch
 from torch import nn
 
 from ray_ppo.config import VLLM_INSTALL_HINT, Config
-from ray_ppo.models.generation import Rollout, SamplingParams, left_pad
+from ray_ppo.core.models.generation import Rollout, SamplingParams, left_pad
 
 def logprobs_mode_for(temperature: float) -> str:
-    """Which of vLLM's log-probs match what ``ray_ppo.models.action_log_probs`` computes (log-softmax
+    """Which of vLLM's log-probs match what ``ray_ppo.core.models.action_log_probs`` computes (log-softmax
     of logits / temperature, no top-k/top-p): ``raw_logprobs`` (of the model's logits) at
     temperature 1; else ``processed_logprobs``, which are after temperature and also after
     top-k/top-p, renormalised over the kept tokens, so with those filters on they describe the
@@ -89,7 +89,7 @@ class VllmEngine:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, pad_token_id: int,
                  eos_token_id: int | None) -> Rollout:
-        """One response per prompt, as ``ray_ppo.models.generate`` returns it (on the CPU), plus
+        """One response per prompt, as ``ray_ppo.core.models.generate`` returns it (on the CPU), plus
         ``log_probs``: vLLM's log-prob of each sampled token (0 on padding)."""
         sampling = self._sampling_cls(
             n=1, max_tokens=params.max_new_tokens, temperature=params.temperature,

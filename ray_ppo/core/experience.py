@@ -1,11 +1,11 @@
 """Making experience: generate -> score -> log-probs (and values) -> KL-penalised rewards -> advantages.
 
 Advantages come from ``algo.advantage``: GAE with the critic's values, or a critic-free estimator
-(GRPO, RLOO, REINFORCE++: ``ray_ppo.makers.advantages``); with ``maker.samples_per_prompt`` = n
+(GRPO, RLOO, REINFORCE++: ``ray_ppo.core.algo.estimators``); with ``maker.samples_per_prompt`` = n
 each prompt is sampled n times and its n items sit next to each other (a group).
 
 ``ExperienceMaker`` is a plain class. The synchronous local loop calls it directly; the maker
-actor (``ray_ppo.makers.actor``) wraps it.
+actor (``ray_ppo.runtime.maker``) wraps it.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ray_ppo.algo import ExperienceBatch, ExperienceItem, compute_advantages, compute_kl
+from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, compute_advantages, compute_kl
 from ray_ppo.config import Config
-from ray_ppo.models import RewardFn, Rollout, action_log_probs, action_values, generate, model_device
+from ray_ppo.core.models import RewardFn, Rollout, action_log_probs, action_values, generate, model_device
 
 
 class RewardError(ValueError):
@@ -88,7 +88,7 @@ class ExperienceMaker:
     moved there, generated, scored and shaped there, and the items come back on the CPU, ready
     for the wire.
 
-    ``engine`` (optional, e.g. ``ray_ppo.makers.vllm_engine.VllmEngine``) samples instead of HF
+    ``engine`` (optional, e.g. ``ray_ppo.core.vllm_engine.VllmEngine``) samples instead of HF
     ``generate``: ``engine.generate(prompts, sampling, pad_token_id, eos_token_id) -> Rollout``
     with the engine's own ``log_probs``. The behaviour log-probs are still recomputed with
     ``actor`` unless ``engine_logprobs``; either way ``MakeStats.logprob_gap`` compares the two.
@@ -117,7 +117,7 @@ class ExperienceMaker:
         """One batch of experience from token-id prompts, every item tagged with ``policy_version``:
         ``samples_per_prompt`` items per prompt, each prompt's items next to each other. Rewards
         are shaped with ``kl_coef``, the trainer's current coefficient (its KL controller owns it:
-        ``ray_ppo.messages``); None means the initial ``ppo.kl_coef``."""
+        ``ray_ppo.runtime.messages``); None means the initial ``ppo.kl_coef``."""
         n = self.group_size
         prompts = [p for p in prompts for _ in range(n)]
         stats = MakeStats(num_samples=len(prompts))

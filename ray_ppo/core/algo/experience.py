@@ -50,7 +50,7 @@ class ExperienceItem:
     uid: str = ""
     """Unique id ("<maker>-<counter>-<index>"), for accounting."""
     prompt_id: int = -1
-    """Identity of the prompt the item answers (``ray_ppo.ledger``; several items may share one);
+    """Identity of the prompt the item answers (``ray_ppo.runtime.ledger``; several items may share one);
     -1 outside a prompt stream."""
 
     @classmethod

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ray_ppo.models.quiet import quiet_transformers
+from ray_ppo.core.models.quiet import quiet_transformers
 
 TINY_NAME = "tiny"
 """The value of ``model.pretrained`` that selects the built-in tiny model."""

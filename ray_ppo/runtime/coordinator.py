@@ -4,20 +4,20 @@ Responsibilities:
   - hand out prompt batches to makers from the run's prompt dataset (so a dead maker never
     stalls the others, unlike ``streaming_split``'s per-epoch barrier);
   - admit makers only while their policy version is within ``max_staleness`` of the trainer's;
-  - route experience chunks (packed item batches, inline or by ref: ``ray_ppo.transport``) into
+  - route experience chunks (packed item batches, inline or by ref: ``ray_ppo.runtime.transport``) into
     bounded per-rank buffers, by count and version only (back-pressure: a send waits for space);
   - drop, and count, items that became too stale while buffered;
   - relay weight pushes to makers as ObjectRefs (never tensors) and track each maker's version;
   - keep the run's counters, per-step metrics and maker failures;
-  - follow every prompt by identity until it is trained (``ray_ppo.ledger``): prompts whose
+  - follow every prompt by identity until it is trained (``ray_ppo.runtime.ledger``): prompts whose
     items are discarded or lost are served again, so each is trained on exactly once.
 
 ``Coordinator`` is a thin async shell: its state and every decision live in plain synchronous
-objects (``ray_ppo.coordinator_state``, ``ray_ppo.data.PromptFeed``, ``ray_ppo.ledger``), and it
+objects (``ray_ppo.runtime.coordinator_state``, ``ray_ppo.data.PromptFeed``, ``ray_ppo.runtime.ledger``), and it
 only waits (for buffer space, items, admission, weight buckets) and wakes the waiters. It is a
 plain class whose methods are coroutines; ``ray.remote`` turns it into an async actor where it is
 created. All its methods run on one event loop (one concurrency group), so its state needs no
-locks. Its calls take and return the typed messages of ``ray_ppo.messages``.
+locks. Its calls take and return the typed messages of ``ray_ppo.runtime.messages``.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import asyncio
 import time
 from typing import Any
 
-from ray_ppo.coordinator_state import Admission, Mailbox, MakerBook, Push, PushRelay, RankBuffers
+from ray_ppo.runtime.coordinator_state import Admission, Mailbox, MakerBook, Push, PushRelay, RankBuffers
 from ray_ppo.data import PromptFeed
-from ray_ppo.ledger import PromptLedger
-from ray_ppo.messages import Counters, CoordinatorStatus, MakerStats, PromptBatch, PushHeader
-from ray_ppo.routing import receivers
-from ray_ppo.transport import ExperienceChunk
+from ray_ppo.runtime.ledger import PromptLedger
+from ray_ppo.runtime.messages import Counters, CoordinatorStatus, MakerStats, PromptBatch, PushHeader
+from ray_ppo.runtime.routing import receivers
+from ray_ppo.runtime.transport import ExperienceChunk
 
 HEALTH_CHECK_S = 5.0
 """How long a maker has to answer a ping when the coordinator diagnoses a stall."""
@@ -124,7 +124,7 @@ class Coordinator:
     async def pull(self, rank: int, n: int, trainer_version: int, timeout_s: float,
                    pid: int | None = None, step: int | None = None) -> list[ExperienceChunk]:
         """Chunks holding ``n`` items for ``rank``, none older than ``trainer_version - max_staleness``
-        (``ray_ppo.transport.resolve`` fetches their items). Their prompts count as trained at ``step``.
+        (``ray_ppo.runtime.transport.resolve`` fetches their items). Their prompts count as trained at ``step``.
 
         Raises ``RuntimeError`` if a maker failed, ``TimeoutError`` (with what was seen) when
         nothing arrives for ``timeout_s``; either way the items taken go back to the buffer.

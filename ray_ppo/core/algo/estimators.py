@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ray_ppo.algo.functional import compute_gae, kl_penalized_rewards, masked_whiten
+from ray_ppo.core.algo.functional import compute_gae, kl_penalized_rewards, masked_whiten
 from ray_ppo.choices import ADVANTAGES as ADVANTAGE_ESTIMATORS
 
 

@@ -132,7 +132,7 @@ def policy_loss(
     eq. 10). With `dual_clip` (> 1), the loss of a negative-advantage token is also
     bounded by -adv * dual_clip: Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep
     RL", arXiv:1912.09729, eq. 5. `is_weights` (B, T), detached, multiply each token's clipped loss:
-    the off-policy correction of ``ray_ppo.algo.off_policy`` (then `old_log_probs` are the trainer's
+    the off-policy correction of ``ray_ppo.core.algo.off_policy`` (then `old_log_probs` are the trainer's
     recomputed proximal log-probs, and the ratio is clipped around them).
     Stats (0-dim, detached): "clipfrac", the fraction of tokens whose clipped term is active, and
     "approx_kl", the k3 estimate of KL(old || new) (http://joschu.net/blog/kl-approx.html).

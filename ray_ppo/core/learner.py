@@ -2,7 +2,7 @@
 
 With ``ppo.off_policy`` tis or decoupled the step first recomputes the trainer's own log-probs of
 the batch (pi_old, no grad) and clips the ratio around them, weighting each token by
-pi_old / pi_behaviour (``ray_ppo.algo.off_policy``). Critic-free estimators have no critic here.
+pi_old / pi_behaviour (``ray_ppo.core.algo.off_policy``). Critic-free estimators have no critic here.
 
 Plain class, no Ray: the synchronous local loop and the Ray Train loop both drive it.
 """
@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from ray_ppo.algo import (
+from ray_ppo.core.algo import (
     ExperienceBatch,
     aggregate_loss,
     behaviour_kl,
@@ -31,8 +31,8 @@ from ray_ppo.algo import (
     value_loss,
 )
 from ray_ppo.config import Config
-from ray_ppo.models import action_logits, action_values
-from ray_ppo.train.strategies import Strategy
+from ray_ppo.core.models import action_logits, action_values
+from ray_ppo.core.strategies import Strategy
 
 
 STALE_KL_PREFIX = "behaviour_kl_stale_"

@@ -1,7 +1,7 @@
 """Training strategies: how models are wrapped, stepped and gathered on the trainer side.
 
 A strategy is any object with the ``Strategy`` protocol's methods. The PPO loop calls only
-these, so DDP, FSDP2 and ColossalAI (``train/colossalai_strategy.py``) plug in without forking the loop.
+these, so DDP, FSDP2 and ColossalAI (``core/colossalai_strategy.py``) plug in without forking the loop.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def make_strategy(name: str, device: str | torch.device = "cpu", max_grad_norm: 
     own step at a threshold fixed when the plugin is built.
     """
     if name.startswith("colossalai_"):
-        from ray_ppo.train.colossalai_strategy import ColossalAIStrategy
+        from ray_ppo.core.colossalai_strategy import ColossalAIStrategy
 
         return ColossalAIStrategy(name, device, max_grad_norm)
     strategies = {"local": LocalStrategy, "ddp": DDPStrategy, "fsdp": FSDPStrategy}

@@ -1,6 +1,6 @@
 """The coordinator's state as plain, synchronous objects (no asyncio, no Ray).
 
-``ray_ppo.coordinator.Coordinator`` is the async actor shell around them: it waits (for buffer
+``ray_ppo.runtime.coordinator.Coordinator`` is the async actor shell around them: it waits (for buffer
 space, for items, for admission, for weight buckets) and calls these objects to decide and to
 count. Each object has one job and each counter is changed in one place:
 
@@ -12,7 +12,7 @@ count. Each object has one job and each counter is changed in one place:
   - ``PushRelay``: the latest weight push and the refs of its buckets as they arrive;
   - ``Mailbox``: what rank 0 hands the driver (per-step metrics, stored checkpoints), in order.
 
-The prompt stream is ``ray_ppo.data.PromptFeed`` over a ``ray_ppo.ledger.PromptLedger``.
+The prompt stream is ``ray_ppo.data.PromptFeed`` over a ``ray_ppo.runtime.ledger.PromptLedger``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_ppo.messages import LastPush, MakerStats, MakerStatus, PushHeader
-from ray_ppo.transport import ExperienceChunk
+from ray_ppo.runtime.messages import LastPush, MakerStats, MakerStatus, PushHeader
+from ray_ppo.runtime.transport import ExperienceChunk
 
 
 class RankBuffers:

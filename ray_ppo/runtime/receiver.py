@@ -1,7 +1,7 @@
 """The receiving side of a weight push, shared by ``MakerWorker`` and ``benchmarks/weight_sync.py``.
 
 A push arrives as ``weights_start(header)``, one ``weights_chunk`` per bucket, ``weights_end``
-(``ray_ppo.coordinator.Coordinator`` relays them in this order, in the maker's ``model_io``
+(``ray_ppo.runtime.coordinator.Coordinator`` relays them in this order, in the maker's ``model_io``
 group). ``WeightReceiver`` stages the buckets as they arrive (``sync.StagedPush``: copies shaped
 like the receiving model, into the tensors the previous swap replaced), and hands back a complete
 push for the caller's swap; an incomplete or superseded push is dropped and the model keeps its
@@ -15,8 +15,8 @@ from typing import Mapping
 import ray
 import torch
 
-from ray_ppo.messages import PushHeader
-from ray_ppo.sync import StagedPush, replaced_tensors
+from ray_ppo.runtime.messages import PushHeader
+from ray_ppo.core.sync import StagedPush, replaced_tensors
 
 
 class WeightReceiver:

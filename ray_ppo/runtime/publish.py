@@ -1,6 +1,6 @@
 """Trainer side of a weight push: gather the full weights (a collective), cut them into buckets,
 ``ray.put`` each once and hand its ref to the coordinator at once, so makers stage bucket k while
-rank 0 puts k+1. The bucket format and the maker side are in ``ray_ppo.sync``.
+rank 0 puts k+1. The bucket format and the maker side are in ``ray_ppo.core.sync``.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any
 import ray
 import torch
 
-from ray_ppo.messages import PushHeader
-from ray_ppo.models.lora import trainable_names
-from ray_ppo.sync import join_state, make_buckets, push_aliases, push_size
-from ray_ppo.train.learner import PPOLearner
+from ray_ppo.runtime.messages import PushHeader
+from ray_ppo.core.models.lora import trainable_names
+from ray_ppo.core.sync import join_state, make_buckets, push_aliases, push_size
+from ray_ppo.core.learner import PPOLearner
 
 
 class WeightPublisher:

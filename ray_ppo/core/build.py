@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 
-from ray_ppo.algo import needs_critic
+from ray_ppo.core.algo import needs_critic
 from ray_ppo.config import Config, ConfigError
-from ray_ppo.makers.experience import ExperienceMaker
-from ray_ppo.models.lora import apply_lora
-from ray_ppo.models.hf import disable_dropout
-from ray_ppo.models import Critic, RewardModel, load_actor, load_reward_fn, load_tokenizer
-from ray_ppo.models.tiny import resolve_pretrained
+from ray_ppo.core.experience import ExperienceMaker
+from ray_ppo.core.models.lora import apply_lora
+from ray_ppo.core.models.hf import disable_dropout
+from ray_ppo.core.models import Critic, RewardModel, load_actor, load_reward_fn, load_tokenizer
+from ray_ppo.core.models.tiny import resolve_pretrained
 
 
 def resolve_config(cfg: Config) -> Config:
