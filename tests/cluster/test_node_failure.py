@@ -28,6 +28,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from scenario import POLL_S, coordinator_status, fit_recording_error, wait_for  # noqa: E402
+
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).parents[2]
 TOTAL_STEPS = 6
@@ -37,7 +40,6 @@ MAKER_NODE = {"num_cpus": 1, "resources": {"maker_node": NUM_MAKERS}}  # room fo
 NODE_HEALTH_CHECK = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 """The GCS declares a silent node dead after ~3 s (Ray's defaults, 3000 ms x 5, take ~15 s)."""
 SCENARIO_TIMEOUT_S = 240
-POLL_S = 0.1
 
 
 @pytest.mark.timeout(SCENARIO_TIMEOUT_S + 60)
@@ -113,12 +115,12 @@ def run_scenario(out_path: str, run_dir: str) -> None:
             "topology.transport=ref"])
         trainer = PPOTrainer(cfg)  # its RunConfig has controller_failure_limit=0: fails, never hangs
         seen = {"train_batch_size": cfg.trainer.train_batch_size, "error": None}
-        fit = threading.Thread(target=_fit, args=(trainer, seen), daemon=True)
+        fit = threading.Thread(target=fit_recording_error, args=(trainer, seen), daemon=True)
         fit.start()  # Cluster.add_node/remove_node only work from the main thread
-        _wait_for(lambda: len(_makers()) == NUM_MAKERS and all(m["State"] == "ALIVE" for m in _makers().values()))
+        wait_for(lambda: len(_makers()) == NUM_MAKERS and all(m["State"] == "ALIVE" for m in _makers().values()), SCENARIO_TIMEOUT_S)
         seen["makers_before"] = _makers()
         spare = cluster.add_node(**MAKER_NODE)
-        _wait_for(lambda: _status(trainer).get("trainer_version", 0) >= REMOVE_AT_VERSION)
+        wait_for(lambda: coordinator_status(trainer).get("trainer_version", 0) >= REMOVE_AT_VERSION, SCENARIO_TIMEOUT_S)
         seen["nodes"] = {"head": cluster.head_node.node_id, "makers": makers_node.node_id, "spare": spare.node_id}
         seen["killed_after_s"] = time.monotonic() - start
         killed_at = time.monotonic()
@@ -133,19 +135,8 @@ def run_scenario(out_path: str, run_dir: str) -> None:
         cluster.shutdown()
 
 
-def _fit(trainer, seen: dict) -> None:
-    try:
-        trainer.fit()
-    except Exception as e:  # reported in the JSON; the test fails with it
-        seen["error"] = f"{type(e).__name__}: {e}"
 
 
-def _wait_for(predicate, timeout_s: float = SCENARIO_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the scenario did not reach its next stage")
-        time.sleep(POLL_S)
 
 
 def _makers() -> dict[str, dict]:
@@ -157,14 +148,6 @@ def _makers() -> dict[str, dict]:
             for a in ray._private.state.actors().values() if a["Name"].startswith("maker_")}
 
 
-def _status(trainer) -> dict:
-    """The coordinator's status; {} before it exists and after fit() removed it."""
-    import ray
-
-    try:
-        return dataclasses.asdict(ray.get(trainer.coordinator.status.remote(), timeout=30))  # json-able
-    except (AttributeError, ray.exceptions.RayActorError):
-        return {}
 
 
 def _watch_recovery(trainer, killed_at: float, fit: threading.Thread, dead_node: str) -> dict:
@@ -174,12 +157,12 @@ def _watch_recovery(trainer, killed_at: float, fit: threading.Thread, dead_node:
     weights the trainer had at the kill."""
     import ray
 
-    before = _status(trainer)
+    before = coordinator_status(trainer)
     marks: dict[str, float | None] = dict.fromkeys(["node_dead_s", "next_step_s", "first_restart_s",
                                                     "first_new_item_s", "recovered_step_s", "all_resynced_s"])
     produced_at_restart = version_at_new_item = None
     while fit.is_alive() and None in marks.values():
-        status, now = _status(trainer), time.monotonic() - killed_at
+        status, now = coordinator_status(trainer), time.monotonic() - killed_at
         if not status:
             break
         if marks["node_dead_s"] is None and not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == dead_node):

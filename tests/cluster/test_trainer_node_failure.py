@@ -25,6 +25,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+from scenario import coordinator_status, fit_recording_error, wait_for  # noqa: E402
+
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).parents[2]
 TOTAL_STEPS = 6
@@ -32,7 +35,6 @@ NUM_MAKERS = 2
 TRAINER_NODE = {"num_cpus": 1, "resources": {"trainer_node": 1}}
 NODE_HEALTH_CHECK = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 SCENARIO_TIMEOUT_S = 900  # minutes on a loaded 2-core machine: four raylets, the models built twice
-POLL_S = 0.1
 
 
 @pytest.mark.timeout(SCENARIO_TIMEOUT_S + 60)
@@ -96,17 +98,17 @@ def run_scenario(out_path: str, run_dir: str) -> None:
             "logging.report_every=1", f"logging.output_dir={run_dir}"])
         trainer = PPOTrainer(cfg)
         seen = {"train_batch_size": cfg.trainer.train_batch_size, "error": None}
-        fit = threading.Thread(target=_fit, args=(trainer, seen), daemon=True)
+        fit = threading.Thread(target=fit_recording_error, args=(trainer, seen), daemon=True)
         fit.start()  # Cluster.add_node/remove_node only work from the main thread
         save = lambda: Path(out_path).write_text(json.dumps({**seen, "history": trainer.history}, default=str))  # noqa: E731
-        _wait_for(lambda: len(trainer.history) >= 1)
+        wait_for(lambda: len(trainer.history) >= 1, SCENARIO_TIMEOUT_S)
         save()
-        rank_nodes = [_node_of(_status(trainer)["rank_pids"][0])]
+        rank_nodes = [_node_of(coordinator_status(trainer)["rank_pids"][0])]
         spare = cluster.add_node(**TRAINER_NODE)
         checkpoint = Path(run_dir) / "checkpoint" / "state.json"
-        _wait_for(lambda: checkpoint.exists() and trainer.history[-1]["step"] > json.loads(checkpoint.read_text())["step"])
+        wait_for(lambda: checkpoint.exists() and trainer.history[-1]["step"] > json.loads(checkpoint.read_text())["step"], SCENARIO_TIMEOUT_S)
         saved = json.loads(checkpoint.read_text())
-        status = _status(trainer)
+        status = coordinator_status(trainer)
         seen.update(checkpoint_step=saved["step"], killed_after_step=trainer.history[-1]["step"],
                     trained_after_checkpoint=status["counters"]["prompts_trained"] - len(
                         [p for _, ids in saved["data"]["trained"] for p in ids]))
@@ -114,10 +116,10 @@ def run_scenario(out_path: str, run_dir: str) -> None:
         killed_at = time.monotonic()
         cluster.remove_node(trainer_node, allow_graceful=False)
         old_pid = status["rank_pids"][0]
-        _wait_for(lambda: _status(trainer).get("rank_pids", {}).get(0) not in (None, old_pid))
+        wait_for(lambda: coordinator_status(trainer).get("rank_pids", {}).get(0) not in (None, old_pid), SCENARIO_TIMEOUT_S)
         seen["restart_s"] = time.monotonic() - killed_at
         save()
-        rank_nodes.append(_node_of(_status(trainer)["rank_pids"][0]))
+        rank_nodes.append(_node_of(coordinator_status(trainer)["rank_pids"][0]))
         fit.join(timeout=SCENARIO_TIMEOUT_S)
         seen.update(history=trainer.history, final_status=dataclasses.asdict(trainer.final_status), rank_nodes=rank_nodes,
                     nodes={"trainer": trainer_node.node_id, "spare": spare.node_id},
@@ -128,28 +130,10 @@ def run_scenario(out_path: str, run_dir: str) -> None:
         cluster.shutdown()
 
 
-def _fit(trainer, seen: dict) -> None:
-    try:
-        trainer.fit()
-    except Exception as e:  # reported in the JSON; the test fails with it
-        seen["error"] = f"{type(e).__name__}: {e}"
 
 
-def _wait_for(predicate, timeout_s: float = SCENARIO_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the scenario did not reach its next stage")
-        time.sleep(POLL_S)
 
 
-def _status(trainer) -> dict:
-    import ray
-
-    try:
-        return dataclasses.asdict(ray.get(trainer.coordinator.status.remote(), timeout=30))  # json-able
-    except (AttributeError, ray.exceptions.RayActorError):
-        return {}
 
 
 def _node_of(pid: int) -> str | None:
