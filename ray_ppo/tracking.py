@@ -128,7 +128,8 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
 
 
 class RunDirectory:
-    """Writes ``config.yaml`` once and appends one JSON object per step to ``metrics.jsonl``.
+    """Writes ``config.yaml`` once and appends one JSON object per step to ``metrics.jsonl``
+    (a resumed run: from its first step on, see ``_open``).
 
     With ``tensorboard=True`` it also writes each row to TensorBoard event files in ``tensorboard/``.
     With ``resume_after_step=N`` (a resumed run) it keeps the rows of steps <= N and appends.
@@ -142,21 +143,31 @@ class RunDirectory:
         self._tensorboard = TensorBoardWriter(self.path / "tensorboard") if tensorboard else None
         self._trackers = [cls(cfg, self.path) for flag, cls in (("wandb", WandbWriter), ("mlflow", MlflowWriter))
                           if getattr(cfg.logging, flag)]
-        (self.path / "config.yaml").write_text(cfg.to_yaml())
+        self._config_yaml, self._resume_after_step = cfg.to_yaml(), resume_after_step
+        self._metrics = None
+        if resume_after_step is None:  # a new run: its files at once (a run that never steps is removed whole)
+            self._open()
+        self._samples = SamplesFile(self.path, self._tensorboard.summary_writer if self._tensorboard else None)
+
+    def _open(self) -> None:
+        """Write ``config.yaml`` and open ``metrics.jsonl``. A resumed run does it at its first
+        step, so a resume that fails before one leaves the run's record as it was."""
+        (self.path / "config.yaml").write_text(self._config_yaml)
         metrics = self.path / "metrics.jsonl"
-        if resume_after_step is not None and metrics.exists():
+        if self._resume_after_step is not None and metrics.exists():
             # Rows of steps after the checkpoint are redone. Replaced in one rename, so a run
             # killed at any moment keeps the history up to the checkpoint.
-            kept = [r for r in read_metrics(metrics) if r.get("step", 0) <= resume_after_step]
+            kept = [r for r in read_metrics(metrics) if r.get("step", 0) <= self._resume_after_step]
             tmp = metrics.with_name(f".{metrics.name}.tmp")
             tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
             os.replace(tmp, metrics)
             self._metrics = open(metrics, "a")
         else:
             self._metrics = open(metrics, "w")
-        self._samples = SamplesFile(self.path, self._tensorboard.summary_writer if self._tensorboard else None)
 
     def __call__(self, metrics: dict) -> None:
+        if self._metrics is None:
+            self._open()
         metrics, samples = split_samples(metrics)
         self._samples.write(samples)
         self._metrics.write(json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n")
@@ -167,7 +178,8 @@ class RunDirectory:
             tracker(metrics)
 
     def close(self) -> None:
-        self._metrics.close()
+        if self._metrics is not None:
+            self._metrics.close()
         self._samples.close()
         if self._tensorboard is not None:
             self._tensorboard.close()

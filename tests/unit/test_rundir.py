@@ -69,14 +69,23 @@ def test_resume_messages(tmp_path):
                                         f"to train further: ray-ppo train --resume {run} trainer.total_steps=8")
 
 
-def test_a_resumed_run_keeps_the_history_up_to_its_checkpoint_on_disk_at_once(tmp_path):
-    """The rows after the checkpoint are dropped in one rename: a resume killed before its first
-    step (kill -9: no flush, no close) still leaves steps 1..checkpoint in metrics.jsonl."""
+def test_a_resume_touches_the_run_record_only_from_its_first_step(tmp_path):
+    """A resume that ends before its first step (kill -9: no flush, no close) leaves config.yaml
+    and metrics.jsonl as they were; at its first step the rows after the checkpoint are dropped
+    in one rename and the new rows appended."""
     from ray_ppo.config import Config
     from ray_ppo.tracking import RunDirectory, read_metrics
 
     run = tmp_path / "run"
     run.mkdir()
+    (run / "config.yaml").write_text("# the first run's config\n")
     (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, 6)))
-    RunDirectory(run, Config(), resume_after_step=3)  # never closed, as if killed
-    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+    RunDirectory(run, Config().with_overrides({"name": "resumed"}), resume_after_step=3)  # never used, as if killed
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    assert (run / "config.yaml").read_text() == "# the first run's config\n"
+
+    resumed = RunDirectory(run, Config().with_overrides({"name": "resumed"}), resume_after_step=3)
+    resumed({"step": 4, "reward_mean": 0.5})
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert "resumed" in (run / "config.yaml").read_text()
+    resumed.close()
