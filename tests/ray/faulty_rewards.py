@@ -1,5 +1,5 @@
-"""Reward functions that pass pre-flight's probe (an empty response and the prompt itself as a
-response) but fail on what the policy really writes, so the fault happens inside a maker."""
+"""A reward function that passes pre-flight's probe (an empty response and the prompt itself as a
+response) but fails on what the policy really writes, so the fault happens inside a maker."""
 
 import math
 
@@ -8,8 +8,3 @@ def nan_on_generated(prompts, responses):
     """0.0 on the probe; NaN for a generated response (anything but empty or the prompt itself)."""
     return [0.0 if not r or r == p else math.nan for p, r in zip(prompts, responses)]
 
-
-def short_on_generated(prompts, responses):
-    """One score per response on the probe; one too few for a generated batch."""
-    probe = all(not r or r == p for p, r in zip(prompts, responses))
-    return [0.0] * (len(responses) if probe else len(responses) - 1)

@@ -45,8 +45,9 @@ def run_namespaces() -> set[str]:
     return {a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)}
 
 
-@pytest.mark.parametrize("strategy,num_makers,num_workers", [
-    ("ddp", 2, 1), ("fsdp", 2, 1), ("ddp", 2, 2), ("fsdp", 2, 2)])
+# One rank with DDP, two with FSDP (routing across ranks, sharded gathers for pushes). The other
+# two combinations added ~4 min on 2 cores and no path of their own (issue 16's suite budget).
+@pytest.mark.parametrize("strategy,num_makers,num_workers", [("ddp", 2, 1), ("fsdp", 2, 2)])
 def test_fit_accounts_for_every_item(ray_session, tmp_path, strategy, num_makers, num_workers):
     prompts = messy_prompts(tmp_path / "prompts.csv")
     cfg = small_config(tmp_path, f"trainer.strategy={strategy}", f"maker.num_makers={num_makers}",
@@ -137,9 +138,10 @@ def test_reward_that_fails_the_probe_stops_fit_before_any_actor(ray_session, tmp
     assert run_namespaces() == before
 
 
+# One fault through a whole fit (maker -> coordinator -> trainer -> the user's one line); the other
+# faults' messages are checked where they are made (tests/unit/test_failures.py), on the same path.
 @pytest.mark.parametrize("reward, problem", [
     ("nan_on_generated", r"returned nan for prompt '[\d ]+' \(response '[\d ]*'\)"),
-    ("short_on_generated", r"returned 7 scores for 8 responses for a batch of 8 prompts \(the first '[\d ]+'\)"),
 ])
 def test_reward_fault_in_a_maker_names_the_function_and_prompt(ray_session, tmp_path, reward, problem):
     cfg = small_config(tmp_path, f"model.reward_fn=faulty_rewards:{reward}", "trainer.total_steps=2")
