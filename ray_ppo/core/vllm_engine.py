@@ -18,6 +18,7 @@ vLLM is imported only here, and only when a maker builds an engine.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 import os
 import re
 import time
@@ -62,11 +63,30 @@ def _one_line(error: BaseException) -> str:
 
 class VllmEngine:
     """Responsibilities: sample rollouts with vLLM from token ids with the run's sampling
-    settings, seed, EOS and length limit; take complete weight pushes; show what it holds."""
+    settings, seed, EOS and length limit; take complete weight pushes; show what it holds.
+
+    Every call into vLLM runs on one thread of the engine's own. A maker calls the engine from
+    several threads (start-up, generation in ``compute``, pushes in ``model_io``), and vLLM's CPU
+    attention aborts the process when a kernel runs with another OpenMP thread count than its
+    metadata was planned with (``cpu_attn_impl.hpp: Check failed: input->metadata->thread_num ==
+    thread_num (2 vs. 1)``, seen in a fresh-clone CI run with 2 makers): the threads' counts differ
+    (vLLM sets its own on the thread that starts it; Ray's OMP_NUM_THREADS=1 holds elsewhere)."""
 
     def __init__(self, model_path: str, dtype: str, seed: int, max_model_len: int,
                  gpu_memory_utilization: float = 0.3, kv_cache_gib: float = 1.0, enforce_eager: bool = True,
                  on_gpu: bool = False, temperature: float = 1.0, logprobs_mode: str | None = None):
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-engine")
+        self._on_thread(self._start, model_path, dtype, seed, max_model_len, gpu_memory_utilization, kv_cache_gib,
+                        enforce_eager, on_gpu, temperature, logprobs_mode)
+        self.version = 0
+
+    def _on_thread(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on the engine's thread; its result (or its exception) here."""
+        return self._thread.submit(fn, *args, **kwargs).result()
+
+    def _start(self, model_path: str, dtype: str, seed: int, max_model_len: int, gpu_memory_utilization: float,
+               kv_cache_gib: float, enforce_eager: bool, on_gpu: bool, temperature: float,
+               logprobs_mode: str | None) -> None:
         vllm = _import_vllm()
         kwargs = {}
         if on_gpu:
@@ -84,7 +104,6 @@ class VllmEngine:
         except Exception as e:
             raise EngineError(f"vLLM cannot run model {model_path!r} (dtype {dtype}): {_one_line(e)}") from None
         self._sampling_cls = vllm.SamplingParams
-        self.version = 0
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, pad_token_id: int,
@@ -96,7 +115,8 @@ class VllmEngine:
             top_k=params.top_k if params.top_k > 0 else -1, top_p=params.top_p, logprobs=0,
             stop_token_ids=[eos_token_id] if eos_token_id is not None else None, ignore_eos=eos_token_id is None,
             detokenize=False)
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
+        outputs = self._on_thread(self.llm.generate, [{"prompt_token_ids": list(p)} for p in prompts], sampling,
+                                  use_tqdm=False)
         responses = [out.outputs[0] for out in outputs]
         input_ids, prompt_mask = left_pad(prompts, pad_token_id)
         width = max(len(r.token_ids) for r in responses)
@@ -116,11 +136,14 @@ class VllmEngine:
         """Load a complete actor state (Hugging Face names) and tag the engine with ``version``;
         returns the seconds it took. The caller holds the maker's model lock."""
         start = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
-        self.llm.reset_prefix_cache()
-        self.llm.llm_engine.set_weight_version(str(version))
+        self._on_thread(self._load, list(weights), version)
         self.version = version
         return time.perf_counter() - start
+
+    def _load(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+        self.llm.llm_engine.set_weight_version(str(version))
 
     def hf_state(self, expected: Mapping[str, torch.Tensor], transposed: set[str]) -> dict[str, torch.Tensor]:
         """The weights the engine computes with, under the names and layout of ``expected`` (the
@@ -128,7 +151,7 @@ class VllmEngine:
         ``Conv1D``). A tied alias reads its twin; a name inside one of vLLM's fused layers
         (``packed_modules_mapping``: Llama's ``qkv_proj`` = q, k, v) reads its rows of it. A
         name the engine has no tensor for comes back empty, so no fingerprint over it can match."""
-        held, packed = self.llm.collective_rpc(_engine_state)[0]
+        held, packed = self._on_thread(self.llm.collective_rpc, _engine_state)[0]
         twins = {}
         for name, tensor in expected.items():
             twins.setdefault(tensor.data_ptr(), []).append(name)
