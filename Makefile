@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# A second `make demo` replaces the first one's runs/demo (ray-ppo refuses a run directory that
+# holds a run unless told --overwrite).
 demo: $(STAMP)
-	$(VENV)/bin/ray-ppo train --config configs/tiny.yaml --output runs/demo
+	$(VENV)/bin/ray-ppo train --config configs/tiny.yaml --output runs/demo --overwrite
 
 # The whole suite: the pinned ColossalAI tests and the vLLM maker tests, each in an environment
 # of its own (see test-colossalai and test-vllm below), then the main environment's tests, so CI
