@@ -90,29 +90,53 @@ def _check_column(columns: Sequence[str], column: str, path: str) -> None:
         raise DataError(f"data.prompt_column={column!r} is not a column of {path!r}; columns present: {list(columns)}")
 
 
-def read_prompt_dataset(path: str, prompt_column: str, fmt: str | None = None, num_cpus: float = 0.25):
+BLOCK_BYTES = 64 << 20
+"""Bytes of a local prompt file per Ray Data block: prompts are read once, in order, by the
+coordinator, and every further block is one more read task (on a small machine a task is a worker
+process that imports Ray Data: seconds, for a file read in milliseconds)."""
+
+
+def read_prompt_dataset(path: str, prompt_column: str, fmt: str | None = None, num_cpus: float = 0.25,
+                        checked: bool = False):
     """A Ray Dataset with one column ``prompt`` read from CSV, Parquet or JSON Lines.
 
-    Read tasks ask for ``num_cpus`` (a fraction) so they are scheduled beside long-lived actors.
+    Read tasks ask for ``num_cpus`` (a fraction) so they are scheduled beside long-lived actors;
+    the column selection asks for the same, so Ray Data fuses it into the read task. A local input
+    is read in blocks of ``BLOCK_BYTES`` (one block for any usual prompt file). ``checked``: the
+    input was already checked here (``ray_ppo.preflight.check_run`` reads local files, with their
+    column): a local one stays lazy, and the coordinator's first read executes it; otherwise its
+    schema is read now, so a bad input fails here, named by its path.
     """
     import ray.data
 
     fmt = infer_format(path, fmt)
     _check_local_path(path)
     readers = {"csv": ray.data.read_csv, "parquet": ray.data.read_parquet, "json": ray.data.read_json}
+    local = Path(path) if "://" not in path else None
+    blocks = {"override_num_blocks": max(1, -(-_local_bytes(local) // BLOCK_BYTES))} if local else {}
     try:
-        ds = readers[fmt](path, num_cpus=num_cpus)
+        ds = readers[fmt](path, num_cpus=num_cpus, **blocks)
+        if checked and local is not None:
+            return _rename_prompt(ds.select_columns([prompt_column], num_cpus=num_cpus), prompt_column, num_cpus)
         ds.schema()  # reads the files now, so a bad one fails here, named by its path
     except Exception as e:  # Ray wraps reader errors in several types; the path is what the user needs
         raise DataError(f"cannot read data.path={path!r} as {fmt}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
-    return select_prompt_column(ds, prompt_column, path)
+    return select_prompt_column(ds, prompt_column, path, num_cpus)
 
 
-def select_prompt_column(ds, prompt_column: str, source: str = "dataset"):
+def _local_bytes(path: Path) -> int:
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    return sum(p.stat().st_size for p in files)
+
+
+def select_prompt_column(ds, prompt_column: str, source: str = "dataset", num_cpus: float | None = None):
     """Keep only ``prompt_column`` of a Ray Dataset, renamed to ``prompt``."""
     _check_column(ds.schema().names, prompt_column, source)
-    ds = ds.select_columns([prompt_column])
-    return ds.rename_columns({prompt_column: "prompt"}) if prompt_column != "prompt" else ds
+    return _rename_prompt(ds.select_columns([prompt_column], num_cpus=num_cpus), prompt_column, num_cpus)
+
+
+def _rename_prompt(ds, prompt_column: str, num_cpus: float | None):
+    return ds.rename_columns({prompt_column: "prompt"}, num_cpus=num_cpus) if prompt_column != "prompt" else ds
 
 
 def read_prompt_texts(path: str, prompt_column: str, fmt: str | None = None) -> list[str | None]:
