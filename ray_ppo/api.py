@@ -36,7 +36,7 @@ from ray_ppo.tasks.toy import make_prompts
 from ray_ppo.runtime.loop import RunHandles, train_loop_per_worker
 
 ACTOR_READY_TIMEOUT_S = 300.0
-"""How long the coordinator may take to start before ``fit()`` gives up."""
+"""How long the coordinator may take to start before ``fit()`` gives up waiting for vLLM makers."""
 VLLM_READY_TIMEOUT_S = 1200.0
 """How long vLLM makers (maker.engine=vllm) may take to come up (import vLLM, start an engine) before
 ``fit()`` gives up: seconds on a quiet machine, minutes on a CPU machine shared with other jobs."""
@@ -91,13 +91,18 @@ class PPOTrainer(TorchTrainer):
         learner_factory: builds each trainer rank's learner as ``factory(actor, critic, strategy,
             params, seed=)`` (default ``PPOLearner``). Both are extension points for simulations
             and benchmarks (``benchmarks/overlap_sim.py``): they must be picklable.
+        detached: True (default): the coordinator and makers are detached actors, independent of
+            the calling process; ``fit()`` removes them itself when the run ends, fails or is
+            interrupted. False: they are owned by the process that calls ``fit()``, and Ray also
+            removes them when that process dies without a clean-up (a Tune trial that ASHA stops:
+            ``ray_ppo.sweep`` runs its trials so).
     """
 
     def __init__(self, config: Config, prompts: Any = None, *, run_config: RunConfig | None = None,
                  metrics_callbacks: Sequence[MetricsCallback] = (), scaling_config: ScalingConfig | None = None,
                  resume_from: str | Path | None = None, output_dir: str | Path | None = None,
                  experience_maker_factory: Callable | None = None, learner_factory: Callable | None = None,
-                 **trainer_kwargs):
+                 detached: bool = True, **trainer_kwargs):
         self.ppo_config = resolve_config(config)
         self.output_dir = Path(output_dir).resolve() if output_dir is not None else None
         self.resume_state = validate_checkpoint(resume_from) if resume_from else None
@@ -105,6 +110,7 @@ class PPOTrainer(TorchTrainer):
         self.prompts = prompts
         self.metrics_callbacks = list(metrics_callbacks)
         self.experience_maker_factory = experience_maker_factory
+        self.lifetime = "detached" if detached else None
         self.history: list[dict] = []
         t = self.ppo_config.trainer
         worker_resources = {"CPU": t.cpus_per_worker, **({t.node_resource: 1} if t.node_resource else {})}
@@ -127,6 +133,9 @@ class PPOTrainer(TorchTrainer):
             scaling_config=scaling_config, run_config=run_config, **trainer_kwargs)
         self.coordinator = None
         self.makers: dict[int, Any] = {}
+        self._registered = None  # the coordinator's acknowledgement of the makers, until their loops start
+        self._loops: dict = {}  # each maker loop's ref -> maker id
+        self._finished_loops: list = []
         self.final_status: CoordinatorStatus | None = None  # the coordinator's status at the end of fit()
         self.maker_summaries: list[dict] = []
         self.interrupted = False
@@ -196,7 +205,17 @@ class PPOTrainer(TorchTrainer):
 
     def _watch_makers(self) -> None:
         """A maker loop that ended with an error (a dead maker out of restarts, or a raised
-        exception) is reported to the coordinator, whose next pull ends the run with it."""
+        exception) is reported to the coordinator, whose next pull ends the run with it. Starts
+        the makers' loops once the coordinator has registered the makers."""
+        if self._registered is not None:
+            if not ray.wait([self._registered], timeout=0)[0]:
+                return
+            try:
+                ray.get(self._registered)
+            except Exception:  # the coordinator failed to start: the trainer's first pull says why
+                self._registered = None
+                return
+            self._start_loops()
         done, _ = ray.wait(list(self._loops), num_returns=len(self._loops), timeout=0)
         for ref in done:
             maker_id = self._loops.pop(ref)
@@ -224,13 +243,13 @@ class PPOTrainer(TorchTrainer):
             toy = self.ppo_config.toy
             texts = make_prompts(toy.num_prompts, toy.prompt_len, toy.seed)
             return ray.data.from_items([{"prompt": t} for t in texts])
-        return read_prompt_dataset(d.path, d.prompt_column, d.format)
+        return read_prompt_dataset(d.path, d.prompt_column, d.format, checked=True)  # fit() ran check_run
 
     def _start_actors(self) -> None:
         cfg = self.ppo_config
         dataset = self._dataset()
         self.coordinator = ray.remote(num_cpus=0)(Coordinator).options(
-            name="coordinator", namespace=self.namespace, lifetime="detached",
+            name="coordinator", namespace=self.namespace, lifetime=self.lifetime,
             scheduling_strategy=on_driver_node(), runtime_env={"env_vars": COORDINATOR_ENV}).remote(
             num_ranks=cfg.trainer.num_workers, num_makers=cfg.maker.num_makers, buffer_size=cfg.buffer_size,
             max_staleness=cfg.ppo.max_staleness, routing=cfg.topology.routing, prompts=dataset,
@@ -242,21 +261,29 @@ class PPOTrainer(TorchTrainer):
         maker_cls = maker_actor_class(cfg.maker.num_cpus, cfg.maker.num_gpus, cfg.maker.max_restarts,
                                       {cfg.maker.node_resource: 1} if cfg.maker.node_resource else None)
         self.makers = {
-            i: maker_cls.options(name=f"maker_{i}", namespace=self.namespace, lifetime="detached",
+            i: maker_cls.options(name=f"maker_{i}", namespace=self.namespace, lifetime=self.lifetime,
                                  scheduling_strategy=OUTSIDE_CALLER_PLACEMENT_GROUP).remote(
                 i, cfg.to_dict(), self.coordinator, self.experience_maker_factory)
             for i in range(cfg.maker.num_makers)}
-        try:
-            ray.get(self.coordinator.register_makers.remote(self.makers), timeout=ACTOR_READY_TIMEOUT_S)
-            if cfg.maker.engine == "vllm":  # minutes on a loaded CPU machine: longer than a pull may wait
+        self._registered = self.coordinator.register_makers.remote(self.makers)
+        if cfg.maker.engine == "vllm":  # minutes on a loaded CPU machine: longer than a pull may wait
+            try:
+                ray.get(self._registered, timeout=ACTOR_READY_TIMEOUT_S)
                 ray.get([m.ping.remote() for m in self.makers.values()], timeout=VLLM_READY_TIMEOUT_S)
-        except Exception:
-            self._kill_actors()
-            raise
-        # Makers are not awaited: they build their models while Ray Train starts the worker group
-        # (start-up overlaps). One that fails to start ends its loops with the error, which
-        # _watch_makers reports to the coordinator, whose next pull ends the run with it.
-        self._finished_loops: list = []
+            except Exception:
+                self._kill_actors()
+                raise
+            self._start_loops()
+        # Otherwise nothing is awaited: the coordinator and the makers start while Ray Train starts
+        # the worker group (start-up overlaps), and the metrics poller starts the makers' loops as
+        # soon as the coordinator has registered them (_watch_makers). A coordinator that fails to
+        # start ends the run at the trainer's first pull; a maker that fails to start ends its
+        # loops with the error, which _watch_makers reports to the coordinator, whose next pull
+        # ends the run with it.
+
+    def _start_loops(self) -> None:
+        """Start each maker's generation and send loops (once the coordinator knows the makers)."""
+        self._registered = None
         self._loops = {m.run.remote(): i for i, m in self.makers.items()}
         self._loops.update({m.send_loop.remote(): i for i, m in self.makers.items()})
 
