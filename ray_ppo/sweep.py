@@ -18,7 +18,6 @@ dotted config names; schedulers (e.g. ASHA) and search algorithms pass straight 
 
 from __future__ import annotations
 
-import atexit
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
@@ -62,15 +61,12 @@ def _trial(tune_config: dict, base: dict, root: str) -> None:
     cfg = Config.from_dict(base).with_overrides(_overrides(tune_config))
     run_dir = Path(root) / "trials" / trial_id
     cfg = cfg.with_overrides({"name": f"{cfg.name}-{trial_id}", "logging.output_dir": str(run_dir)})
-    trainer = PPOTrainer(cfg, output_dir=run_dir, run_config=RunConfig(
+    # Not detached: a trial that Tune stops early (ASHA) ends its process without a clean-up, and
+    # its coordinator and makers, owned by that process, go with it.
+    trainer = PPOTrainer(cfg, output_dir=run_dir, detached=False, run_config=RunConfig(
         name=cfg.name, storage_path=str(run_dir / "ray_train"), callbacks=[TuneReportCallback()],
         failure_config=FailureConfig(max_failures=0, controller_failure_limit=0)))
-    # A trial that Tune stops early (ASHA) ends its process: its detached coordinator and makers go too.
-    atexit.register(trainer._kill_actors)
-    try:
-        trainer.fit()
-    finally:
-        atexit.unregister(trainer._kill_actors)
+    trainer.fit()
 
 
 def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward_mean", mode: str = "max",
