@@ -93,7 +93,7 @@ class SimLearner(PPOLearner):
 
     train_s = 0.0
 
-    def train_step(self, batch) -> dict[str, float]:
+    def train_step(self, batch, **kwargs) -> dict[str, float]:
         time.sleep(self.train_s)
         return {"policy_loss": 0.0, "value_loss": 0.0}
 

@@ -59,8 +59,8 @@ class TimedMakerFactory:
 class TimedLearner(PPOLearner):
     directory = ""
 
-    def train_step(self, batch):
-        out = super().train_step(batch)
+    def train_step(self, batch, **kwargs):
+        out = super().train_step(batch, **kwargs)
         note(self.directory, "train_step")
         return out
 
