@@ -46,7 +46,7 @@ def test_ray_ppo_tune_2x2(tmp_path):
     # at a glance: one line per finished trial (Tune's status tables are off), the ranking, the best
     finished = [line for line in proc.stdout.splitlines() if line.startswith("trial ")]
     assert len(finished) == 4 and all(" done: kl_coef=" in line and "reward_mean" in line for line in finished)
-    # Tune's experiment header and raylet worker-count warnings still reach stdout (issue 16, left open)
+    assert "worker processes have been started" not in proc.stdout + proc.stderr  # the raylet's worker-count warning
     assert_png(out / "sweep.png")
     for trial in trials:  # each trial has its own run directory with curves and metrics
         run_dir = Path(trial["run_dir"])
