@@ -38,7 +38,7 @@ TRL_VENV  := .venv-trl
 TRL_PY    := $(TRL_VENV)/bin/python
 TRL_STAMP := $(TRL_VENV)/.installed
 
-# All of them took ~17 min here (benchmarks/README.md), the peer comparison and its venv included.
+# All of them took ~30 min here (benchmarks/README.md; overlap.py alone 17 min), the peer comparison and its venv included.
 bench: $(STAMP) $(TRL_STAMP)
 	$(PY) benchmarks/overlap.py
 	$(PY) benchmarks/weight_sync.py
