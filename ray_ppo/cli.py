@@ -16,6 +16,7 @@ Ctrl-C stops a run within seconds with status 130 and a line saying how to resum
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -271,7 +272,8 @@ def cmd_tune(args) -> int:
         outcome = sweep(cfg, {k: tune.grid_search(v) for k, v in spec["grid"].items()}, metric=spec["metric"],
                         mode=spec["mode"], num_samples=spec["num_samples"], scheduler=scheduler,
                         max_concurrent_trials=args.max_concurrent, output_dir=str(out_dir), verbose=0,
-                        callbacks=[trial_lines(list(spec["grid"]), spec["metric"])])
+                        callbacks=[trial_lines(list(spec["grid"]), spec["metric"], total=math.prod(
+                            len(v) for v in spec["grid"].values()) * spec["num_samples"])])
     finally:
         ray.shutdown()
     print(_ranking(outcome.trials, list(spec["grid"]), spec["metric"], spec["mode"]))

@@ -18,6 +18,8 @@ dotted config names; schedulers (e.g. ASHA) and search algorithms pass straight 
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
@@ -104,7 +106,8 @@ def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward
                                     search_alg=search_alg, max_concurrent_trials=max_concurrent_trials),
         run_config=tune.RunConfig(name=f"{base.name}-sweep", storage_path=str(root / "tune"), verbose=verbose,
                                   callbacks=list(callbacks)))
-    grid = tuner.fit()
+    with _silent_tune_output(verbose == 0):
+        grid = tuner.fit()
     trials = _trial_rows(grid, list(param_space), metric, root)
     write_trials_csv(trials, root / "trials.csv")
     curves = {_label(t, list(param_space)): read_metrics(Path(t["run_dir"]) / "metrics.jsonl")
@@ -118,10 +121,31 @@ def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward
         trials=trials, result_grid=grid)
 
 
-def trial_lines(keys: Sequence[str], metric: str, stream: TextIO | None = None) -> Any:
+@contextlib.contextmanager
+def _silent_tune_output(silent: bool):
+    """Tune's newer output engine prints an experiment header and result paths even at
+    ``verbose=0``; its legacy engine (``RAY_AIR_NEW_OUTPUT=0``) prints nothing at 0. Set for the
+    driver's ``Tuner.fit`` only: the cluster's processes started earlier, with their own env."""
+    previous = os.environ.get("RAY_AIR_NEW_OUTPUT")
+    if silent:
+        os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    try:
+        yield
+    finally:
+        if silent:
+            if previous is None:
+                os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+            else:
+                os.environ["RAY_AIR_NEW_OUTPUT"] = previous
+
+
+def trial_lines(keys: Sequence[str], metric: str, stream: TextIO | None = None, total: int | None = None) -> Any:
     """A Tune callback printing one line per trial as it ends, in place of Tune's status tables:
 
         trial 2/4 done: kl_coef=0.1, eps_clip=0.2 | reward_mean 0.4121 at step 20 | 48 s
+
+    ``total``: the number of trials of the sweep; without it, the trials Tune has created so far
+    (with ``max_concurrent_trials`` it creates them as slots free up).
     """
     from ray.tune import Callback
 
@@ -129,10 +153,10 @@ def trial_lines(keys: Sequence[str], metric: str, stream: TextIO | None = None) 
         ended = 0
 
         def on_trial_complete(self, iteration, trials, trial, **info):
-            self._line(trial, len(trials), "done")
+            self._line(trial, total or len(trials), "done")
 
         def on_trial_error(self, iteration, trials, trial, **info):
-            self._line(trial, len(trials), "FAILED")
+            self._line(trial, total or len(trials), "FAILED")
 
         def _line(self, trial, total: int, status: str) -> None:
             self.ended += 1

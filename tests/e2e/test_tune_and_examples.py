@@ -46,7 +46,9 @@ def test_ray_ppo_tune_2x2(tmp_path):
     # at a glance: one line per finished trial (Tune's status tables are off), the ranking, the best
     finished = [line for line in proc.stdout.splitlines() if line.startswith("trial ")]
     assert len(finished) == 4 and all(" done: kl_coef=" in line and "reward_mean" in line for line in finished)
+    assert [line.split(" done")[0] for line in finished] == ["trial 1/4", "trial 2/4", "trial 3/4", "trial 4/4"]
     assert "worker processes have been started" not in proc.stdout + proc.stderr  # the raylet's worker-count warning
+    assert "Configuration for experiment" not in proc.stdout  # nor Tune's header and paths
     assert_png(out / "sweep.png")
     for trial in trials:  # each trial has its own run directory with curves and metrics
         run_dir = Path(trial["run_dir"])
