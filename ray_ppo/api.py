@@ -36,7 +36,8 @@ from ray_ppo.tasks.toy import make_prompts
 from ray_ppo.runtime.loop import RunHandles, train_loop_per_worker
 
 ACTOR_READY_TIMEOUT_S = 300.0
-"""How long the coordinator may take to start before ``fit()`` gives up waiting for vLLM makers."""
+"""How long ``fit()`` waits for the coordinator to register vLLM makers (only they are awaited
+before training starts) before it gives up."""
 VLLM_READY_TIMEOUT_S = 1200.0
 """How long vLLM makers (maker.engine=vllm) may take to come up (import vLLM, start an engine) before
 ``fit()`` gives up: seconds on a quiet machine, minutes on a CPU machine shared with other jobs."""

@@ -116,12 +116,12 @@ def read_prompt_dataset(path: str, prompt_column: str, fmt: str | None = None, n
     blocks = {"override_num_blocks": max(1, -(-_local_bytes(local) // BLOCK_BYTES))} if local else {}
     try:
         ds = readers[fmt](path, num_cpus=num_cpus, **blocks)
-        if checked and local is not None:
-            return _rename_prompt(ds.select_columns([prompt_column], num_cpus=num_cpus), prompt_column, num_cpus)
-        ds.schema()  # reads the files now, so a bad one fails here, named by its path
+        columns = None if checked and local is not None else ds.schema().names  # reads the files now
     except Exception as e:  # Ray wraps reader errors in several types; the path is what the user needs
         raise DataError(f"cannot read data.path={path!r} as {fmt}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
-    return select_prompt_column(ds, prompt_column, path, num_cpus)
+    if columns is not None:
+        _check_column(columns, prompt_column, path)
+    return _prompt_only(ds, prompt_column, num_cpus)
 
 
 def _local_bytes(path: Path) -> int:
@@ -129,13 +129,16 @@ def _local_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in files)
 
 
-def select_prompt_column(ds, prompt_column: str, source: str = "dataset", num_cpus: float | None = None):
+def select_prompt_column(ds, prompt_column: str, source: str = "dataset"):
     """Keep only ``prompt_column`` of a Ray Dataset, renamed to ``prompt``."""
     _check_column(ds.schema().names, prompt_column, source)
-    return _rename_prompt(ds.select_columns([prompt_column], num_cpus=num_cpus), prompt_column, num_cpus)
+    return _prompt_only(ds, prompt_column)
 
 
-def _rename_prompt(ds, prompt_column: str, num_cpus: float | None):
+def _prompt_only(ds, prompt_column: str, num_cpus: float | None = None):
+    """``prompt_column`` alone, named ``prompt``; with the read's ``num_cpus``, Ray Data fuses both
+    operations into the read task."""
+    ds = ds.select_columns([prompt_column], num_cpus=num_cpus)
     return ds.rename_columns({prompt_column: "prompt"}, num_cpus=num_cpus) if prompt_column != "prompt" else ds
 
 
