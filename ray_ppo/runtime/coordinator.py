@@ -240,19 +240,24 @@ class Coordinator:
         task.add_done_callback(self.push_tasks.discard)
 
     async def _push_to(self, maker_id: int, handle: Any, push: Push) -> None:
-        """chunk_start, one chunk call per bucket as it arrives, chunk_end: ordered calls in the
-        maker's ``model_io`` group. A push superseded before all its buckets arrived is not ended
-        (the maker drops its staging at the newer chunk_start)."""
+        """chunk_start, one chunk call per bucket as it arrives, chunk_end, in the maker's
+        ``model_io`` group. A threaded actor does not promise to run one caller's calls in the
+        order they were sent, so chunks go out once chunk_start has run, and chunk_end once every
+        chunk has (a chunk's error then fails the push here instead of vanishing). A push
+        superseded before all its buckets arrived is not ended (the maker drops its staging at
+        the newer chunk_start)."""
         if self.pushes.superseded(push):
             return  # superseded before it started: the maker gets the newer one
         try:
-            handle.weights_start.remote(push.header)
+            await handle.weights_start.remote(push.header)
+            chunks = []
             for index in range(push.header.num_chunks):
                 async with self.pushed:
                     await self.pushed.wait_for(lambda: index in push.bucket_refs or self.pushes.superseded(push))
                 if self.pushes.superseded(push):
                     return
-                handle.weights_chunk.remote(push.version, index, [push.bucket_refs[index]])  # nested: the maker fetches it
+                chunks.append(handle.weights_chunk.remote(push.version, index, [push.bucket_refs[index]]))  # nested: the maker fetches it
+            await asyncio.gather(*chunks)
             loaded = await handle.weights_end.remote(push.version)
         except Exception as e:
             self.book.fail(maker_id, f"weight push v{push.version} failed: {type(e).__name__}: {e}")

@@ -3,9 +3,12 @@ counters per step, and the end-of-run check that every maker holds the published
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import ray
+
+logger = logging.getLogger(__name__)
 
 VERIFY_TIMEOUT_S = 60.0
 """How long the last step waits for every maker to load the final push before comparing weights."""
@@ -60,4 +63,10 @@ def verify_makers(coordinator: Any, version: int, expected: str) -> float:
     """1.0 if every maker loaded push ``version`` and holds exactly the published weights."""
     ray.get(coordinator.wait_for_version.remote(version, VERIFY_TIMEOUT_S))
     prints = ray.get(coordinator.maker_fingerprints.remote())
-    return float(all(v == version and fp == expected for v, fp in prints.values()))
+    behind = {i: v for i, (v, _) in prints.items() if v != version}
+    differ = sorted(i for i, (v, fp) in prints.items() if v == version and fp != expected)
+    if behind or differ:  # the metric says 0.0; the log says which maker and why
+        logger.warning("weights_in_sync=0 after push v%d: %s", version, "; ".join(
+            [f"maker_{i} still holds v{v} after {VERIFY_TIMEOUT_S:.0f} s" for i, v in sorted(behind.items())]
+            + [f"maker_{i} holds v{version} with other weights than the trainer's" for i in differ]))
+    return float(not behind and not differ)

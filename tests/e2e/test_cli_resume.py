@@ -100,6 +100,10 @@ def steps_in(run: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def versions_in(run: Path) -> list[int]:
+    return [json.loads(line)["policy_version"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def checkpoint_state(run: Path) -> dict | None:
     try:
         return json.loads((run / "checkpoint" / "state.json").read_text())
@@ -147,6 +151,7 @@ def test_ctrl_c_stops_the_run_and_resume_continues_it(tmp_path):
     code, err = cli.wait()
     assert code == 0 and cli.leaked == [], err[-3000:]
     assert steps_in(run) == list(range(1, total + 1))  # rows after the checkpoint were redone, not doubled
+    assert versions_in(run) == list(range(1, total + 1))  # the policy version went on from the checkpoint's
     assert checkpoint_state(run)["step"] == total
 
     started = time.monotonic()

@@ -99,7 +99,11 @@ def test_killed_maker_is_restarted_and_resynced(ray_session, tmp_path):
 
 
 def test_killed_trainer_worker_restarts_from_checkpoint(ray_session, tmp_path):
-    cfg = config(tmp_path, "trainer.total_steps=6", "trainer.checkpoint_every=2", "maker.num_makers=2")
+    # The kill comes once step 3 is seen in the history, which lags the trainer by a poll or two.
+    # With checkpoints at 3 and 6 it lands in steps 4-6, so the group restarts from step 3 and
+    # reruns what followed; with checkpoints every 2 steps a late kill could fall just after a
+    # checkpoint, and nothing would run twice (seen in CI).
+    cfg = config(tmp_path, "trainer.total_steps=7", "trainer.checkpoint_every=3", "maker.num_makers=2")
     trainer = PPOTrainer(cfg, run_config=RunConfig(
         name="restart", storage_path=str(tmp_path / "ray_train"),
         failure_config=FailureConfig(max_failures=1, controller_failure_limit=0)))
@@ -113,7 +117,7 @@ def test_killed_trainer_worker_restarts_from_checkpoint(ray_session, tmp_path):
     result = trainer.fit()
     steps = [m["step"] for m in trainer.history]
     versions = [m["policy_version"] for m in trainer.history]
-    assert killed and result.metrics["step"] == 6 and steps[-1] == 6
+    assert killed and result.metrics["step"] == 7 and steps[-1] == 7
     assert len(steps) > len(set(steps))  # steps after the checkpoint ran again
     assert versions == sorted(versions)  # the makers never saw the policy version go backwards
     status = trainer.final_status
@@ -121,12 +125,12 @@ def test_killed_trainer_worker_restarts_from_checkpoint(ray_session, tmp_path):
     assert trainer.history[-1]["weights_in_sync"] == 1.0
     assert accounted(status)
     # Exactly once: what the killed group trained after its checkpoint was served again (rewound),
-    # and the final checkpoint's log holds each prompt once, over steps 1..6.
+    # and the final checkpoint's log holds each prompt once, over steps 1..7.
     with result.checkpoint.as_directory() as directory:
         state = validate_checkpoint(directory)
     trained = trained_ids(state)
-    assert len(trained) == 6 * 16 == len(set(trained))
-    assert [s for s, _ in state["data"]["trained"]] == [1, 2, 3, 4, 5, 6]
+    assert len(trained) == 7 * 16 == len(set(trained))
+    assert [s for s, _ in state["data"]["trained"]] == [1, 2, 3, 4, 5, 6, 7]
     assert status.counters.prompts_requeued > 0
 
 

@@ -71,9 +71,9 @@ class FakeRemote:
 
 
 class FakeMaker:
-    """A maker actor handle whose ``ping`` and ``weights_end`` are awaitable, as ObjectRefs are."""
+    """A maker actor handle whose calls are awaitable, as ObjectRefs are."""
 
-    def __init__(self, fail_push: bool = False, dead: bool = False):
+    def __init__(self, fail_push: bool = False, dead: bool = False, fail_chunk: bool = False):
         self.calls: list[tuple] = []
 
         async def ping():
@@ -81,15 +81,29 @@ class FakeMaker:
                 raise ConnectionError("actor died")
             return True
 
+        async def weights_start(header):
+            await asyncio.sleep(0.01)
+            self.calls.append(("started", header.version))
+
+        async def weights_chunk(version, index, refs):
+            await asyncio.sleep(0.01 * (3 - index))  # later buckets finish first
+            if fail_chunk:
+                raise ValueError("bucket lost")
+            self.calls.append(("staged", version, index))
+
         async def weights_end(version):
             if fail_push:
                 raise ConnectionError("maker died")
             return True
 
         self.ping = FakeRemote(self.calls, "ping", lambda: ping())
-        self.weights_start = FakeRemote(self.calls, "start")
-        self.weights_chunk = FakeRemote(self.calls, "chunk")
+        self.weights_start = FakeRemote(self.calls, "start", weights_start)
+        self.weights_chunk = FakeRemote(self.calls, "chunk", weights_chunk)
         self.weights_end = FakeRemote(self.calls, "end", weights_end)
+
+    def sent(self) -> list[tuple]:
+        """The calls as the coordinator sent them (without what the fake records as it runs them)."""
+        return [c for c in self.calls if c[0] not in ("started", "staged")]
 
 
 # -- send and pull ------------------------------------------------------------------------------
@@ -431,7 +445,7 @@ def test_publish_weights_relays_the_buckets_in_order_and_tracks_versions():
         await coord.publish_weights(push, ["ref-a", "ref-b"])
         assert await coord.wait_for_version(1, timeout_s=1.0) == {0: 1, 1: 1}
         for maker in makers.values():
-            assert maker.calls == [("start", push), ("chunk", 1, 0, ["ref-a"]),
+            assert maker.sent() == [("start", push), ("chunk", 1, 0, ["ref-a"]),
                                    ("chunk", 1, 1, ["ref-b"]), ("end", 1)]
         status = coord.status()
         assert status.trainer_version == 1
@@ -447,16 +461,16 @@ def test_each_bucket_is_relayed_as_soon_as_rank_0_hands_it_in():
         coord.register_makers({0: maker})
         await coord.publish_start(header(1, 3))
         await asyncio.sleep(SHORT_S)
-        assert maker.calls == [("start", header(1, 3))] and coord.status().trainer_version == 1
+        assert maker.sent() == [("start", header(1, 3))] and coord.status().trainer_version == 1
         await coord.publish_chunk(1, 0, ["ref-a"])
         await asyncio.sleep(SHORT_S)  # bucket 0 reaches the maker before bucket 1 is even put
-        assert maker.calls[-1] == ("chunk", 1, 0, ["ref-a"])
+        assert maker.sent()[-1] == ("chunk", 1, 0, ["ref-a"])
         await coord.publish_chunk(1, 2, ["ref-c"])  # out of order: held until bucket 1 is in
         await asyncio.sleep(SHORT_S)
-        assert maker.calls[-1] == ("chunk", 1, 0, ["ref-a"])
+        assert maker.sent()[-1] == ("chunk", 1, 0, ["ref-a"])
         await coord.publish_chunk(1, 1, ["ref-b"])
         assert await coord.wait_for_version(1, timeout_s=1.0) == {0: 1}
-        assert maker.calls[1:] == [("chunk", 1, 0, ["ref-a"]), ("chunk", 1, 1, ["ref-b"]),
+        assert maker.sent()[1:] == [("chunk", 1, 0, ["ref-a"]), ("chunk", 1, 1, ["ref-b"]),
                                    ("chunk", 1, 2, ["ref-c"]), ("end", 1)]
 
     asyncio.run(main())
@@ -476,8 +490,8 @@ def test_a_push_interrupted_midway_is_never_ended_and_the_next_one_completes():
         await coord.publish_chunk(1, 1, ["old-b"])  # a late bucket of the abandoned push: ignored
         assert await coord.wait_for_version(2, timeout_s=1.0) == {0: 2}
         await asyncio.sleep(SHORT_S)
-        assert ("end", 1) not in maker.calls and ("chunk", 1, 1, ["old-b"]) not in maker.calls
-        assert maker.calls[-4:] == [("start", header(2, 2)), ("chunk", 2, 0, ["new-a"]), ("chunk", 2, 1, ["new-b"]), ("end", 2)]
+        assert ("end", 1) not in maker.sent() and ("chunk", 1, 1, ["old-b"]) not in maker.sent()
+        assert maker.sent()[-4:] == [("start", header(2, 2)), ("chunk", 2, 0, ["new-a"]), ("chunk", 2, 1, ["new-b"]), ("end", 2)]
         assert not coord.push_tasks  # no relay left waiting
 
     asyncio.run(main())
@@ -493,7 +507,36 @@ def test_a_restarted_maker_gets_the_latest_push_again():
         await coord.maker_restarted(0)
         assert coord.book.states[0].version == 0
         assert await coord.wait_for_version(1, timeout_s=1.0) == {0: 1}
-        assert maker.calls[-3:] == [("start", header(1, 1)), ("chunk", 1, 0, ["ref-a"]), ("end", 1)]
+        assert maker.sent()[-3:] == [("start", header(1, 1)), ("chunk", 1, 0, ["ref-a"]), ("end", 1)]
+
+    asyncio.run(main())
+
+
+def test_a_push_sends_chunks_after_start_and_end_after_every_chunk_ran():
+    """A threaded actor may run one caller's calls out of order: the relay waits for chunk_start
+    to run before sending chunks, and for every chunk before chunk_end."""
+    async def main():
+        coord = coordinator(num_makers=1)
+        maker = FakeMaker()
+        coord.register_makers({0: maker})
+        await coord.publish_weights(header(1, 3), ["a", "b", "c"])
+        assert await coord.wait_for_version(1, timeout_s=1.0) == {0: 1}
+        events = [c[0] for c in maker.calls]
+        assert events.index("started") < events.index("chunk")
+        assert events.index("end") > max(i for i, e in enumerate(events) if e == "staged")
+        assert events.count("staged") == 3
+
+    asyncio.run(main())
+
+
+def test_a_chunk_that_fails_fails_the_push_instead_of_leaving_the_maker_behind():
+    async def main():
+        coord = coordinator(num_makers=2)
+        coord.register_makers({0: FakeMaker(), 1: FakeMaker(fail_chunk=True)})
+        await coord.publish_weights(header(2, 2), ["a", "b"])
+        assert await coord.wait_for_version(2, timeout_s=1.0) == {0: 2, 1: 0}
+        with pytest.raises(RuntimeError, match="maker_1 failed .*weight push v2 failed: ValueError: bucket lost"):
+            await coord.pull(0, 1, trainer_version=2, timeout_s=1.0)
 
     asyncio.run(main())
 
