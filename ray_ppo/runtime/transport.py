@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
-from ray_ppo.core.algo import ExperienceItem, PackedItems
+from ray_ppo.core.packed import PackedItems
+
+if TYPE_CHECKING:  # the coordinator routes chunks without importing torch
+    from ray_ppo.core.algo import ExperienceItem
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class Fetched(NamedTuple):
 
 def resolve(chunks: Sequence[ExperienceChunk]) -> Fetched:
     """The items of ``chunks``, in order; remote payloads are fetched in one ``ray.get``."""
+    from ray_ppo.core.algo.experience import unpack  # torch: here, on a trainer rank only
     refs = list(dict.fromkeys(c.payload[0] for c in chunks if isinstance(c.payload, list)))  # ObjectRefs hash by id
     fetched = _fetch(refs) if refs else {}
     items: list[ExperienceItem] = []
@@ -112,7 +116,7 @@ def resolve(chunks: Sequence[ExperienceChunk]) -> Fetched:
             lost += chunk.count
             lost_ids += chunk.item_prompt_ids()
         else:
-            items += packed.unpack(chunk.start, chunk.stop)
+            items += unpack(packed, chunk.start, chunk.stop)
     return Fetched(items, lost, lost_ids)
 
 

@@ -135,7 +135,7 @@ def test_killed_trainer_worker_restarts_from_checkpoint(ray_session, tmp_path):
 
 
 def test_killed_coordinator_fails_the_run_clearly(ray_session, tmp_path):
-    trainer = PPOTrainer(config(tmp_path, "trainer.total_steps=200"))
+    trainer = PPOTrainer(config(tmp_path, "trainer.total_steps=200", "maker.num_makers=1"))
     when_step(trainer, 2, lambda: ray.kill(trainer.coordinator, no_restart=True))
     start = time.monotonic()
     with pytest.raises(Exception, match="coordinator actor died.*--resume"):

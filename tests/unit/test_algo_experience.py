@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ray_ppo.core.algo import PER_TOKEN_FIELDS, ExperienceBatch, ExperienceItem, PackedItems
+from ray_ppo.core.algo.experience import unpack
 
 
 def make_item(prompt, response, reward=0.0, version=0, uid="", seed=0) -> ExperienceItem:
@@ -151,22 +152,22 @@ def test_merge_rejects_per_token_field_of_wrong_length(items):
 def test_packed_items_round_trip_and_slices(items):
     packed = PackedItems.pack(items)
     assert len(packed) == len(items)
-    for got, expected in zip(packed.unpack(), items):
+    for got, expected in zip(unpack(packed), items):
         assert_items_equal(got, expected)
-    for got, expected in zip(packed.unpack(1, 3), items[1:3]):  # a slice copies only its own range
+    for got, expected in zip(unpack(packed, 1, 3), items[1:3]):  # a slice copies only its own range
         assert_items_equal(got, expected)
-    assert packed.unpack(2, 2) == []
+    assert unpack(packed, 2, 2) == []
 
 
 def test_packed_items_survive_pickling_with_read_only_buffers(items):
     packed = pickle.loads(pickle.dumps(PackedItems.pack(items), protocol=5))
     for array in packed.arrays.values():
         array.flags.writeable = False  # as Ray hands out object-store buffers
-    unpacked = packed.unpack()
+    unpacked = unpack(packed)
     unpacked[0].values.add_(1.0)  # the items' tensors are writable copies
     assert_items_equal(unpacked[1], items[1])
 
 
 def test_packed_items_of_no_items():
     packed = PackedItems.pack([])
-    assert len(packed) == 0 and packed.unpack() == []
+    assert len(packed) == 0 and unpack(packed) == []

@@ -18,6 +18,16 @@ def test_the_local_loop_does_not_import_ray():
     assert result.returncode == 0, result.stderr
 
 
+def test_the_coordinator_does_not_import_torch():
+    """The coordinator routes packed NumPy batches: its process skips torch's import (seconds of
+    CPU at every fit() start on a small machine)."""
+    code = ("import ray_ppo.runtime.coordinator, ray_ppo.config, sys; "
+            "assert 'torch' not in sys.modules, 'ray_ppo.runtime.coordinator imported torch'")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
 def module_name(path: Path) -> str:
     parts = path.relative_to(REPO_ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

@@ -4,7 +4,8 @@ Imports torch and the standard library only (no Ray, no transformers), so everyt
 unit-testable in-process.
 """
 
-from ray_ppo.core.algo.experience import PER_TOKEN_FIELDS, ExperienceBatch, ExperienceItem, PackedItems
+from ray_ppo.core.algo.experience import PER_TOKEN_FIELDS, ExperienceBatch, ExperienceItem
+from ray_ppo.core.packed import PackedItems
 from ray_ppo.core.algo.estimators import (
     ADVANTAGE_ESTIMATORS,
     broadcast_to_tokens,

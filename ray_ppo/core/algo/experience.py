@@ -11,11 +11,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-PER_TOKEN_FIELDS = ("action_log_probs", "ref_log_probs", "values", "rewards", "advantages", "returns")
-"""The float32 fields with one entry per response token, shared by items and batches."""
+from ray_ppo.core.packed import PER_TOKEN_FIELDS, PackedItems
 
 
 def _tensors(obj) -> dict[str, torch.Tensor]:
@@ -191,68 +189,21 @@ class ExperienceBatch:
         )
 
 
-INT_FIELDS = ("prompt_ids", "response_ids")
-
-
-@dataclass
-class PackedItems:
-    """Items laid out flat for the wire: every field of every item concatenated into one array,
-    with offsets. N items pickle as ~12 arrays instead of 8N tensors (a Ray send of 32 packed
-    items costs about a tenth of 32 separate ones: ``benchmarks/coordinator_scale.py``).
-
-    ``arrays[f][offsets[i]:offsets[i + 1]]`` is field ``f`` of item ``i``, where ``offsets`` is
-    ``prompt_offsets`` for ``prompt_ids`` and ``response_offsets`` for the response-length fields.
-    """
-
-    arrays: dict
-    """Field name -> flat NumPy array (int64 token ids, float32 per-token fields)."""
-    prompt_offsets: object
-    """(N+1,) int64 NumPy array."""
-    response_offsets: object
-    """(N+1,) int64 NumPy array."""
-    reward: object
-    """(N,) float64 NumPy array (an item's reward is a Python float)."""
-    policy_version: object
-    """(N,) int64 NumPy array."""
-    uids: list[str]
-    prompt_id: object = None
-    """(N,) int64 NumPy array; None means -1 for every item."""
-
-    def __len__(self) -> int:
-        return len(self.uids)
-
-    @classmethod
-    def pack(cls, items: Sequence[ExperienceItem]) -> PackedItems:
-        def flat(name: str, dtype) -> np.ndarray:  # NumPy: a fraction of torch's per-call overhead
-            parts = [getattr(it, name).detach().cpu().reshape(-1).numpy() for it in items]
-            return np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(0, dtype)
-
-        def offsets(name: str) -> np.ndarray:
-            return np.cumsum([0] + [getattr(it, name).numel() for it in items], dtype=np.int64)
-
-        arrays = {name: flat(name, np.int64) for name in INT_FIELDS}
-        arrays.update({name: flat(name, np.float32) for name in PER_TOKEN_FIELDS})
-        return cls(arrays=arrays, prompt_offsets=offsets("prompt_ids"), response_offsets=offsets("response_ids"),
-                   reward=np.array([it.reward for it in items], dtype=np.float64),
-                   policy_version=np.array([it.policy_version for it in items], dtype=np.int64),
-                   uids=[it.uid for it in items],
-                   prompt_id=np.array([it.prompt_id for it in items], dtype=np.int64))
-
-    def unpack(self, start: int = 0, stop: int | None = None) -> list[ExperienceItem]:
-        """Items ``start:stop``. Their tensors view one writable copy of each field's range (Ray
-        hands out read-only buffers), so unpacking costs one copy per field, not one per item."""
-        stop = len(self) if stop is None else stop
-        p_base, r_base = int(self.prompt_offsets[start]), int(self.response_offsets[start])
-        p_end, r_end = int(self.prompt_offsets[stop]), int(self.response_offsets[stop])
-        fields = {name: torch.from_numpy(a[p_base:p_end].copy() if name == "prompt_ids" else a[r_base:r_end].copy())
-                  for name, a in self.arrays.items()}
-        out = []
-        for i in range(start, stop):
-            p0, p1 = int(self.prompt_offsets[i]) - p_base, int(self.prompt_offsets[i + 1]) - p_base
-            r0, r1 = int(self.response_offsets[i]) - r_base, int(self.response_offsets[i + 1]) - r_base
-            out.append(ExperienceItem(prompt_ids=fields["prompt_ids"][p0:p1],
-                                      **{name: fields[name][r0:r1] for name in ("response_ids", *PER_TOKEN_FIELDS)},
-                                      reward=float(self.reward[i]), policy_version=int(self.policy_version[i]),
-                                      uid=self.uids[i],
-                                      prompt_id=-1 if self.prompt_id is None else int(self.prompt_id[i])))
-        return out
+def unpack(packed: PackedItems, start: int = 0, stop: int | None = None) -> list[ExperienceItem]:
+    """Items ``start:stop`` of ``packed``. Their tensors view one writable copy of each field's
+    range (Ray hands out read-only buffers), so unpacking costs one copy per field, not one per item."""
+    stop = len(packed) if stop is None else stop
+    p_base, r_base = int(packed.prompt_offsets[start]), int(packed.response_offsets[start])
+    p_end, r_end = int(packed.prompt_offsets[stop]), int(packed.response_offsets[stop])
+    fields = {name: torch.from_numpy(a[p_base:p_end].copy() if name == "prompt_ids" else a[r_base:r_end].copy())
+              for name, a in packed.arrays.items()}
+    out = []
+    for i in range(start, stop):
+        p0, p1 = int(packed.prompt_offsets[i]) - p_base, int(packed.prompt_offsets[i + 1]) - p_base
+        r0, r1 = int(packed.response_offsets[i]) - r_base, int(packed.response_offsets[i + 1]) - r_base
+        out.append(ExperienceItem(prompt_ids=fields["prompt_ids"][p0:p1],
+                                  **{name: fields[name][r0:r1] for name in ("response_ids", *PER_TOKEN_FIELDS)},
+                                  reward=float(packed.reward[i]), policy_version=int(packed.policy_version[i]),
+                                  uid=packed.uids[i],
+                                  prompt_id=-1 if packed.prompt_id is None else int(packed.prompt_id[i])))
+    return out
