@@ -110,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.run_dir = None  # set by a command once its run directory is known
+    if getattr(args, "address", None):
+        _token_auth_if_set_up()  # before anything imports ray: it reads the mode once
     try:
         return {"train": cmd_train, "tune": cmd_tune, "local": cmd_local, "toy-data": cmd_toy_data,
                 "config": cmd_config}[args.command](args)
@@ -152,6 +154,17 @@ def _summary(history: list[dict], wall_s: float, out_dir: Path) -> str:
             f"| {samples_per_s:.1f} samples/s | {counts + ' | ' if counts else ''}run dir {out_dir}")
 
 
+def _token_auth_if_set_up() -> None:
+    """``ray start --head`` turns on Ray's token authentication and keeps the token in
+    ``~/.ray/auth_token``, but a driver attaching to it sends the token only in token mode
+    (otherwise: "InvalidAuthToken: Authentication token is missing or incorrect"). Where a token
+    is set up, attach in token mode; a cluster without authentication accepts that too. A
+    user's own ``RAY_AUTH_MODE`` wins."""
+    if (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+            or (Path.home() / ".ray" / "auth_token").exists()):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
 def _init_ray(args) -> None:
     import logging
 
@@ -161,7 +174,7 @@ def _init_ray(args) -> None:
     # progress every 10 s; warnings and errors still show.
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     if args.address:
-        ray.init(address=args.address)
+        ray.init(address=args.address)  # in token mode where one is set up (main: _token_auth_if_set_up)
         return
     # Ray Train's controller polls workers every 2 s by default and each ray.train.report
     # waits for that poll; a faster poll keeps reports cheap on a local cluster.
@@ -210,7 +223,11 @@ def cmd_train(args) -> int:
         _init_ray(args)
         start = time.perf_counter()
         # Checkpoints reach out_dir/checkpoint as they are written (PPOTrainer.fit publishes them).
-        trainer = PPOTrainer(cfg, metrics_callbacks=[claim.started, history.append, *callbacks], resume_from=resume_from)
+        # The coordinator and makers belong to this process (detached=False): a driver killed
+        # with SIGKILL on a shared cluster (--address) takes them with it instead of leaving
+        # them to hold its CPUs; the run's state is in its checkpoints, for --resume.
+        trainer = PPOTrainer(cfg, metrics_callbacks=[claim.started, history.append, *callbacks], resume_from=resume_from,
+                             detached=False)
         try:
             trainer.fit()
         finally:
@@ -271,6 +288,7 @@ def cmd_tune(args) -> int:
         scheduler = ASHAScheduler(time_attr="step", max_t=cfg.trainer.total_steps,
                                   grace_period=max(1, cfg.logging.report_every))
     _init_ray(args)
+    _quiet_tune()  # after the cluster started: its processes keep their own setting
     start = time.perf_counter()
     try:
         outcome = sweep(cfg, {k: tune.grid_search(v) for k, v in spec["grid"].items()}, metric=spec["metric"],
@@ -287,6 +305,13 @@ def cmd_tune(args) -> int:
     return 0
 
 
+def _quiet_tune() -> None:
+    """Tune's newer output engine prints an experiment header and result paths even at
+    ``verbose=0``; its legacy engine (``RAY_AIR_NEW_OUTPUT=0``) prints nothing at 0. The CLI's
+    process runs one sweep, so it sets this for itself (a user's own setting wins)."""
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+
+
 def cmd_async_search(args) -> int:
     import ray
 
@@ -301,6 +326,7 @@ def cmd_async_search(args) -> int:
     out_dir = Path(args.output or f"runs/{cfg.name}-async-search").resolve()
     args.run_dir = out_dir
     _init_ray(args)
+    _quiet_tune()  # after the cluster started: its processes keep their own setting
     start = time.perf_counter()
     try:
         pick = async_search(cfg, args.async_search, space, num_samples=args.num_samples or 8,

@@ -18,8 +18,6 @@ dotted config names; schedulers (e.g. ASHA) and search algorithms pass straight 
 
 from __future__ import annotations
 
-import contextlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
@@ -81,7 +79,9 @@ def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward
     cluster's CPUs fit, see ``trial_cpus``) and queue otherwise. The run's files go to
     ``output_dir`` (default ``runs/<name>-sweep``): ``trials/<id>/`` per trial, plus
     ``trials.csv`` and ``sweep.png``. ``verbose`` and ``callbacks`` pass to ``tune.RunConfig``
-    (the CLI uses ``verbose=0`` and ``trial_lines``: one line per finished trial).
+    (the CLI uses ``verbose=0`` and ``trial_lines``: one line per finished trial; it also sets
+    ``RAY_AIR_NEW_OUTPUT=0`` for its process, since Tune's newer output engine prints a header
+    and result paths even at ``verbose=0``).
     """
     import ray
     from ray import tune
@@ -106,8 +106,7 @@ def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward
                                     search_alg=search_alg, max_concurrent_trials=max_concurrent_trials),
         run_config=tune.RunConfig(name=f"{base.name}-sweep", storage_path=str(root / "tune"), verbose=verbose,
                                   callbacks=list(callbacks)))
-    with _silent_tune_output(verbose == 0):
-        grid = tuner.fit()
+    grid = tuner.fit()
     trials = _trial_rows(grid, list(param_space), metric, root)
     write_trials_csv(trials, root / "trials.csv")
     curves = {_label(t, list(param_space)): read_metrics(Path(t["run_dir"]) / "metrics.jsonl")
@@ -119,24 +118,6 @@ def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward
         best_config={k: best.config[k] for k in param_space}, best_metric=best.metrics[metric],
         best_checkpoint=best.metrics.get(CHECKPOINT_PATH_KEY), best_trial_dir=best_row["run_dir"],
         trials=trials, result_grid=grid)
-
-
-@contextlib.contextmanager
-def _silent_tune_output(silent: bool):
-    """Tune's newer output engine prints an experiment header and result paths even at
-    ``verbose=0``; its legacy engine (``RAY_AIR_NEW_OUTPUT=0``) prints nothing at 0. Set for the
-    driver's ``Tuner.fit`` only: the cluster's processes started earlier, with their own env."""
-    previous = os.environ.get("RAY_AIR_NEW_OUTPUT")
-    if silent:
-        os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
-    try:
-        yield
-    finally:
-        if silent:
-            if previous is None:
-                os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
-            else:
-                os.environ["RAY_AIR_NEW_OUTPUT"] = previous
 
 
 def trial_lines(keys: Sequence[str], metric: str, stream: TextIO | None = None, total: int | None = None) -> Any:

@@ -1,9 +1,11 @@
 """A 2 x 2 sweep through `ray-ppo tune`, the tracking files, and the examples as users run them."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -85,7 +87,7 @@ def stop_cluster(temp_dir: str) -> None:
     psutil.wait_procs(mine, timeout=30)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def head_node():
     """A one-node Ray cluster started with `ray start --head` on loopback, stopped afterwards."""
     import tempfile
@@ -100,13 +102,46 @@ def head_node():
     env = {**os.environ, "PATH": f"{ray_bin.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     subprocess.run(start, check=True, capture_output=True, text=True, timeout=180, env=env)
     try:
-        yield f"http://127.0.0.1:{dashboard}"
+        yield {"dashboard": f"http://127.0.0.1:{dashboard}", "gcs": f"127.0.0.1:{port}"}
     finally:
         stop_cluster(temp_dir)
 
 
 def test_example_submit_job(head_node, tmp_path):
     # A run directory of its own: ray-ppo refuses one that holds an earlier run (a second CI run on one machine).
-    proc = run([sys.executable, "examples/submit_job.py", "--address", head_node, "--steps", "2",
+    proc = run([sys.executable, "examples/submit_job.py", "--address", head_node["dashboard"], "--steps", "2",
                 "--output", str(tmp_path / "job")], timeout=900)
     assert "SUCCEEDED" in proc.stdout and "done: 2 steps" in proc.stdout
+
+
+def run_actors(gcs: str) -> list[str]:
+    """The namespaces of ray_ppo's named actors alive on the cluster at ``gcs`` (from a driver of its own)."""
+    code = ("import json, ray; ray.init(address=%r, log_to_driver=False); "
+            "print(json.dumps(sorted({a['namespace'] for a in ray.util.list_named_actors(all_namespaces=True) "
+            "if a['namespace'].startswith('ray_ppo.')})))" % gcs)
+    # `ray start --head` turned on token authentication: a plain driver attaches in token mode.
+    proc = run([sys.executable, "-c", code], timeout=120, env={**os.environ, "RAY_AUTH_MODE": "token"})
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_killed_driver_on_a_shared_cluster_leaves_no_actors(head_node, tmp_path):
+    """kill -9 of `ray-ppo train --address ...`: its coordinator and makers go with it (they
+    belong to the driver), instead of holding the shared cluster's CPUs."""
+    out = tmp_path / "run"
+    cli = subprocess.Popen([sys.executable, "-m", "ray_ppo.cli", "train", "--config", "configs/tiny.yaml",
+                            "--address", head_node["gcs"], "--output", str(out), *SMALL, "trainer.total_steps=50"],
+                           cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "stderr.txt", "w"))
+    try:
+        deadline = time.monotonic() + 300
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
+            assert cli.poll() is None and time.monotonic() < deadline, \
+                f"the run ended or did not train a step: {(tmp_path / 'stderr.txt').read_text()[-3000:]}"
+            time.sleep(0.5)
+        assert run_actors(head_node["gcs"]) != []  # the run's coordinator and makers are up
+    finally:
+        cli.kill()  # SIGKILL: no clean-up of any kind
+        cli.wait()
+    deadline = time.monotonic() + 60
+    while (left := run_actors(head_node["gcs"])) and time.monotonic() < deadline:
+        time.sleep(2)
+    assert left == [], f"actors left on the cluster after the driver died: {left}"
