@@ -41,10 +41,17 @@ class WeightReceiver:
 
     def chunk(self, version: int, index: int, bucket_ref: list) -> None:
         """One bucket of push ``version``; the ref comes nested so it is fetched here, zero-copy,
-        and copied into staged tensors while generation goes on."""
+        and copied into staged tensors while generation goes on. A bucket lost with its owner
+        (trainer rank 0 died after putting it: a ``FailureConfig`` restart) drops the push: the
+        model keeps its weights, and the restarted worker group's next push replaces them."""
         if self.staging is None or self.staging.version != version:
             return
-        self.staging.add(index, ray.get(bucket_ref[0]))
+        try:
+            bucket = ray.get(bucket_ref[0])
+        except ray.exceptions.ObjectLostError:  # OwnerDiedError is one
+            self.staging = None
+            return
+        self.staging.add(index, bucket)
 
     def end(self, version: int) -> tuple[PushHeader, StagedPush] | None:
         """chunk_end: the complete push ``version`` (header and staged tensors), or None if it is

@@ -15,7 +15,8 @@ def test_ray_ppo_train_writes_metrics_and_checkpoint(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "ray_ppo.cli", "train", "--config", "configs/tiny.yaml", "--output", str(out),
-         "trainer.total_steps=3", "trainer.train_batch_size=16", "trainer.mini_batch_size=8", "maker.batch_size=8"],
+         "trainer.total_steps=3", "trainer.train_batch_size=16", "trainer.mini_batch_size=8", "maker.batch_size=8",
+         "maker.num_makers=1"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -103,7 +103,7 @@ def test_killed_trainer_worker_restarts_from_checkpoint(ray_session, tmp_path):
     # With checkpoints at 3 and 6 it lands in steps 4-6, so the group restarts from step 3 and
     # reruns what followed; with checkpoints every 2 steps a late kill could fall just after a
     # checkpoint, and nothing would run twice (seen in CI).
-    cfg = config(tmp_path, "trainer.total_steps=7", "trainer.checkpoint_every=3", "maker.num_makers=2")
+    cfg = config(tmp_path, "trainer.total_steps=7", "trainer.checkpoint_every=3", "maker.num_makers=1")
     trainer = PPOTrainer(cfg, run_config=RunConfig(
         name="restart", storage_path=str(tmp_path / "ray_train"),
         failure_config=FailureConfig(max_failures=1, controller_failure_limit=0)))

@@ -604,3 +604,30 @@ def test_stale_lost_and_rewound_prompts_are_served_again():
         assert coord.status().counters.prompts_requeued == 2 + 2 + 2
 
     asyncio.run(main())
+
+
+def test_a_bucket_lost_with_its_owner_drops_the_push_and_keeps_the_weights(monkeypatch):
+    """Trainer rank 0 died after putting a bucket (a FailureConfig restart): the maker's fetch
+    fails with OwnerDiedError. The push is dropped (end says incomplete), nothing is raised to
+    the relay (which would fail the maker), and the next push stages normally."""
+    import ray
+
+    from ray_ppo.runtime import receiver as receiver_module
+    from ray_ppo.runtime.receiver import WeightReceiver
+
+    def lost(ref):
+        if ref == "lost":
+            raise ray.exceptions.OwnerDiedError("00" * 28, None, "")
+        return ("bucket", ref)
+
+    monkeypatch.setattr(receiver_module.ray, "get", lost)
+    received = WeightReceiver()
+    received.start(header(1, 2), None)
+    received.chunk(1, 0, ["lost"])
+    received.chunk(1, 1, ["fine"])
+    assert received.end(1) is None  # incomplete: the caller's swap never happens
+    received.start(header(2, 1), None)
+    staged = []
+    monkeypatch.setattr(receiver_module.StagedPush, "add", lambda self, index, bucket: (staged.append(bucket), self.seen.add(index)))
+    received.chunk(2, 0, ["fine"])
+    assert received.end(2) is not None and staged == [("bucket", "fine")]
