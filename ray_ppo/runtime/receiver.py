@@ -55,9 +55,12 @@ class WeightReceiver:
 
     def end(self, version: int) -> tuple[PushHeader, StagedPush] | None:
         """chunk_end: the complete push ``version`` (header and staged tensors), or None if it is
-        incomplete or was superseded."""
+        incomplete or was superseded. The end of another push than the one staging leaves the
+        staging alone (a late chunk_end must not drop a newer push's buckets)."""
+        if self.staging is None or self.staging.version != version:
+            return None
         staged, self.staging = self.staging, None
-        if staged is None or not staged.complete(version):
+        if not staged.complete(version):
             return None
         return self.header, staged
 
