@@ -23,6 +23,8 @@ def test_ray_ppo_train_writes_metrics_and_checkpoint(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all({"reward_mean", "kl", "policy_version"} <= r.keys() for r in rows)
     assert "step 3/3 | reward" in proc.stdout and "done: 3 steps" in proc.stdout
+    # a normal end is quiet: no retry warning from the makers' loops, no traceback (issue 16)
+    assert "retries remaining" not in proc.stdout + proc.stderr and "Traceback" not in proc.stdout + proc.stderr
     assert (out / "config.yaml").exists()
     assert (out / "checkpoint" / "actor" / "model.safetensors").exists()
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 3
