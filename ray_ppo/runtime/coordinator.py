@@ -58,7 +58,7 @@ class Coordinator:
         self.changed = asyncio.Condition()  # buffers, admission or maker versions changed
         self.pushed = asyncio.Condition()   # a bucket arrived, or a newer push started
         self.loading = asyncio.Lock()       # the prompt texts are read once
-        self.relays: dict[int, asyncio.Task] = {}  # maker id -> its latest relay (each waits for the one before)
+        self.push_tasks: set[asyncio.Task] = set()
         self.mailbox = Mailbox()
         self.rank_pids: dict[int, int | None] = {}  # process of each trainer rank, for diagnostics
         self.finished = False
@@ -235,24 +235,18 @@ class Coordinator:
             await self.publish_chunk(header.version, index, [ref])
 
     def _relay(self, maker_id: int, handle: Any, push: Push) -> None:
-        """Relay ``push`` to one maker once its previous relay has ended, so two pushes' calls
-        never interleave at a maker (an older push's chunk_end after a newer push's chunk_start
-        used to drop the newer staging, leaving the maker a push behind)."""
-        task = asyncio.get_running_loop().create_task(
-            self._push_to(maker_id, handle, push, after=self.relays.get(maker_id)))
-        self.relays[maker_id] = task
-        task.add_done_callback(lambda done: self.relays.pop(maker_id) if self.relays.get(maker_id) is done else None)
+        task = asyncio.get_running_loop().create_task(self._push_to(maker_id, handle, push))
+        self.push_tasks.add(task)
+        task.add_done_callback(self.push_tasks.discard)
 
-    async def _push_to(self, maker_id: int, handle: Any, push: Push, after: asyncio.Task | None = None) -> None:
+    async def _push_to(self, maker_id: int, handle: Any, push: Push) -> None:
         """chunk_start, one chunk call per bucket as it arrives, chunk_end, in the maker's
-        ``model_io`` group, after the maker's previous relay (``after``) has ended. A threaded
-        actor does not promise to run one caller's calls in the order they were sent, so chunks
-        go out once chunk_start has run, and chunk_end once every chunk has (a chunk's error then
-        fails the push here instead of vanishing). A push superseded before all its buckets
-        arrived is not ended (the maker drops its staging at the newer chunk_start); the chunks
-        it sent are waited for, so none of them reaches the maker during the next push."""
-        if after is not None:
-            await asyncio.wait([after])  # it ends soon: a newer push supersedes it
+        ``model_io`` group. A threaded actor does not promise to run one caller's calls in the
+        order they were sent, so chunks go out once chunk_start has run, and chunk_end once every
+        chunk has (a chunk's error then fails the push here instead of vanishing). A push
+        superseded before all its buckets arrived is not ended (the maker drops its staging at
+        the newer chunk_start); a late chunk_end of an older push leaves the newer push's staging
+        alone (``WeightReceiver.end``)."""
         if self.pushes.superseded(push):
             return  # superseded before it started: the maker gets the newer one
         chunks = []
@@ -262,7 +256,6 @@ class Coordinator:
                 async with self.pushed:
                     await self.pushed.wait_for(lambda: index in push.bucket_refs or self.pushes.superseded(push))
                 if self.pushes.superseded(push):
-                    await asyncio.gather(*chunks, return_exceptions=True)
                     return
                 chunks.append(handle.weights_chunk.remote(push.version, index, [push.bucket_refs[index]]))  # nested: the maker fetches it
             await asyncio.gather(*chunks)
