@@ -249,9 +249,9 @@ class Coordinator:
         alone (``WeightReceiver.end``)."""
         if self.pushes.superseded(push):
             return  # superseded before it started: the maker gets the newer one
-        chunks = []
         try:
             await handle.weights_start.remote(push.header)
+            chunks = []
             for index in range(push.header.num_chunks):
                 async with self.pushed:
                     await self.pushed.wait_for(lambda: index in push.bucket_refs or self.pushes.superseded(push))

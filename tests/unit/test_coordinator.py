@@ -634,8 +634,8 @@ def test_a_bucket_lost_with_its_owner_drops_the_push_and_keeps_the_weights(monke
 
 
 def test_a_late_end_of_an_older_push_keeps_the_newer_push_staged(monkeypatch):
-    """The receiver's half of the same fault: chunk_end of push 3, run after push 4's chunk_start,
-    says 'not loaded' and leaves push 4's staging alone."""
+    """chunk_end of push 3, run after push 4's chunk_start (two relays to one maker overlapping),
+    says 'not loaded' and leaves push 4's staging alone (CI: 'maker_0 still holds v3')."""
     from ray_ppo.runtime import receiver as receiver_module
     from ray_ppo.runtime.receiver import WeightReceiver
 
