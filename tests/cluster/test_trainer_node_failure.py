@@ -12,7 +12,6 @@ is stored and a later step trained, the trainer's node is killed (no graceful sh
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scenario import coordinator_status, fit_recording_error, wait_for  # noqa: E402
+from scenario import coordinator_status, fit_recording_error, record_end_of_fit, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).parents[2]
@@ -120,20 +119,14 @@ def run_scenario(out_path: str, run_dir: str) -> None:
         seen["restart_s"] = time.monotonic() - killed_at
         save()
         rank_nodes.append(_node_of(coordinator_status(trainer)["rank_pids"][0]))
-        fit.join(timeout=SCENARIO_TIMEOUT_S)
-        seen.update(history=trainer.history, final_status=dataclasses.asdict(trainer.final_status), rank_nodes=rank_nodes,
+        record_end_of_fit(trainer, seen, fit, start, SCENARIO_TIMEOUT_S)
+        seen.update(rank_nodes=rank_nodes,
                     nodes={"trainer": trainer_node.node_id, "spare": spare.node_id},
                     final_checkpoint=json.loads(checkpoint.read_text()), scenario_s=time.monotonic() - start)
         Path(out_path).write_text(json.dumps(seen, default=str))
     finally:
         ray.shutdown()
         cluster.shutdown()
-
-
-
-
-
-
 
 
 def _node_of(pid: int) -> str | None:
