@@ -50,9 +50,13 @@ class PackedItems:
     @classmethod
     def pack(cls, items: Sequence) -> PackedItems:
         """``ExperienceItem``s, flat (``ray_ppo.core.algo.experience.unpack`` rebuilds them)."""
-        def flat(name: str, dtype) -> np.ndarray:  # NumPy: a fraction of torch's per-call overhead
-            parts = [getattr(it, name).detach().cpu().reshape(-1).numpy() for it in items]
-            return np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(0, dtype)
+        import torch  # here, not at the top: the coordinator unpickles packed batches without torch
+
+        def flat(name: str, dtype) -> np.ndarray:  # one torch.cat, then NumPy: few per-item torch calls
+            if not items:
+                return np.empty(0, dtype)
+            flat = torch.cat([getattr(it, name).reshape(-1) for it in items]).detach().cpu()
+            return flat.numpy().astype(dtype, copy=False)
 
         def offsets(name: str) -> np.ndarray:
             return np.cumsum([0] + [getattr(it, name).numel() for it in items], dtype=np.int64)
