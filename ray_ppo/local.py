@@ -65,8 +65,9 @@ def run_local(cfg: Config, prompts: Sequence[str | None] | None = None,
         items, generate_s = _collect(maker, encoder, batches, cfg.trainer.train_batch_size, step - 1, kl_ctl.value)
         train_start = time.perf_counter()
         learner.kl_coef = kl_ctl.value
+        # The maker shares the learner's actor: it sampled with these very weights (no extra forward pass)
         metrics = drop_absent(learner.train_step(ExperienceBatch.merge(items, maker.tokenizer.pad_token_id),
-                                                 version=step - 1))
+                                                 version=step - 1, behaviour_is_policy=True))
         metrics.update(experience_metrics(items, step - 1))
         kl_ctl.update(metrics["kl"], len(items))
         step_s = time.perf_counter() - step_start

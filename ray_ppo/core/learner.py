@@ -106,13 +106,19 @@ class PPOLearner:
         self.nonfinite_updates = 0  # updates skipped for a non-finite loss or gradient, whole run
         self.consecutive_nonfinite = 0
 
-    def train_step(self, batch: ExperienceBatch, version: int | None = None) -> dict[str, float]:
+    def train_step(self, batch: ExperienceBatch, version: int | None = None,
+                   behaviour_is_policy: bool = False) -> dict[str, float]:
         """PPO epochs over ``batch``; returns mean losses and statistics. ``version`` is the
-        trainer's policy version (for the off-policy statistics by staleness)."""
+        trainer's policy version (for the off-policy statistics by staleness).
+        ``behaviour_is_policy``: this very actor, with its present weights, sampled the batch and
+        computed its log-probs (the synchronous loop). The proximal policy of ``tis`` /
+        ``decoupled`` is then the behaviour policy, so its extra forward pass is skipped (weights
+        1, behaviour KL 0). Not for a detached maker's batch: its copy may differ (int8, an engine's
+        log-probs, LoRA dropout) even at staleness 0."""
         batch = batch.to(self.device)
         if self._whitens():
             batch.advantages = masked_whiten(batch.advantages, batch.action_mask)
-        anchor, weights, metrics = self._off_policy(batch, version)
+        anchor, weights, metrics = self._off_policy(batch, version, behaviour_is_policy)
         sums: dict[str, float] = {}
         updates, skipped_before = 0, self.nonfinite_updates
         for _ in range(self.trainer.ppo_epochs):
@@ -151,17 +157,18 @@ class PPOLearner:
             out.append(log_probs_from_logits(logits, mb.sequences[:, -mb.num_actions:]))
         return torch.where(batch.action_mask.bool(), torch.cat(out), 0.0)
 
-    def _off_policy(self, batch: ExperienceBatch,
-                    version: int | None) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    def _off_policy(self, batch: ExperienceBatch, version: int | None,
+                    behaviour_is_policy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
         """(log-probs the ratio is clipped around, importance weights or None, metrics).
 
         ``none``: the maker's behaviour log-probs, no weights. ``tis`` / ``decoupled``: the
         trainer's own log-probs at the start of the step (one no-grad forward pass) and the
-        weights pi_old / pi_behaviour, truncated or dropped above the cap."""
+        weights pi_old / pi_behaviour, truncated or dropped above the cap. With
+        ``behaviour_is_policy`` the trainer's log-probs are the behaviour log-probs (no forward pass)."""
         p, behaviour, mask = self.ppo, batch.action_log_probs, batch.action_mask
         if p.off_policy == "none":
             return behaviour, None, {}
-        old = self._log_probs(batch)
+        old = behaviour if behaviour_is_policy else self._log_probs(batch)
         weights = importance_weights(p.off_policy, old, behaviour, p.importance_cap)
         metrics = weight_stats(raw_weights(old, behaviour), p.importance_cap, mask)
         kl = behaviour_kl(old, behaviour)

@@ -92,6 +92,23 @@ def test_off_policy_weights_are_one_on_fresh_experience_and_move_with_staleness(
     assert stale["is_weight_max"] > 1.0
 
 
+@pytest.mark.parametrize("off_policy", ["tis", "decoupled"])
+def test_a_batch_sampled_by_the_learners_own_actor_needs_no_proximal_forward_pass(off_policy, monkeypatch):
+    cfg = config(**{"ppo.off_policy": off_policy})
+    batch, learner = _batch_and_learner(cfg)
+    reference_batch, reference = _batch_and_learner(cfg)  # the same seed: the same weights and batch
+    expected = reference.train_step(reference_batch, version=0)  # with the forward pass: weights ~1
+
+    def no_forward(_batch):
+        raise AssertionError("the synchronous loop's batch needs no proximal forward pass")
+    monkeypatch.setattr(learner, "_log_probs", no_forward)
+    got = learner.train_step(batch, version=0, behaviour_is_policy=True)
+    assert got["is_weight_mean"] == 1.0 and got["is_weight_max"] == 1.0 and got["behaviour_kl"] == 0.0
+    assert got["policy_loss"] == pytest.approx(expected["policy_loss"], abs=1e-5)
+    for p, q in zip(learner.actor.parameters(), reference.actor.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=0)  # the same update
+
+
 @pytest.mark.parametrize("overrides", [
     {"algo.advantage": "grpo", "maker.samples_per_prompt": 2, "algo.group_norm_std": False,
      "ppo.loss_agg": "seq_mean_token_sum", "ppo.off_policy": "none"},
