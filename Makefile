@@ -45,7 +45,7 @@ bench: $(STAMP) $(TRL_STAMP)
 	$(PY) benchmarks/coordinator_scale.py
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/lora_int8.py
-	$(PY) benchmarks/peer_trl.py --trl-python $(TRL_PY)
+	$(MAKE) bench-peer
 
 # Peer benchmark (benchmarks/peer_trl.py, ~3 min; also the last step of `bench`): TRL's PPO
 # trainer in an environment of its own, since TRL is no project dependency. trl==1.12.0 is the last
@@ -61,7 +61,8 @@ $(TRL_STAMP): $(STAMP)
 	touch $(TRL_STAMP)
 
 bench-peer: $(STAMP) $(TRL_STAMP)
-	$(PY) benchmarks/peer_trl.py --trl-python $(TRL_PY)
+	$(PY) benchmarks/peer_trl.py --trl-python $(TRL_PY) --response-length 16
+	$(PY) benchmarks/peer_trl.py --trl-python $(TRL_PY) --response-length 48
 
 # Estimators and stale experience (issue 14; benchmarks/README.md, sections 6 and 7): each ~15-25 min here.
 .PHONY: bench-estimators

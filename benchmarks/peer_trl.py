@@ -273,11 +273,11 @@ def worker(variant: str) -> None:
 class Worker:
     """Driver side of one variant's process; its logs go to ``log_path``."""
 
-    def __init__(self, variant: str, python: str, log_dir: str):
+    def __init__(self, variant: str, python: str, log_dir: str, response_length: int):
         self.variant, self.log_path = variant, Path(log_dir) / f"{variant.replace(' ', '_')}.log"
         env = {**os.environ, "PYTHONPATH": str(_common.ROOT), "TRL_EXPERIMENTAL_SILENCE": "1"}
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([python, __file__, "--worker", variant], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([python, __file__, "--worker", variant, "--response-length", str(response_length)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
 
     def run(self, **request) -> dict:
@@ -314,6 +314,8 @@ def parse_args():
     ap.add_argument("--reward-updates", type=int, default=4, help="last updates whose samples give the reward")
     ap.add_argument("--trl-python", default=str(_common.ROOT / ".venv-trl" / "bin" / "python"))
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--response-length", type=int, default=RESPONSE_LEN,
+                    help="response tokens per sample (maker.max_new_tokens; TRL's response_length)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.samples % BATCH or args.samples // BATCH <= max(args.skip, args.reward_updates):
@@ -354,7 +356,9 @@ def report(runs: dict[str, list[dict]], args, wall_s: float) -> None:
 
 
 def main():
+    global RESPONSE_LEN
     args = parse_args()
+    RESPONSE_LEN = args.response_length  # read at run time by the worker's TRL config and ours
     if args.worker:
         return worker(args.worker)
     variants = args.variants.split(",")
@@ -362,7 +366,8 @@ def main():
         raise SystemExit(f"{args.trl_python} not found: `make bench-peer` creates .venv-trl with trl==1.12.0")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="peer_trl-") as log_dir:
-        workers = {v: Worker(v, args.trl_python if v in TRL_VARIANTS else sys.executable, log_dir) for v in variants}
+        workers = {v: Worker(v, args.trl_python if v in TRL_VARIANTS else sys.executable, log_dir,
+                                 args.response_length) for v in variants}
         try:
             runs = run_rounds(workers, args)
         finally:
