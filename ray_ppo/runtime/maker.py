@@ -13,6 +13,8 @@ three concurrency groups of one thread each:
 
 from __future__ import annotations
 
+import logging
+
 import os
 import queue
 import threading
@@ -36,6 +38,8 @@ from ray_ppo.runtime.transport import ExperienceChunk
 CONCURRENCY_GROUPS = {"compute": 1, "experience_io": 1, "model_io": 1}
 SEND_QUEUE_BATCHES = 2
 """Made batches that may wait for the sender before generation blocks."""
+
+logger = logging.getLogger(__name__)
 
 
 class MakerWorker:
@@ -162,8 +166,13 @@ class MakerWorker:
     # -- model_io -------------------------------------------------------------------------------
     @ray.method(concurrency_group="model_io")
     def weights_start(self, header: PushHeader) -> None:
-        """chunk_start: begin staging push ``header.version`` (any unfinished earlier push is dropped)."""
-        self.receiver.start(header, join_state(self.float_actor.state_dict(), self._critic_state()))
+        """chunk_start: begin staging push ``header.version`` (any unfinished earlier push is
+        dropped; one older than the push staging or the weights held is ignored)."""
+        if not self.receiver.start(header, join_state(self.float_actor.state_dict(), self._critic_state()),
+                                   loaded_version=self.version):
+            staging = self.receiver.staging.version if self.receiver.staging is not None else None
+            logger.warning("maker_%d: chunk_start of push v%d came after newer weights (holding v%d, staging v%s); "
+                           "ignored, the newer push stands", self.maker_id, header.version, self.version, staging)
 
     @ray.method(concurrency_group="model_io")
     def weights_chunk(self, version: int, index: int, bucket_ref: list) -> None:

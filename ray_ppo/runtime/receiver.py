@@ -28,16 +28,28 @@ class WeightReceiver:
         self.header: PushHeader | None = None  # of the push being staged
         self.spares: dict[str, torch.Tensor] = {}  # the weights the last swap replaced, reused for staging
 
-    def start(self, header: PushHeader, targets: Mapping[str, torch.Tensor] | None) -> None:
+    def start(self, header: PushHeader, targets: Mapping[str, torch.Tensor] | None,
+              loaded_version: int | None = None) -> bool:
         """chunk_start: begin staging push ``header.version`` (any unfinished earlier push is
         dropped). ``targets``: the receiving models' state dict, keys prefixed ``actor.`` /
-        ``critic.`` (``sync.join_state``); None stages views of the buckets (copied at the swap)."""
+        ``critic.`` (``sync.join_state``); None stages views of the buckets (copied at the swap).
+
+        Versions only go up, so the chunk_start of a push older than the one staging or than
+        ``loaded_version`` (the weights the model holds) is ignored (returns False):
+        the relays of two pushes to one maker are independent calls, and a threaded actor may run
+        push 4's chunk_start after push 5's. Letting it replace push 5's staging left the maker on
+        push 3 for good once the trainer waited for experience only a newer policy could make."""
+        if loaded_version is not None and header.version < loaded_version:
+            return False
+        if self.staging is not None and self.staging.version > header.version:
+            return False
         self.header = header
         if targets is None:
             self.staging = StagedPush(header.version, header.num_chunks)
-            return
+            return True
         self.staging = StagedPush(header.version, header.num_chunks, targets, spares=self.spares)
         self.spares = {}  # the staging owns them now; dropped with it if the push never completes
+        return True
 
     def chunk(self, version: int, index: int, bucket_ref: list) -> None:
         """One bucket of push ``version``; the ref comes nested so it is fetched here, zero-copy,

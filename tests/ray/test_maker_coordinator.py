@@ -79,6 +79,22 @@ def test_push_is_atomic_and_exact(ray_session, cfg):
     assert ray.get(maker.weights_end.remote(3)) is True
     assert ray.get(maker.weights_fingerprint.remote()) == (3, fingerprint(newer))
 
+    # Two relays run out of order: push 5's chunk_start, then push 4's (late) -> push 5 still
+    # loads, and push 4, arriving whole after it, does not take the maker back.
+    late, latest = put_buckets(perturbed_state(cfg, seed=6)), put_buckets(perturbed_state(cfg, seed=7))
+    ray.get(maker.weights_start.remote(PushHeader(5, len(latest), 0, kl_coef=0.05)))
+    ray.get(maker.weights_start.remote(PushHeader(4, len(late), 0, kl_coef=0.05)))
+    for i, ref in enumerate(latest):
+        ray.get(maker.weights_chunk.remote(5, i, [ref]))
+    assert ray.get(maker.weights_end.remote(5)) is True
+    fingerprint5 = ray.get(maker.weights_fingerprint.remote())
+    assert fingerprint5[0] == 5
+    ray.get(maker.weights_start.remote(PushHeader(4, len(late), 0, kl_coef=0.05)))
+    for i, ref in enumerate(late):
+        ray.get(maker.weights_chunk.remote(4, i, [ref]))
+    assert ray.get(maker.weights_end.remote(4)) is False
+    assert ray.get(maker.weights_fingerprint.remote()) == fingerprint5
+
 
 def test_coordinator_relays_pushes_as_refs(ray_session, cfg):
     coordinator, maker = start(cfg)

@@ -649,3 +649,41 @@ def test_a_late_end_of_an_older_push_keeps_the_newer_push_staged(monkeypatch):
     received.chunk(4, 0, ["b4"])
     done = received.end(4)
     assert done is not None and done[0].version == 4
+
+
+def test_a_late_start_of_an_older_push_leaves_the_newer_push_staged(monkeypatch):
+    """Push 4's chunk_start run after push 5's (the relays of two pushes are independent calls,
+    which a threaded actor may run out of order) is ignored: push 5 still loads. Before, it
+    replaced push 5's staging, push 5's end said 'not loaded', and the maker stayed on v3 while
+    the trainer, at v5, waited for experience only v4 or later could make (peer_trl.py's
+    detached run: 'no complete batch for 120 s ... maker_0: alive at version 3')."""
+    from ray_ppo.runtime import receiver as receiver_module
+    from ray_ppo.runtime.receiver import WeightReceiver
+
+    monkeypatch.setattr(receiver_module.ray, "get", lambda ref: ref)
+    monkeypatch.setattr(receiver_module.StagedPush, "add", lambda self, index, bucket: self.seen.add(index))
+    received = WeightReceiver()
+    assert received.start(header(5, 1), None, loaded_version=3)
+    assert not received.start(header(4, 1), None, loaded_version=3)  # late: push 5 is staging
+    received.chunk(4, 0, ["b4"])
+    assert received.end(4) is None
+    received.chunk(5, 0, ["b5"])
+    done = received.end(5)
+    assert done is not None and done[0].version == 5
+
+
+def test_a_start_older_than_the_loaded_weights_is_ignored_and_an_equal_one_is_not(monkeypatch):
+    """After push 5 loaded, a late push 4 must not take the maker back (its chunk_end would load
+    it); a push of the version held (the first push, v0, of a run that waits for weights) stages."""
+    from ray_ppo.runtime import receiver as receiver_module
+    from ray_ppo.runtime.receiver import WeightReceiver
+
+    monkeypatch.setattr(receiver_module.ray, "get", lambda ref: ref)
+    monkeypatch.setattr(receiver_module.StagedPush, "add", lambda self, index, bucket: self.seen.add(index))
+    received = WeightReceiver()
+    assert not received.start(header(4, 1), None, loaded_version=5)
+    received.chunk(4, 0, ["b4"])
+    assert received.end(4) is None
+    assert received.start(header(0, 1), None, loaded_version=0)
+    received.chunk(0, 0, ["b0"])
+    assert received.end(0) is not None
