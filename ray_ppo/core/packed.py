@@ -55,8 +55,8 @@ class PackedItems:
         def flat(name: str, dtype) -> np.ndarray:  # one torch.cat, then NumPy: few per-item torch calls
             if not items:
                 return np.empty(0, dtype)
-            flat = torch.cat([getattr(it, name).reshape(-1) for it in items]).detach().cpu()
-            return flat.numpy().astype(dtype, copy=False)
+            joined = torch.cat([getattr(it, name).reshape(-1) for it in items]).detach().cpu()
+            return joined.numpy().astype(dtype, copy=False)
 
         def offsets(name: str) -> np.ndarray:
             return np.cumsum([0] + [getattr(it, name).numel() for it in items], dtype=np.int64)

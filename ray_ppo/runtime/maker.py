@@ -14,7 +14,6 @@ three concurrency groups of one thread each:
 from __future__ import annotations
 
 import logging
-
 import os
 import queue
 import threading
