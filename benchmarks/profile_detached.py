@@ -74,25 +74,30 @@ def parse_raw(path: Path) -> list[tuple[list[str], int]]:
     return out
 
 
-def run_processes(job_pid: int) -> dict[str, int]:
-    """The run's processes by role: the driver and every live actor (from the GCS actor table)."""
+def pipeline_processes() -> dict[str, int]:
+    """The pids of the run's coordinator, maker and trainer worker (from the GCS actor table)."""
     import ray._private.state
 
-    roles = {"driver": job_pid}
+    roles = {}
     for a in ray._private.state.actors().values():
         if a["State"] != "ALIVE" or not a.get("Pid"):
             continue
-        name = a["Name"] or a["ActorClassName"]
         if a["ActorClassName"] == "RayTrainWorker":
-            name = f"trainer worker {a['Pid']}"
-        roles.setdefault(name, a["Pid"])
+            roles[f"trainer worker {a['Pid']}"] = a["Pid"]
+        elif a["Name"] in ("coordinator", "maker_0"):
+            roles[a["Name"]] = a["Pid"]
     return roles
+
+
+def _stat_fields(pid: int | str) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (so ppid is [1], utime [11], stime [12])."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
 
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of every thread of ``pid`` so far (/proc), C++ threads included."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        fields = _stat_fields(pid)
     except OSError:
         return float("nan")
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -112,7 +117,7 @@ def cluster_processes(root: int) -> dict[int, str]:
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                ppid = int((d / "stat").read_text().rpartition(")")[2].split()[1])
+                ppid = int(_stat_fields(d.name)[1])
             except (OSError, IndexError):
                 continue
             children[ppid].append(int(d.name))
@@ -243,8 +248,7 @@ def main() -> None:
                 sys.exit("the run ended before its warm-up steps")
             time.sleep(0.2)
         first = proc_window(args.seconds, trainer.history)
-        pids = {role: pid for role, pid in run_processes(os.getpid()).items()
-                if role in ("coordinator", "maker_0") or role.startswith("trainer worker")}
+        pids = pipeline_processes()
         steps_before = len(trainer.history)
         files = profile(pids, args.seconds, args.rate, Path(raw_dir), py_spy)
         steps = len(trainer.history) - steps_before
