@@ -1,14 +1,17 @@
 """Weight sync: trainer state dict -> buckets -> ray.put -> Coordinator.publish_weights -> makers.
 
-    python benchmarks/weight_sync.py [--repeats 3] [--sizes 100M,1G] [--makers 1,2,4] [--variants serial,pipelined]
+    python benchmarks/weight_sync.py [--repeats 3] [--sizes 100M,1G] [--makers 1,2,4] [--variants serial,pipelined,zero-copy]
 
-Two variants of the push, interleaved in every round:
+Three variants of the push, interleaved in every round:
 
 - ``pipelined`` (what ``WeightPublisher.publish`` and ``MakerWorker`` do): the driver plays rank 0
   (``Coordinator.publish_start``, then ``ray.put`` of each bucket handed on at once with
   ``publish_chunk``); the receivers copy each bucket into staged tensors as it arrives
   (``sync.StagedPush`` with the model's state dict as targets) and swap them in under the lock
-  with ``sync.assign_state`` (no copy; tied weights re-tied).
+  with ``sync.assign_state`` (no copy; tied weights re-tied). This is ``sync.zero_copy=false``.
+- ``zero-copy`` (``sync.zero_copy=true``, a CPU maker's default): the same protocol, but the
+  receivers stage the pushed buffers themselves (``WeightReceiver(share=True)``): after the swap
+  their weights are the object store's buffers, one copy for all receivers.
 - ``serial`` (the previous protocol, kept here as the before): every bucket put first, then
   ``Coordinator.publish_weights`` with all refs; receivers stage zero-copy views and
   ``load_state_dict`` (the copy) under the lock.
@@ -80,20 +83,31 @@ class Receiver:
                 p.zero_()
         self.model_lock = threading.Lock()
         self.receiver = WeightReceiver()
-        self.pipelined = True
+        self.variant = "pipelined"
         self.version = 0
         self.log = {}
 
-    def set_pipelined(self, pipelined: bool) -> None:
-        """How the next pushes are received: ``pipelined`` or ``serial`` (see the module docstring)."""
-        self.pipelined = pipelined
+    def set_variant(self, variant: str) -> None:
+        """How the next pushes are received: ``serial``, ``pipelined`` or ``zero-copy`` (see the
+        module docstring). One receiver serves all three, so it knows which weights are shared
+        buffers; before a serial push (which copies into the weights) they become own memory again."""
+        self.variant = variant
+        self.receiver.share = variant == "zero-copy"
+        if variant == "serial":
+            self._own_weights()
+
+    def _own_weights(self, fill=None) -> None:
+        """Give the model weights of its own (copies, or ``fill``'s), never writing into a shared buffer."""
+        with self.model_lock:
+            assign_state(self.model, {k: fill(v) if fill else v.clone() for k, v in self.model.state_dict().items()})
+            self.receiver.shared = set()
 
     @ray.method(concurrency_group="model_io")
     def weights_start(self, header: PushHeader) -> None:
         self.log[header.version] = {"start": time.time()}
         # pipelined, as MakerWorker: staged copies shaped like the model, into the last push's spares;
         # serial: views of the buckets, copied at the swap (the spares stay for the next pipelined push)
-        targets = {f"actor.{k}": v for k, v in self.model.state_dict().items()} if self.pipelined else None
+        targets = {f"actor.{k}": v for k, v in self.model.state_dict().items()} if self.variant != "serial" else None
         self.receiver.start(header, targets)
 
     @ray.method(concurrency_group="model_io")
@@ -129,9 +143,7 @@ class Receiver:
 
     def reset(self) -> None:
         """Zero the weights, so the next push is checked on its own."""
-        with self.model_lock, torch.no_grad():
-            for p in self.model.parameters():
-                p.zero_()
+        self._own_weights(torch.zeros_like)
 
     def fingerprint(self) -> str:
         with self.model_lock:
@@ -162,6 +174,7 @@ def push(coordinator, state: dict, version: int, pipelined: bool) -> tuple[float
 
 
 def naive_push(receivers, model) -> float:
+    ray.get([r.set_variant.remote("serial") for r in receivers])  # it copies into the weights: own memory first
     start = time.perf_counter()
     for name, p in model.named_parameters():
         ray.get([r.set_param.remote(name, p.detach()) for r in receivers])
@@ -186,7 +199,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sizes", default="100M,1G")
     ap.add_argument("--makers", default="1,2,4")
-    ap.add_argument("--variants", default="serial,pipelined")
+    ap.add_argument("--variants", default="serial,pipelined,zero-copy")
     ap.add_argument("--naive-max-makers", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -217,9 +230,9 @@ def main():
                 coord = ray.remote(num_cpus=0)(Coordinator).remote(
                     num_ranks=1, num_makers=n, buffer_size=1, max_staleness=1, items_per_version=1)
                 ray.get(coord.register_makers.remote({i: receivers[i] for i in range(n)}))
-                ray.get([r.set_pipelined.remote(variant == "pipelined") for r in receivers[:n]])
+                ray.get([r.set_variant.remote(variant) for r in receivers[:n]])
                 version += 1
-                elapsed, nbytes, put_s = push(coord, state, version, variant == "pipelined")
+                elapsed, nbytes, put_s = push(coord, state, version, variant != "serial")
                 logs = ray.get([r.result.remote(version) for r in receivers[:n]])
                 ray.kill(coord)
                 if check:

@@ -396,6 +396,8 @@ class SyncConfig(_Section):
     """Size of one weight-transfer bucket in MiB."""
     lora_only: bool = False
     """Push only the LoRA adapter weights (needs model.lora.rank > 0)."""
+    zero_copy: bool = True
+    """CPU makers use pushed weights where Ray's object store holds them (read-only, one copy per node shared by its makers) instead of copying each; false = every maker copies them into its own memory."""
 
 
 class TopologyConfig(_Section):

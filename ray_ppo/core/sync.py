@@ -7,10 +7,12 @@ out-of-band buffers), and every process on a node reads the arrays back zero-cop
 is stored once however many makers read it. Dtypes travel as names and bytes verbatim: bf16
 stays bf16 (NumPy has no bf16; the bytes do not care). Torch and NumPy only: no Ray import.
 
-A push is pipelined: rank 0 hands each bucket on as soon as it is put, and a maker copies
-bucket k into fresh tensors of its own (``StagedPush.add``: the one copy a maker makes, done while
-it generates) while rank 0 puts bucket k+1. The swap (``assign_state``) then only rebinds the
-model's parameters to the staged tensors, so a maker pauses for pointer swaps, not a copy.
+A push is pipelined: rank 0 hands each bucket on as soon as it is put, and a maker stages
+bucket k (``StagedPush.add``) while rank 0 puts bucket k+1. A CPU maker with ``sync.zero_copy``
+keeps the tensors where the object store holds them (no copy at all: the makers of a node share
+one copy of the weights); otherwise it copies them into tensors of its own, on its device and in
+its dtype, while it generates. The swap (``assign_state``) then only rebinds the model's
+parameters to the staged tensors, so a maker pauses for pointer swaps, not a copy.
 """
 
 from __future__ import annotations
@@ -134,13 +136,21 @@ class StagedPush:
     view of the pushed buffer, for the receiver's key and shape checks to refuse. ``spares``
     (name -> tensor no longer used by any model, e.g. the previous push's swapped-out weights) are
     copied into instead of fresh tensors when they match: no new memory to allocate and fault in.
+
+    With ``share`` (``sync.zero_copy`` on a CPU maker), a tensor whose target has its dtype and
+    device is not copied at all: the view of the pushed buffer is staged as it is (its name goes
+    into ``shared``), so after the swap the model's weight *is* the object store's buffer, read
+    by every maker of the node from one copy. Such a weight must never be written to (the buffer
+    is shared; Ray hands it out read-only), so it never becomes a spare.
     """
 
     version: int
     num_chunks: int
     targets: Mapping[str, torch.Tensor] | None = None
     spares: dict[str, torch.Tensor] = field(default_factory=dict)
+    share: bool = False
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    shared: set[str] = field(default_factory=set)
     seen: set[int] = field(default_factory=set)
 
     def add(self, index: int, bucket: Bucket) -> None:
@@ -151,10 +161,14 @@ class StagedPush:
         """Hold ``tensors`` (copies shaped like their targets, if any) for the swap."""
         targets = self.targets or {}
         for name, tensor in tensors.items():
-            like, spare = targets.get(name), self.spares.pop(name, None)
+            like = targets.get(name)
             if like is not None and like.shape == tensor.shape:
-                fits = spare is not None and (spare.shape, spare.dtype, spare.device) == (like.shape, like.dtype, like.device)
-                tensor = (spare if fits else torch.empty_like(like)).copy_(tensor)
+                if self.share and (tensor.dtype, tensor.device) == (like.dtype, like.device):
+                    self.shared.add(name)  # the pushed buffer itself becomes the weight: no copy
+                else:
+                    spare = self.spares.pop(name, None)
+                    fits = spare is not None and (spare.shape, spare.dtype, spare.device) == (like.shape, like.dtype, like.device)
+                    tensor = (spare if fits else torch.empty_like(like)).copy_(tensor)
             self.tensors[name] = tensor
 
     def complete(self, version: int) -> bool:

@@ -71,7 +71,7 @@ class MakerWorker:
         self.kl_coef: float | None = None  # the trainer's, with the weights of ``version``; None: ppo.kl_coef
         self.model_lock = threading.Lock()
         self.outbox: queue.Queue = queue.Queue(maxsize=SEND_QUEUE_BATCHES)
-        self.receiver = WeightReceiver()
+        self.receiver = WeightReceiver(share=self.cfg.sync.zero_copy)
         self.made = 0
         self.sent = 0
         self.pause_s = 0.0

@@ -2,8 +2,9 @@
 
 A push arrives as ``weights_start(header)``, one ``weights_chunk`` per bucket, ``weights_end``
 (``ray_ppo.runtime.coordinator.Coordinator`` relays them in this order, in the maker's ``model_io``
-group). ``WeightReceiver`` stages the buckets as they arrive (``sync.StagedPush``: copies shaped
-like the receiving model, into the tensors the previous swap replaced), and hands back a complete
+group). ``WeightReceiver`` stages the buckets as they arrive (``sync.StagedPush``: the pushed
+buffers themselves where the receiving model's dtype and device allow and ``share`` is on, else
+copies shaped like the receiving model, into the tensors the previous swap replaced), and hands back a complete
 push for the caller's swap; an incomplete or superseded push is dropped and the model keeps its
 weights.
 """
@@ -23,10 +24,14 @@ class WeightReceiver:
     """Responsibilities: stage one push at a time, drop an unfinished one when a newer starts,
     and recycle the tensors a swap replaced as the next push's staging memory."""
 
-    def __init__(self):
+    def __init__(self, share: bool = False):
+        """``share``: stage tensors that match their target's dtype and device as the pushed
+        buffers themselves (``sync.zero_copy``; ``StagedPush``), instead of copies."""
+        self.share = share
         self.staging: StagedPush | None = None
         self.header: PushHeader | None = None  # of the push being staged
         self.spares: dict[str, torch.Tensor] = {}  # the weights the last swap replaced, reused for staging
+        self.shared: set[str] = set()  # names whose weights in the model are pushed buffers (never written)
 
     def start(self, header: PushHeader, targets: Mapping[str, torch.Tensor] | None,
               loaded_version: int | None = None) -> bool:
@@ -47,7 +52,7 @@ class WeightReceiver:
         if targets is None:
             self.staging = StagedPush(header.version, header.num_chunks)
             return True
-        self.staging = StagedPush(header.version, header.num_chunks, targets, spares=self.spares)
+        self.staging = StagedPush(header.version, header.num_chunks, targets, spares=self.spares, share=self.share)
         self.spares = {}  # the staging owns them now; dropped with it if the push never completes
         return True
 
@@ -77,5 +82,10 @@ class WeightReceiver:
         return self.header, staged
 
     def recycle(self, staged: StagedPush) -> None:
-        """After ``staged`` was swapped in: the tensors it replaced stage the next push."""
-        self.spares = replaced_tensors(staged.targets, staged.tensors)
+        """After ``staged`` was swapped in: the tensors it replaced stage the next push, except
+        pushed buffers (shared and read-only: never copied into) and names this push shared
+        (the next push will share them too: a spare would only hold memory)."""
+        replaced = replaced_tensors(staged.targets, staged.tensors)
+        self.spares = {name: tensor for name, tensor in replaced.items()
+                       if name not in self.shared and name not in staged.shared}
+        self.shared = (self.shared - set(staged.tensors)) | staged.shared

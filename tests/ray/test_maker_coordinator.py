@@ -198,3 +198,35 @@ def _item(uid: str):
     n = 2 + int(uid.split("-")[1])  # items of different lengths
     return ExperienceItem.filled(torch.arange(3), torch.arange(n), lambda name: torch.randn(n), reward=0.5,
                                  policy_version=0, uid=uid)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_zero_copy_weights_are_the_object_stores_buffers_and_never_recycled(ray_session, cfg, share):
+    """``sync.zero_copy`` (``WeightReceiver(share=True)``, what a CPU maker runs): after a push
+    every weight of the model lies in the object store's buffers (the same memory a ``ray.get``
+    of the buckets maps in this process: one copy for every reader on the node), the swap is
+    exact and tied weights re-tied; the next push hands no shared buffer out as staging memory
+    (writing into it would change the weights of every maker on the node). Without it the
+    weights are copies of the maker's own."""
+    from ray_ppo.core.sync import assign_state, join_state, split_state
+    from ray_ppo.runtime.receiver import WeightReceiver
+
+    actor = load_actor(cfg.model.pretrained)
+    receiver = WeightReceiver(share=share)
+    for version, seed in [(1, 11), (2, 12)]:
+        state = perturbed_state(cfg, seed)
+        pushed = {k: v for k, v in state.items() if k.startswith("actor.") and k != "actor.lm_head.weight"}
+        refs = put_buckets(pushed)
+        assert receiver.start(PushHeader(version, len(refs), 0, kl_coef=0.0), join_state(actor.state_dict(), {}))
+        for i, ref in enumerate(refs):
+            receiver.chunk(version, i, [ref])
+        _, staged = receiver.end(version)
+        if version == 2:  # the spares the first swap left: never a pushed buffer
+            assert not share or not receiver.spares
+        assign_state(actor, split_state(staged.tensors)[0])
+        receiver.recycle(staged)
+        buffers = [(a.ctypes.data, a.ctypes.data + a.nbytes) for ref in refs for a in ray.get(ref)[1] if a.nbytes]
+        in_store = [any(lo <= p.data_ptr() < hi for lo, hi in buffers) for p in actor.parameters()]
+        assert all(in_store) if share else not any(in_store)
+        assert actor.lm_head.weight is actor.transformer.wte.weight
+        assert fingerprint(actor.state_dict()) == fingerprint(split_state(state)[0])

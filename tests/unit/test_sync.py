@@ -192,6 +192,22 @@ def test_staging_copies_each_tensor_into_its_targets_dtype_and_device():
     assert staged.tensors["other_shape"] is view and staged.tensors["unknown"] is view
 
 
+def test_shared_staging_keeps_matching_views_and_copies_only_what_needs_converting():
+    """``share`` (sync.zero_copy): a tensor whose target has its dtype and device is staged as the
+    pushed view itself (no copy); one that must change dtype is copied, into a spare if one fits."""
+    from ray_ppo.core.sync import StagedPush
+
+    view = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    spare = torch.empty(2, 3, dtype=torch.bfloat16)
+    targets = {"same": torch.zeros(2, 3), "bf16": torch.zeros(2, 3, dtype=torch.bfloat16)}
+    staged = StagedPush(1, 1, targets, spares={"same": torch.empty(2, 3), "bf16": spare}, share=True)
+    staged.stage({"same": view, "bf16": view})
+    assert staged.tensors["same"] is view and staged.shared == {"same"}
+    assert staged.tensors["bf16"].data_ptr() == spare.data_ptr()
+    assert torch.equal(staged.tensors["bf16"], view.to(torch.bfloat16))
+    assert "same" in staged.spares  # not consumed: sharing needs no staging memory
+
+
 def test_assign_state_swaps_staged_tensors_in_without_copy_and_reties(tiny_path):
     from ray_ppo.core.models import load_actor
     from ray_ppo.core.sync import StagedPush, assign_state, tied_groups
