@@ -63,9 +63,13 @@ def _trial(tune_config: dict, base: dict, root: str) -> None:
     cfg = cfg.with_overrides({"name": f"{cfg.name}-{trial_id}", "logging.output_dir": str(run_dir)})
     # Not detached: a trial that Tune stops early (ASHA) ends its process without a clean-up, and
     # its coordinator and makers, owned by that process, go with it.
+    # controller_failure_limit: a trial may start while the one ASHA just stopped still holds its
+    # CPUs; Ray Train then gives up on the worker group after RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S
+    # (60 s; measured: a 4-maker trial of `tune --async-search` failed so on 2 busy cores). Two
+    # retries of the start ride that out; a request the cluster can never meet still fails, after 3.
     trainer = PPOTrainer(cfg, output_dir=run_dir, detached=False, run_config=RunConfig(
         name=cfg.name, storage_path=str(run_dir / "ray_train"), callbacks=[TuneReportCallback()],
-        failure_config=FailureConfig(max_failures=0, controller_failure_limit=0)))
+        failure_config=FailureConfig(max_failures=0, controller_failure_limit=2)))
     trainer.fit()
 
 
