@@ -1,7 +1,7 @@
 """Simulated-device overlap: the real pipeline with generation and the train step replaced by waits.
 
     python benchmarks/overlap_sim.py [--repeats 3] [--ratios 1:2,1:1,2:1,4:1] [--makers 1,2,4] [--ranks 1,2]
-                                     [--train-s 0.4] [--steps 12] [--skip 4]
+                                     [--train-s 0.4] [--steps 12] [--skip 4] [--staleness auto|N]
 
 Everything is the product's code path (``PPOTrainer.fit``: coordinator, maker actors with their
 prompt fetch, admission, send loop and weight swaps, the ``TorchTrainer`` worker group with its
@@ -21,6 +21,14 @@ T_train are taken from the run itself (measured sleeps: maker ``generate_s`` per
 ``train_s``), so oversleeping on a loaded machine does not count as pipeline loss.
 ratio / ideal = ideal step / measured step (steps after the first ``--skip``, from ``elapsed_s``).
 
+The ideal assumes every maker generates all the time. The staleness bound decides whether
+they may: a batch takes T_gen / b (b = generation batches per step) and the trainer runs a step
+every T_gen / makers when generation-bound, so a batch's items are trained about
+1 + makers / b versions after the weights that made them. ``--staleness auto`` (the default)
+gives each cell ``ppo.max_staleness`` = 1 with one maker, else 1 + ceil(makers / b): the bound
+under which the ideal is reachable at all. With ``--staleness 1`` (the config's default) the
+makers beyond S * b batches in flight wait at admission, by design (shown as admission share).
+
 Where the time went, per measured step: trainer ``wait`` (pull: waiting for experience),
 ``train``, ``push`` (rank 0 putting and handing over the weights), ``other`` (the rest of the
 step: gather, batch merge, metrics relay and report); per maker over the measured window (shares
@@ -36,6 +44,7 @@ import argparse
 import collections
 import dataclasses
 import itertools
+import math
 import os
 import sys
 import tempfile
@@ -108,13 +117,21 @@ class SimLearnerFactory:
         return learner
 
 
-def cell_config(out: str, makers: int, ranks: int, steps: int):
+def cell_config(out: str, makers: int, ranks: int, steps: int, staleness: int):
     return tiny_config(out, {"maker.num_makers": makers, "maker.num_cpus": 0.25, "maker.batch_size": PROMPTS_PER_BATCH,
                              "trainer.num_workers": ranks, "trainer.train_batch_size": ITEMS_PER_RANK,
-                             "trainer.mini_batch_size": ITEMS_PER_RANK, "trainer.total_steps": steps})
+                             "trainer.mini_batch_size": ITEMS_PER_RANK, "trainer.total_steps": steps,
+                             "ppo.max_staleness": staleness})
 
 
-def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, skip: int) -> dict:
+def cell_staleness(setting: str, makers: int, ranks: int) -> int:
+    """``ppo.max_staleness`` for a cell: ``auto`` = the bound the ideal needs (module docstring)."""
+    if setting != "auto":
+        return int(setting)
+    return 1 if makers == 1 else 1 + math.ceil(makers / (ITEMS_PER_RANK * ranks / PROMPTS_PER_BATCH))
+
+
+def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, skip: int, staleness: int = 1) -> dict:
     """One detached run; returns measured T_gen, T_train, step time and the breakdown."""
     from ray_ppo.api import PPOTrainer
 
@@ -128,7 +145,7 @@ def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, 
             snapshots[metrics["step"]] = (time.perf_counter(), {i: dataclasses.asdict(m) for i, m in makers.items()})
 
     with tempfile.TemporaryDirectory() as out:
-        trainer = PPOTrainer(cell_config(out, makers, ranks, steps), experience_maker_factory=SimMakerFactory(gen_s),
+        trainer = PPOTrainer(cell_config(out, makers, ranks, steps, staleness), experience_maker_factory=SimMakerFactory(gen_s),
                              learner_factory=SimLearnerFactory(train_s), metrics_callbacks=[snapshot])
         trainer.fit()
     h = sorted(trainer.history, key=lambda m: m["step"])
@@ -149,7 +166,7 @@ def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, 
             "admission": sum(s["admission_s"] for s in states) / wall,
             "backpressure": sum(s["idle_s"] - s["admission_s"] for s in states) / wall,
             "pause": sum(s["pause_s"] for s in states) / wall,
-            "staleness": median([m["staleness_mean"] for m in kept]),
+            "staleness": median([m["staleness_mean"] for m in kept]), "max_staleness": staleness,
             "in_sync": h[-1].get("weights_in_sync")}
 
 
@@ -162,6 +179,7 @@ def main():
     ap.add_argument("--train-s", type=float, default=0.4, help="T_train: one rank's simulated train step")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--skip", type=int, default=4)
+    ap.add_argument("--staleness", default="auto", help="ppo.max_staleness per cell: auto (what the ideal needs) or a number")
     args = ap.parse_args()
     ratios = {r: (lambda a, b: a / b)(*map(float, r.split(":"))) for r in args.ratios.split(",")}
     # ranks vary fastest, then ratios, then makers: a run cut short still covers both rank counts
@@ -174,7 +192,8 @@ def main():
     started = time.perf_counter()
     for rep in range(args.repeats):  # interleaved: every cell once per round
         for ranks, makers, r in cells:
-            res = run_cell(makers, ranks, ratios[r], args.train_s, args.steps, args.skip)
+            res = run_cell(makers, ranks, ratios[r], args.train_s, args.steps, args.skip,
+                           cell_staleness(args.staleness, makers, ranks))
             runs[(ranks, makers, r)].append(res)
             print(f"RUN rep={rep} ranks={ranks} makers={makers} ratio={r} {res}", file=sys.stderr, flush=True)
         print_table(cells, runs, ratios, args, rep + 1, time.perf_counter() - started)  # usable if cut short
@@ -189,7 +208,7 @@ def print_table(cells, runs, ratios, args, rounds: int, elapsed_s: float) -> Non
         ideal_speedup = (m["t_gen"] + m["t_train"]) / ideal_step
         speedup = (m["t_gen"] + m["t_train"]) / m["step_s"]
         ratio_ideal = ideal_step / m["step_s"]
-        rows.append([ranks, makers, r, m["t_gen"], m["t_train"], ideal_step, m["step_s"], m["median_step_s"],
+        rows.append([ranks, makers, r, int(m["max_staleness"]), m["t_gen"], m["t_train"], ideal_step, m["step_s"], m["median_step_s"],
                      ideal_speedup, speedup,
                      ratio_ideal, "met" if ratio_ideal >= 0.95 else "missed",
                      m["wait"], m["train"], m["push"], m["other"],
@@ -198,7 +217,7 @@ def print_table(cells, runs, ratios, args, rounds: int, elapsed_s: float) -> Non
     print(f"\nSimulated-device overlap: T_train {args.train_s:g} s, {ITEMS_PER_RANK} items per rank per step, "
           f"{PROMPTS_PER_BATCH} prompts per generation batch, {args.steps} steps of which the first {args.skip} "
           f"excluded, median of {rounds} interleaved rounds ({elapsed_s / 60:.1f} min)\n", flush=True)
-    print(table(["ranks", "makers", "T_gen:T_train", "T_gen s", "T_train s", "ideal step s", "step s (mean)",
+    print(table(["ranks", "makers", "T_gen:T_train", "max_staleness", "T_gen s", "T_train s", "ideal step s", "step s (mean)",
                  "step s (median)",
                  "ideal speedup", "speedup vs sync", "ratio / ideal", ">= 0.95", "trainer wait s", "train s",
                  "push s", "other s", "maker gen share", "maker admission share", "maker back-pressure share",
