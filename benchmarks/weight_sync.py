@@ -1,6 +1,7 @@
 """Weight sync: trainer state dict -> buckets -> ray.put -> Coordinator.publish_weights -> makers.
 
     python benchmarks/weight_sync.py [--repeats 3] [--sizes 100M,1G] [--makers 1,2,4] [--variants serial,pipelined,zero-copy]
+                                     [--bucket-mb 256]
 
 Three variants of the push, interleaved in every round:
 
@@ -48,6 +49,7 @@ import numpy as np
 import ray
 import torch
 
+from ray_ppo.config import SyncConfig
 from ray_ppo.runtime.coordinator import Coordinator
 from ray_ppo.runtime.receiver import WeightReceiver
 from ray_ppo.runtime.messages import PushHeader
@@ -55,7 +57,7 @@ from ray_ppo.core.sync import assign_state, bucket_nbytes, fingerprint, make_buc
 
 SHAPES = {"100M": dict(n_layer=4, n_embd=256, n_head=4), "1G": dict(n_layer=16, n_embd=1024, n_head=16),
           "500M": dict(n_layer=8, n_embd=1024, n_head=16)}
-BUCKET_MB = 64.0  # sync.bucket_mb default
+BUCKET_MB = SyncConfig().bucket_mb  # the config's default (--bucket-mb)
 
 
 def build_model(size: str):
@@ -195,13 +197,16 @@ def memcpy_s(nbytes: int, reps: int = 3) -> float:
 
 
 def main():
+    global BUCKET_MB
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sizes", default="100M,1G")
     ap.add_argument("--makers", default="1,2,4")
     ap.add_argument("--variants", default="serial,pipelined,zero-copy")
     ap.add_argument("--naive-max-makers", type=int, default=2)
+    ap.add_argument("--bucket-mb", type=float, default=BUCKET_MB, help="sync.bucket_mb")
     args = ap.parse_args()
+    BUCKET_MB = args.bucket_mb
     torch.set_num_threads(1)
     makers = [int(x) for x in args.makers.split(",")]
     variants = args.variants.split(",")

@@ -93,7 +93,7 @@ def test_tree_names_and_defaults_are_the_public_contract():
                 "whiten_advantages": True, "max_staleness": 1, "off_policy": "decoupled", "tis_cap": 2.0,
                 "decoupled_cap": 5.0, "eps_clip_high": None, "loss_agg": "token_mean", "kl_in": "reward"},
         "algo": {"advantage": "gae", "group_norm_std": True},
-        "sync": {"bucket_mb": 64.0, "lora_only": False, "zero_copy": True},
+        "sync": {"bucket_mb": 256.0, "lora_only": False, "zero_copy": True},
         "topology": {"routing": "round_robin", "buffer_size": 0, "transport": "inline"},
         "logging": {"output_dir": None, "progress": True, "tensorboard": True, "report_every": 10,
                     "wandb": False, "mlflow": False, "project": "ray_ppo", "samples_every": 10},

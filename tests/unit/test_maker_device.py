@@ -77,14 +77,20 @@ def test_cpu_maker_items_are_on_cpu_and_finite(cfg, tiny_reward_path):
     assert all(item.policy_version == 3 for item in items)
 
 
-def test_read_only_push_loads_and_fingerprints_match(cfg):
-    worker = MakerWorker(0, cfg.to_dict(), coordinator=None)  # the plain class, no Ray needed here
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_read_only_push_loads_and_fingerprints_match(cfg, zero_copy):
+    worker = MakerWorker(0, cfg.with_overrides({"sync.zero_copy": zero_copy}).to_dict(), coordinator=None)  # no Ray needed
     assert worker.device == torch.device("cpu")
     full, push = new_weights(worker)
     assert deliver_push(worker, 1, push)
     assert worker.weights_fingerprint() == (1, fingerprint(full))
-    # the second push stages into the tensors the first one replaced (spares): still exact
-    assert worker.receiver.spares and worker.float_actor.lm_head.weight is worker.float_actor.transformer.wte.weight
+    assert worker.float_actor.lm_head.weight is worker.float_actor.transformer.wte.weight
+    pushed = {array.ctypes.data for _, arrays in push for array in arrays}
+    held = {p.data_ptr() for p in worker.float_actor.parameters()}
+    if zero_copy:  # the weights are the pushed (read-only) arrays themselves; none is staging memory
+        assert held <= pushed and not worker.receiver.spares
+    else:  # copies of its own; the second push stages into the tensors the first one replaced
+        assert not held & pushed and worker.receiver.spares
     full2, push2 = new_weights(worker)
     assert deliver_push(worker, 2, push2)
     assert worker.weights_fingerprint() == (2, fingerprint(full2)) and full2.keys() == full.keys()
