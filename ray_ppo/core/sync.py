@@ -158,7 +158,8 @@ class StagedPush:
         self.seen.add(index)
 
     def stage(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Hold ``tensors`` (copies shaped like their targets, if any) for the swap."""
+        """Hold ``tensors`` for the swap: copies shaped like their targets (if any), or with
+        ``share`` the pushed views themselves where the target's dtype and device match."""
         targets = self.targets or {}
         for name, tensor in tensors.items():
             like = targets.get(name)
