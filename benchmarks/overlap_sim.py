@@ -124,19 +124,24 @@ def cell_config(out: str, makers: int, ranks: int, steps: int, staleness: int):
                              "ppo.max_staleness": staleness})
 
 
+def batches_per_step(ranks: int) -> float:
+    """Generation batches the trainer consumes per step (b in the module docstring)."""
+    return ITEMS_PER_RANK * ranks / PROMPTS_PER_BATCH
+
+
 def cell_staleness(setting: str, makers: int, ranks: int) -> int:
     """``ppo.max_staleness`` for a cell: ``auto`` = the bound the ideal needs (module docstring)."""
     if setting != "auto":
         return int(setting)
-    return 1 if makers == 1 else 1 + math.ceil(makers / (ITEMS_PER_RANK * ranks / PROMPTS_PER_BATCH))
+    return 1 if makers == 1 else 1 + math.ceil(makers / batches_per_step(ranks))
 
 
 def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, skip: int, staleness: int = 1) -> dict:
     """One detached run; returns measured T_gen, T_train, step time and the breakdown."""
     from ray_ppo.api import PPOTrainer
 
-    batches_per_step = ITEMS_PER_RANK * ranks / PROMPTS_PER_BATCH
-    gen_s = ratio * train_s / batches_per_step  # one maker makes a step's samples in ratio * train_s
+    per_step = batches_per_step(ranks)
+    gen_s = ratio * train_s / per_step  # one maker makes a step's samples in ratio * train_s
     snapshots = {}
 
     def snapshot(metrics: dict) -> None:  # maker totals (and the time) when the measured window opens and closes
@@ -154,7 +159,7 @@ def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, 
     (t0, first), (t1, last) = snapshots[skip], snapshots[steps]
     states = [{k: v - first[i][k] for k, v in last[i].items() if isinstance(v, (int, float))} for i in last]
     batches = sum(s["tokens"] for s in states) / (RESPONSE_LEN * PROMPTS_PER_BATCH)
-    t_gen = sum(s["generate_s"] for s in states) / batches * batches_per_step
+    t_gen = sum(s["generate_s"] for s in states) / batches * per_step
     t_train = median([m["train_s"] for m in kept])
     wall = (t1 - t0) * makers  # maker time between the two snapshots
     steps_s = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(h[skip - 1:], kept)]

@@ -152,19 +152,19 @@ class Receiver:
             return fingerprint(self.model.state_dict())  # lm_head.weight included: it must be re-tied
 
 
-def push(coordinator, state: dict, version: int, pipelined: bool) -> tuple[float, int, float]:
+def push(coordinator, state: dict, version: int, pipelined: bool, bucket_mb: float) -> tuple[float, int, float]:
     """WeightPublisher.publish (or the serial push before it), then wait until every receiver
     loaded it; returns (end to end s, bytes, s until rank 0 is done putting)."""
     start = time.perf_counter()
     if pipelined:
-        num_chunks, nbytes = push_size(state, BUCKET_MB)
+        num_chunks, nbytes = push_size(state, bucket_mb)
         ray.get(coordinator.publish_start.remote(PushHeader(version, num_chunks, nbytes, kl_coef=0.0)))
         ray.get([coordinator.publish_chunk.remote(version, index, [ray.put(bucket)])
-                 for index, bucket in enumerate(make_buckets(state, BUCKET_MB))])
+                 for index, bucket in enumerate(make_buckets(state, bucket_mb))])
         put_s = time.perf_counter() - start
     else:
         refs, nbytes = [], 0
-        for bucket in make_buckets(state, BUCKET_MB):
+        for bucket in make_buckets(state, bucket_mb):
             refs.append(ray.put(bucket))
             nbytes += bucket_nbytes(bucket)
         put_s = time.perf_counter() - start
@@ -197,7 +197,6 @@ def memcpy_s(nbytes: int, reps: int = 3) -> float:
 
 
 def main():
-    global BUCKET_MB
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sizes", default="100M,1G")
@@ -206,7 +205,6 @@ def main():
     ap.add_argument("--naive-max-makers", type=int, default=2)
     ap.add_argument("--bucket-mb", type=float, default=BUCKET_MB, help="sync.bucket_mb")
     args = ap.parse_args()
-    BUCKET_MB = args.bucket_mb
     torch.set_num_threads(1)
     makers = [int(x) for x in args.makers.split(",")]
     variants = args.variants.split(",")
@@ -237,7 +235,7 @@ def main():
                 ray.get(coord.register_makers.remote({i: receivers[i] for i in range(n)}))
                 ray.get([r.set_variant.remote(variant) for r in receivers[:n]])
                 version += 1
-                elapsed, nbytes, put_s = push(coord, state, version, variant != "serial")
+                elapsed, nbytes, put_s = push(coord, state, version, variant != "serial", args.bucket_mb)
                 logs = ray.get([r.result.remote(version) for r in receivers[:n]])
                 ray.kill(coord)
                 if check:
@@ -274,7 +272,7 @@ def main():
         del trainer, local, state, plain
         print(".", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
-    print(f"Weight sync: {BUCKET_MB:g} MiB buckets, median of {args.repeats} interleaved pushes after a warm-up\n")
+    print(f"Weight sync: {args.bucket_mb:g} MiB buckets, median of {args.repeats} interleaved pushes after a warm-up\n")
     print(table(["model", "MB pushed", "makers", "push", "e2e GB/s (all makers' bytes)", "e2e GB/s (bytes once)",
                  "per-maker GB/s", "memcpy GB/s", "e2e / memcpy", "pack+put ms", "pause ms (max)", "local load_state_dict ms",
                  "pause / local", "naive per-param GB/s", "weights equal"], rows))
