@@ -93,6 +93,12 @@ class VllmEngine:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         else:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_cache_gib)))  # whole GiB only
+            # vLLM's sampler torch.compiles small ops (the sampled token's rank for log-probs, top-k/top-p)
+            # with inductor, which on a CPU is a C++ build at the first call of each shape specialisation:
+            # 20-60 s on 2 cores, in the middle of a batch, while the maker holds its model lock, so weight
+            # pushes queue behind it (a fresh-clone CI run ended out of sync, another stalled 300 s). The
+            # ops are cheap eager, and enforce_eager already keeps the model itself uncompiled.
+            torch.compiler.set_stance("force_eager")
         try:
             self.llm = vllm.LLM(model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
