@@ -303,6 +303,8 @@ class TrainerConfig(_Section):
     """Times Ray Train restarts a failed worker group from the last checkpoint (FailureConfig.max_failures)."""
     pull_timeout_s: float = Field(120.0, gt=0)
     """Seconds a rank waits for a training batch from the makers before failing."""
+    prefetch: bool = True
+    """Pull the next step's batch while this step trains (for the version that step trains at, so ppo.max_staleness holds); false pulls at the start of each step."""
     max_nonfinite_updates: int = Field(10, ge=0)
     """Optimizer updates in a row skipped for a non-finite loss or gradient before the run fails."""
 

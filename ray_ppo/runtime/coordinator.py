@@ -37,6 +37,10 @@ HEALTH_CHECK_S = 5.0
 """How long a maker has to answer a ping when the coordinator diagnoses a stall."""
 
 
+class _Cancelled(Exception):
+    """A pull in progress was cancelled (``Coordinator.cancel_pull``)."""
+
+
 class Coordinator:
     """Responsibilities: wait and wake (sends for buffer space, pulls for items, makers for
     admission, relays for weight buckets), relay pushes to makers, ping makers to diagnose a
@@ -61,6 +65,8 @@ class Coordinator:
         self.push_tasks: set[asyncio.Task] = set()
         self.mailbox = Mailbox()
         self.rank_pids: dict[int, int | None] = {}  # process of each trainer rank, for diagnostics
+        self.pulling: set[tuple[int, int | None]] = set()    # (rank, pid) of each pull in progress
+        self.cancelled: set[tuple[int, int | None]] = set()  # of those, the ones cancelled
         self.finished = False
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -122,36 +128,69 @@ class Coordinator:
         return chunk.count - rest.count
 
     async def pull(self, rank: int, n: int, trainer_version: int, timeout_s: float,
-                   pid: int | None = None, step: int | None = None) -> list[ExperienceChunk]:
-        """Chunks holding ``n`` items for ``rank``, none older than ``trainer_version - max_staleness``
-        (``ray_ppo.runtime.transport.resolve`` fetches their items). Their prompts count as trained at ``step``.
+                   pid: int | None = None, step: int | None = None,
+                   for_version: int | None = None) -> list[ExperienceChunk] | None:
+        """Chunks holding ``n`` items for ``rank`` to train at ``for_version`` (default: the rank's
+        ``trainer_version``; later when it pulls ahead for its next step), none older than
+        ``for_version - max_staleness`` (``ray_ppo.runtime.transport.resolve`` fetches their items).
+        Their prompts count as trained at ``step``.
 
         Raises ``RuntimeError`` if a maker failed, ``TimeoutError`` (with what was seen) when
-        nothing arrives for ``timeout_s``; either way the items taken go back to the buffer.
+        nothing arrives for ``timeout_s``; either way the items taken go back to the buffer. Returns
+        None, the items taken put back, if it was cancelled while it waited (``cancel_pull``, or
+        ``rewind``: its caller's worker group is gone).
         """
+        for_version = trainer_version if for_version is None else for_version
         self.admission.trainer_at(trainer_version)
         self.rank_pids[rank] = pid
+        key = (rank, pid)
+        self.pulling.add(key)  # before any await, so a cancel_pull sent after this call sees it
         out: list[ExperienceChunk] = []
-        async with self.changed:
-            self.changed.notify_all()  # admission may have changed with the version
-            try:
-                await self._fill(rank, n, out, time.monotonic() + timeout_s, timeout_s)
-            except BaseException:
-                self.buffers.put_back(rank, out)
-                raise
-            self.buffers.commit(n)
-            self.admission.consumed(n, trainer_version)
-            self.ledger.consumed((pid for chunk in out for pid in chunk.item_prompt_ids()), step)
-            self.changed.notify_all()
-        return out
+        try:
+            async with self.changed:
+                self.changed.notify_all()  # admission may have changed with the version
+                try:
+                    await self._fill(key, n, out, for_version, time.monotonic() + timeout_s, timeout_s)
+                except BaseException as e:
+                    self.buffers.put_back(rank, out)
+                    if isinstance(e, _Cancelled):
+                        return None
+                    raise
+                self.buffers.commit(n)
+                self.admission.consumed(n, for_version)
+                self.ledger.consumed((pid for chunk in out for pid in chunk.item_prompt_ids()), step)
+                self.changed.notify_all()
+            return out
+        finally:
+            self.pulling.discard(key)
+            self.cancelled.discard(key)
 
-    async def _fill(self, rank: int, n: int, out: list[ExperienceChunk], deadline: float, timeout_s: float) -> None:
-        """Take items for ``rank`` into ``out`` until it holds ``n``; called holding ``changed``."""
-        got = 0
+    async def cancel_pull(self, rank: int, pid: int | None = None) -> None:
+        """Cancel the pull of ``rank`` in process ``pid`` if it still waits for items (a pull ahead
+        for a step that will not run); a pull that already returned is handed back with
+        ``hand_back`` instead."""
+        if (rank, pid) in self.pulling:
+            self.cancelled.add((rank, pid))
+            await self._notify()
+
+    async def hand_back(self, rank: int, chunks: list[ExperienceChunk], for_version: int) -> None:
+        """``rank`` pulled ``chunks`` ahead, to train at ``for_version``, for a step that did not run:
+        they go back to the head of its buffer, and their prompts count as buffered again."""
+        n = self.buffers.handed_back(rank, chunks)
+        self.admission.unconsumed(n, for_version)
+        self.ledger.unconsumed(pid for chunk in chunks for pid in chunk.item_prompt_ids())
+        await self._notify()
+
+    async def _fill(self, key: tuple[int, int | None], n: int, out: list[ExperienceChunk], for_version: int,
+                    deadline: float, timeout_s: float) -> None:
+        """Take items for the pull ``key`` (rank, pid) into ``out`` until it holds ``n``; called holding ``changed``."""
+        rank, got = key[0], 0
         while True:
             if error := self.book.failure():
                 raise RuntimeError(error)
-            if stale := self.buffers.drop_stale(rank, self.admission.oldest_allowed):
+            if key in self.cancelled:
+                raise _Cancelled
+            if stale := self.buffers.drop_stale(rank, self.admission.oldest_allowed_at(for_version)):
                 self.ledger.requeue(stale)
             got += self.buffers.take(rank, n - got, out)
             if got == n:
@@ -165,11 +204,12 @@ class Coordinator:
             except asyncio.TimeoutError:
                 pass
 
-    async def lost_in_transit(self, rank: int, n: int, prompt_ids: list[int] = ()) -> None:
-        """Rank ``rank`` pulled ``n`` items whose payload died with their maker: not consumed after
-        all; their prompts (``prompt_ids``, one per item) are served again."""
+    async def lost_in_transit(self, rank: int, n: int, prompt_ids: list[int] = (),
+                              for_version: int | None = None) -> None:
+        """Rank ``rank`` pulled ``n`` items, to train at ``for_version``, whose payload died with their
+        maker: not consumed after all; their prompts (``prompt_ids``, one per item) are served again."""
         self.buffers.lost(n)
-        self.admission.unconsumed(n)
+        self.admission.unconsumed(n, for_version)
         self.ledger.requeue(prompt_ids)
         await self._notify()  # admission has room again
 
@@ -304,6 +344,10 @@ class Coordinator:
         """The trainer's worker group restarted from the checkpoint of ``step``: prompts trained
         after it are served again. Returns how many."""
         requeued = self.ledger.rewind(step)
+        # Pulls still waiting belong to the worker group that died (the new one pulls only after
+        # this): had they taken items for a dead caller, a step the new group redoes would count
+        # them as trained. Cancelled, they put their items back.
+        self.cancelled |= self.pulling
         await self._notify()
         return requeued
 

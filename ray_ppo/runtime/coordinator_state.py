@@ -111,6 +111,14 @@ class RankBuffers:
         """A rank leaves with ``n`` taken items."""
         self.pulled += n
 
+    def handed_back(self, rank: int, chunks: list[ExperienceChunk]) -> int:
+        """Chunks a rank pulled and did not train on (pulled ahead for a step that did not run) go
+        back to the head of its buffer, uncounted as pulled; returns their item count."""
+        self.put_back(rank, chunks)
+        n = sum(chunk.count for chunk in chunks)
+        self.pulled -= n
+        return n
+
     def lost(self, n: int) -> None:
         """``n`` pulled items could not be fetched: their payload died with its maker."""
         self.lost_in_transit += n
@@ -137,7 +145,9 @@ class Admission:
     Items made at maker version v are usable while the trainer's version is <= v + S
     (``max_staleness``); until then the trainer consumes at most ``(v + S - V + 1) *
     items_per_version`` items, minus what it already consumed at its current version V. A prompt
-    reserved or handed out becomes ``samples_per_prompt`` items.
+    reserved or handed out becomes ``samples_per_prompt`` items. A rank may pull ahead, for the
+    version its next step will train at (``trainer.prefetch``): those items come out of the same
+    budget, counted under their version (``ahead``) until the trainer reaches it.
     """
 
     def __init__(self, num_makers: int, max_staleness: int, items_per_version: int, prompt_batch_size: int,
@@ -146,6 +156,7 @@ class Admission:
         self.prompt_batch_size, self.samples_per_prompt = prompt_batch_size, samples_per_prompt
         self.trainer_version = initial_version  # > 0 when resuming: makers wait for the restored weights
         self.consumed_at_version = 0  # items pulled since the trainer reached its current version
+        self.ahead: dict[int, int] = {}  # version > trainer_version -> items pulled to train at it
         self.reserved = dict.fromkeys(range(num_makers), 0)
         self.lost = 0  # prompts reserved by makers that restarted before sending their items
 
@@ -157,7 +168,7 @@ class Admission:
         """Whether a maker at ``maker_version`` may take a batch, counting ``in_flight`` items and
         every reserved prompt."""
         v, V, S = maker_version, self.trainer_version, self.max_staleness
-        capacity = (v + S - V + 1) * self.items_per_version - self.consumed_at_version
+        capacity = (v + S - V + 1) * self.items_per_version - self.consumed_at_version - sum(self.ahead.values())
         pending = (self.total_reserved + self.prompt_batch_size) * self.samples_per_prompt
         return in_flight + pending <= capacity
 
@@ -165,6 +176,11 @@ class Admission:
     def oldest_allowed(self) -> int:
         """The oldest policy version a rank may still train on."""
         return self.trainer_version - self.max_staleness
+
+    def oldest_allowed_at(self, version: int) -> int:
+        """The oldest policy version items trained at ``version`` may have been made at (never
+        older than what the trainer's own version allows)."""
+        return max(version, self.trainer_version) - self.max_staleness
 
     def reserve(self, maker_id: int, n: int) -> None:
         """``n`` prompts handed to ``maker_id`` (negative: their items came back)."""
@@ -179,18 +195,27 @@ class Admission:
         """A trainer rank reported (pull) or pushed ``version``; versions never go back."""
         if version > self.trainer_version:
             self.trainer_version = version
-            self.consumed_at_version = 0
+            self.consumed_at_version = self.ahead.pop(version, 0)
+            self.ahead = {v: n for v, n in self.ahead.items() if v > version}
 
-    def consumed(self, n: int, rank_version: int) -> None:
-        """A rank at ``rank_version`` pulled ``n`` items. A rank still finishing the previous
+    def consumed(self, n: int, version: int) -> None:
+        """A rank pulled ``n`` items to train at ``version``. A rank still finishing the previous
         version's step (rank 0 already pushed the next one) consumed from that version's budget,
-        not from the new version's."""
-        if rank_version >= self.trainer_version:
+        not from the new version's; a rank pulling ahead, from the later version's."""
+        if version > self.trainer_version:
+            self.ahead[version] = self.ahead.get(version, 0) + n
+        elif version == self.trainer_version:
             self.consumed_at_version += n
 
-    def unconsumed(self, n: int) -> None:
-        """``n`` pulled items were lost in transit: the trainer still needs as many."""
-        self.consumed_at_version = max(0, self.consumed_at_version - n)
+    def unconsumed(self, n: int, version: int | None = None) -> None:
+        """``n`` pulled items were lost in transit, or handed back untrained (pulled ahead for
+        ``version``, a step that did not run): the trainer still needs as many."""
+        if version is not None and version in self.ahead:
+            left = self.ahead.pop(version) - n
+            if left > 0:
+                self.ahead[version] = left
+        else:
+            self.consumed_at_version = max(0, self.consumed_at_version - n)
 
 
 class MakerBook:

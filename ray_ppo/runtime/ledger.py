@@ -140,6 +140,15 @@ class PromptLedger:
         self.counts["trained"] += trained
         return trained
 
+    def unconsumed(self, item_ids: Iterable[int]) -> None:
+        """Pulled items handed back untrained (a rank pulled them ahead for a step that did not
+        run): buffered again, and a prompt they had completed is no longer trained."""
+        for pid in (int(i) for i in item_ids):
+            if pid in self.buffered:
+                self.buffered[pid] += 1
+            elif self._undo_trained(pid):
+                self.buffered[pid] = 1
+
     def requeue(self, item_ids: Iterable[int]) -> int:
         """Items discarded (stale) or lost in transit: their prompts are served again. Returns
         how many prompts were requeued."""

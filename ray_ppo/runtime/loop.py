@@ -59,6 +59,16 @@ class _Worker:
     tokenizer: Any
     version: int = 0
     run_start: float = 0.0
+    ahead: _PullAhead | None = None  # the next step's pull, in flight while this step trains
+
+
+@dataclass(frozen=True)
+class _PullAhead:
+    """A pull issued one step early (``trainer.prefetch``): its ref, and the step and version it is for."""
+
+    ref: Any
+    step: int
+    version: int
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,8 @@ def _train_step(w: _Worker, step: int) -> bool:
     wait_s = time.perf_counter() - start
     metrics = _train(w, items)
     plan = _plan(w, step)
+    if plan.last:
+        _cancel_pull_ahead(w)
     state, push_s, push_bytes = _publish(w, plan)
     step_s, elapsed_s = time.perf_counter() - start, time.perf_counter() - w.run_start
     metrics.update(trainer_idle_ratio=wait_s / step_s)
@@ -170,10 +182,22 @@ def _start_makers(w: _Worker, restored: bool, first_step: int) -> None:
 
 
 def _pull_step(w: _Worker, step: int) -> list[ExperienceItem]:
-    """This rank's ``trainer.train_batch_size`` items for ``step``; rank 0 then asks for the
-    makers' totals, answered while it trains."""
+    """This rank's ``trainer.train_batch_size`` items for ``step`` (pulled while the previous step
+    trained, with ``trainer.prefetch``), then the pull for the next step is sent, to be answered
+    while this one trains; rank 0 also asks for the makers' totals."""
     t = w.cfg.trainer
-    items = _pull(w.coordinator, w.rank, t.train_batch_size, w.version, t.pull_timeout_s, step)
+    ahead, w.ahead = w.ahead, None
+    if ahead is not None and (ahead.step, ahead.version) != (step, w.version):
+        raise RuntimeError(f"pulled ahead for step {ahead.step} at version {ahead.version}, "
+                           f"but step {step} trains at version {w.version}")
+    items = _pull(w.coordinator, w.rank, t.train_batch_size, w.version, t.pull_timeout_s, step,
+                  ahead.ref if ahead else None)
+    if t.prefetch and step < t.total_steps:
+        # The next step trains at the version this step pushes, if it pushes on schedule; a step
+        # that pushes off schedule is the run's last (``_plan``), whose pull ahead is cancelled.
+        version = w.version + (step % t.update_steps == 0)
+        w.ahead = _PullAhead(_pull_call(w.coordinator, w.rank, t.train_batch_size, w.version, t.pull_timeout_s,
+                                        step + 1, version), step + 1, version)
     if w.monitor:
         w.monitor.request()
     return items
@@ -262,22 +286,51 @@ def _rewind_prompts(coordinator: Any, step: int, rank: int) -> None:
     barrier()
 
 
-def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, step: int) -> list[ExperienceItem]:
-    """``n`` items from the coordinator for ``step``. Items lost with a dead maker are reported
-    (their prompts are served again) and replaced.
+def _pull_call(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, step: int,
+               for_version: int | None = None) -> ray.ObjectRef:
+    """The coordinator's ``pull`` of ``n`` items for ``step``, sent (not awaited)."""
+    return coordinator.pull.remote(rank, n, version, timeout_s, os.getpid(), step, for_version)
+
+
+def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, step: int,
+          pending: ray.ObjectRef | None = None) -> list[ExperienceItem]:
+    """``n`` items from the coordinator for ``step``, starting with the ``pending`` pull if one was
+    sent ahead. Items lost with a dead maker are reported (their prompts are served again) and
+    replaced. A pull ahead that timed out (its wait included the previous step's training) is
+    sent again with the full timeout.
     The coordinator's errors (maker failure, stall) are re-raised as themselves, so the run's
     error message is the coordinator's one-line diagnosis."""
     items: list[ExperienceItem] = []
     while len(items) < n:
+        ref = pending or _pull_call(coordinator, rank, n - len(items), version, timeout_s, step)
         try:
-            chunks = ray.get(coordinator.pull.remote(rank, n - len(items), version, timeout_s, os.getpid(), step))
+            chunks = ray.get(ref)
         except ray.exceptions.RayTaskError as e:
+            if pending is not None and isinstance(e.as_instanceof_cause(), TimeoutError):
+                pending = None
+                continue
             raise e.as_instanceof_cause() from None
+        pending = None
         fetched = resolve(chunks)
         if fetched.lost:
-            ray.get(coordinator.lost_in_transit.remote(rank, fetched.lost, fetched.lost_prompt_ids))
+            ray.get(coordinator.lost_in_transit.remote(rank, fetched.lost, fetched.lost_prompt_ids, version))
         items += fetched.items
     return items
+
+
+def _cancel_pull_ahead(w: _Worker) -> None:
+    """The run's last step: the pull sent ahead for a next step is cancelled if it still waits, or
+    its items are handed back to the coordinator (untrained, so neither consumed nor lost)."""
+    ahead, w.ahead = w.ahead, None
+    if ahead is None:
+        return
+    ray.get(w.coordinator.cancel_pull.remote(w.rank, os.getpid()))
+    try:
+        chunks = ray.get(ahead.ref)
+    except ray.exceptions.RayTaskError:
+        return  # it failed (a maker failure, a stall): it took nothing
+    if chunks:
+        ray.get(w.coordinator.hand_back.remote(w.rank, chunks, ahead.version))
 
 
 @contextlib.contextmanager

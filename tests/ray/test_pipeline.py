@@ -86,6 +86,22 @@ def test_fit_accounts_for_every_item(ray_session, tmp_path, strategy, num_makers
     assert_run_files(tmp_path / "run")
 
 
+def test_a_run_ended_by_its_time_budget_hands_back_the_batch_it_pulled_ahead(ray_session, tmp_path):
+    """trainer.prefetch (the default) pulls each next step's batch while a step trains; the step
+    that ends past trainer.time_budget_s is the last, so the batch pulled for the step after it
+    goes back, untrained: every count still adds up to the steps that ran."""
+    cfg = small_config(tmp_path, "maker.num_makers=1", "trainer.total_steps=1000", "trainer.time_budget_s=4")
+    trainer = PPOTrainer(cfg)
+    trainer.fit()
+    steps = len(trainer.history)
+    assert 1 <= steps < 1000 and trainer.history[-1]["weights_in_sync"] == 1.0
+    counters = trainer.final_status.counters
+    assert counters.consumed == steps * BATCH
+    assert counters.prompts_trained == counters.consumed  # one item per prompt, none blank in the toy file
+    assert counters.produced == (counters.consumed + counters.in_flight + counters.discarded
+                                 + counters.lost_in_transit)
+
+
 def assert_run_files(run: Path) -> None:
     """PPOTrainer(output_dir=...) writes what the CLI writes."""
     from ray_ppo.tracking import read_metrics

@@ -378,6 +378,97 @@ def test_a_rank_finishing_the_previous_step_does_not_use_up_the_new_versions_adm
     asyncio.run(main())
 
 
+# -- pulling ahead (trainer.prefetch) -----------------------------------------------------------
+
+
+def test_a_pull_ahead_drops_what_is_too_stale_for_the_version_it_trains_at():
+    async def main():
+        coord = coordinator(max_staleness=1)
+        for version, name in ((0, "v0"), (1, "v1"), (2, "v2")):
+            await coord.send(0, ExperienceChunk.inline([item(version, name)]), NO_STATS)
+        # the rank is at version 1 and pulls for its next step, which trains at version 2:
+        # version 0 would be 2 versions stale there, so it goes, though version 1 still allows it
+        got = await coord.pull(0, 1, trainer_version=1, timeout_s=1.0, for_version=2)
+        assert uids(got) == ["v1"]
+        assert coord.status().trainer_version == 1  # a pull ahead does not move the trainer's version
+        c = counters(coord)
+        assert (c.consumed, c.in_flight, c.discarded) == (1, 1, 1)
+
+    asyncio.run(main())
+
+
+def test_a_pull_ahead_uses_up_admission_of_the_version_it_trains_at():
+    async def main():
+        # S = 1, 8 items per version, batches of 4 prompts, one maker
+        coord = coordinator(num_makers=1, buffer_size=32, max_staleness=1, items_per_version=8, prompt_batch_size=4)
+        await coord.send(0, items(16), NO_STATS)
+        await coord.pull(0, 8, trainer_version=0, timeout_s=1.0)                 # step 1, at version 0
+        await coord.pull(0, 8, trainer_version=0, timeout_s=1.0, for_version=1)  # step 2's, sent ahead
+        assert (coord.admission.consumed_at_version, coord.admission.ahead) == (8, {1: 8})
+        # maker at v = 0, V = 0: capacity = (0 + 1 - 0 + 1) * 8 - 8 - 8 = 0: the 16 items are all
+        # the trainer takes before v0 is too stale
+        assert not coord._admitted(0)
+        await coord.publish_weights(header(1, 0), [])  # step 1 pushed v1: step 2's items count at V = 1
+        assert (coord.admission.consumed_at_version, coord.admission.ahead) == (8, {})
+        coord.book.loaded(0, 1)                        # v = 1: capacity = (1 + 1 - 1 + 1) * 8 - 8 = 8
+        coord.admission.reserved[0] = 4
+        assert coord._admitted(0)                      # 0 + 4 + 4 <= 8
+        coord.admission.reserved[0] = 5
+        assert not coord._admitted(0)                  # 9 > 8
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_pull_ahead_puts_back_what_it_took_and_returns_none():
+    async def main():
+        coord = coordinator()
+        await coord.cancel_pull(0, pid=7)  # no pull in progress: nothing to cancel, and the next pull is not affected
+        await coord.send(0, items(2), NO_STATS)
+        pull = asyncio.create_task(coord.pull(0, 5, trainer_version=0, timeout_s=5.0, pid=7, for_version=1))
+        assert await is_blocked(pull)
+        await coord.cancel_pull(0, pid=8)  # another process's pull (a restarted worker group's)
+        assert await is_blocked(pull)
+        await coord.cancel_pull(0, pid=7)
+        assert await asyncio.wait_for(pull, timeout=2.0) is None
+        assert coord.status().buffered == (2,) and coord.admission.ahead == {}
+        assert counters(coord).consumed == 0
+        assert uids(await coord.pull(0, 2, trainer_version=0, timeout_s=1.0)) == ["m0-0", "m0-1"]
+
+    asyncio.run(main())
+
+
+def test_a_rewind_cancels_the_pulls_of_the_worker_group_that_died():
+    async def main():
+        coord = coordinator()
+        dead = asyncio.create_task(coord.pull(0, 4, trainer_version=0, timeout_s=5.0, pid=7, step=5, for_version=1))
+        assert await is_blocked(dead)
+        await coord.rewind(3)  # the restarted group's rank 0, before any of its ranks pulls
+        assert await asyncio.wait_for(dead, timeout=2.0) is None
+        await coord.send(0, items(4), NO_STATS)  # what the dead pull would have taken goes to the new group
+        assert uids(await coord.pull(0, 4, trainer_version=0, timeout_s=1.0, pid=8, step=4)) == [f"m0-{i}" for i in range(4)]
+
+    asyncio.run(main())
+
+
+def test_a_pull_ahead_handed_back_is_buffered_again_and_its_prompts_are_not_trained():
+    async def main():
+        coord = coordinator(num_makers=1, prompt_batch_size=4, items_per_version=8, max_staleness=1, shuffle=False)
+        feed(coord, [f"p{i}" for i in range(8)])
+        batch = await coord.next_prompts(0)
+        await coord.send(0, answering(batch.ids), MakerStats(num_prompts=4, prompt_ids=tuple(batch.ids)))
+        await coord.pull(0, 2, trainer_version=0, timeout_s=1.0, step=1)
+        ahead = await coord.pull(0, 2, trainer_version=0, timeout_s=1.0, step=2, for_version=1)
+        assert uids(ahead) == ["u2", "u3"] and coord.status().counters.prompts_trained == 4
+        await coord.hand_back(0, ahead, for_version=1)  # step 1 was the run's last
+        c = counters(coord)
+        assert (c.consumed, c.in_flight, c.prompts_trained) == (2, 2, 2)
+        assert coord.admission.ahead == {} and coord.data_state(step=1)["trained"] == [[1, [0, 1]]]
+        got = await coord.pull(0, 2, trainer_version=0, timeout_s=1.0, step=2)  # the same items, in order
+        assert uids(got) == ["u2", "u3"] and coord.status().counters.prompts_trained == 4
+
+    asyncio.run(main())
+
+
 def test_send_returns_the_reserved_prompts():
     async def main():
         coord = coordinator(prompt_batch_size=4)

@@ -116,7 +116,7 @@ def test_admission_hand_computed():
     a.reserve(1, -1)
 
     a.trainer_at(1)
-    a.consumed(8, rank_version=1)            # V = 1, consumed_at_version = 8
+    a.consumed(8, version=1)            # V = 1, consumed_at_version = 8
     assert not a.admits(0, in_flight=0)      # v = 0: (0 + 1 - 1 + 1) * 8 - 8 = 0 < 4
     assert a.admits(1, in_flight=0)          # v = 1: (1 + 1 - 1 + 1) * 8 - 8 = 8 >= 4
     a.reserve(0, 5)
@@ -134,9 +134,9 @@ def test_admission_counts_groups_and_keeps_the_previous_versions_budget_apart():
     a.reserve(0, 1)
     assert not a.admits(0, in_flight=0)      # (1 + 2) * 4 = 12 > 8
     a.trainer_at(1)
-    a.consumed(4, rank_version=0)            # a rank finishing version 0's step: not version 1's budget
+    a.consumed(4, version=0)            # a rank finishing version 0's step: not version 1's budget
     assert a.consumed_at_version == 0
-    a.consumed(4, rank_version=1)
+    a.consumed(4, version=1)
     a.unconsumed(6)                          # lost in transit: never below zero
     assert a.consumed_at_version == 0
 
