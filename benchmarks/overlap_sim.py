@@ -2,6 +2,7 @@
 
     python benchmarks/overlap_sim.py [--repeats 3] [--ratios 1:2,1:1,2:1,4:1] [--makers 1,2,4] [--ranks 1,2]
                                      [--train-s 0.4] [--steps 12] [--skip 4] [--staleness auto|N]
+                                     [--prefetch on|off|on,off]
 
 Everything is the product's code path (``PPOTrainer.fit``: coordinator, maker actors with their
 prompt fetch, admission, send loop and weight swaps, the ``TorchTrainer`` worker group with its
@@ -28,6 +29,9 @@ every T_gen / makers when generation-bound, so a batch's items are trained about
 gives each cell ``ppo.max_staleness`` = 1 with one maker, else 1 + ceil(makers / b): the bound
 under which the ideal is reachable at all. With ``--staleness 1`` (the config's default) the
 makers beyond S * b batches in flight wait at admission, by design (shown as admission share).
+
+``--prefetch`` sets ``trainer.prefetch`` (each rank pulls its next step's batch while a step
+trains; default on, as in the config); ``on,off`` runs both in every cell, interleaved.
 
 Where the time went, per measured step: trainer ``wait`` (pull: waiting for experience),
 ``train``, ``push`` (rank 0 putting and handing over the weights), ``other`` (the rest of the
@@ -117,11 +121,11 @@ class SimLearnerFactory:
         return learner
 
 
-def cell_config(out: str, makers: int, ranks: int, steps: int, staleness: int):
+def cell_config(out: str, makers: int, ranks: int, steps: int, staleness: int, prefetch: bool = True):
     return tiny_config(out, {"maker.num_makers": makers, "maker.num_cpus": 0.25, "maker.batch_size": PROMPTS_PER_BATCH,
                              "trainer.num_workers": ranks, "trainer.train_batch_size": ITEMS_PER_RANK,
                              "trainer.mini_batch_size": ITEMS_PER_RANK, "trainer.total_steps": steps,
-                             "ppo.max_staleness": staleness})
+                             "ppo.max_staleness": staleness, "trainer.prefetch": prefetch})
 
 
 def batches_per_step(ranks: int) -> float:
@@ -136,7 +140,8 @@ def cell_staleness(setting: str, makers: int, ranks: int) -> int:
     return 1 if makers == 1 else 1 + math.ceil(makers / batches_per_step(ranks))
 
 
-def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, skip: int, staleness: int = 1) -> dict:
+def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, skip: int, staleness: int = 1,
+             prefetch: bool = True) -> dict:
     """One detached run; returns measured T_gen, T_train, step time and the breakdown."""
     from ray_ppo.api import PPOTrainer
 
@@ -150,7 +155,7 @@ def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, 
             snapshots[metrics["step"]] = (time.perf_counter(), {i: dataclasses.asdict(m) for i, m in makers.items()})
 
     with tempfile.TemporaryDirectory() as out:
-        trainer = PPOTrainer(cell_config(out, makers, ranks, steps, staleness), experience_maker_factory=SimMakerFactory(gen_s),
+        trainer = PPOTrainer(cell_config(out, makers, ranks, steps, staleness, prefetch), experience_maker_factory=SimMakerFactory(gen_s),
                              learner_factory=SimLearnerFactory(train_s), metrics_callbacks=[snapshot])
         trainer.fit()
     h = sorted(trainer.history, key=lambda m: m["step"])
@@ -185,35 +190,39 @@ def main():
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--skip", type=int, default=4)
     ap.add_argument("--staleness", default="auto", help="ppo.max_staleness per cell: auto (what the ideal needs) or a number")
+    ap.add_argument("--prefetch", default="on", help="trainer.prefetch: on, off, or on,off (both, interleaved)")
     args = ap.parse_args()
     ratios = {r: (lambda a, b: a / b)(*map(float, r.split(":"))) for r in args.ratios.split(",")}
     # ranks vary fastest, then ratios, then makers: a run cut short still covers both rank counts
-    cells = [(ranks, makers, r) for makers, r, ranks in
-             itertools.product(map(int, args.makers.split(",")), ratios, map(int, args.ranks.split(",")))]
+    variants = [{"on": True, "off": False}[v] for v in args.prefetch.split(",")]
+    cells = [(ranks, makers, r, p) for makers, r, ranks, p in
+             itertools.product(map(int, args.makers.split(",")), ratios, map(int, args.ranks.split(",")), variants)]
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")  # as `ray-ppo train` sets it
     init_ray(num_cpus=16)
     runs = collections.defaultdict(list)
     run_cell(1, 1, 1.0, args.train_s, args.skip + 2, args.skip)  # warm-up: model cache, Ray Train start-up
     started = time.perf_counter()
     for rep in range(args.repeats):  # interleaved: every cell once per round
-        for ranks, makers, r in cells:
+        for cell in cells:
+            ranks, makers, r, prefetch = cell
             res = run_cell(makers, ranks, ratios[r], args.train_s, args.steps, args.skip,
-                           cell_staleness(args.staleness, makers, ranks))
-            runs[(ranks, makers, r)].append(res)
-            print(f"RUN rep={rep} ranks={ranks} makers={makers} ratio={r} {res}", file=sys.stderr, flush=True)
+                           cell_staleness(args.staleness, makers, ranks), prefetch)
+            runs[cell].append(res)
+            print(f"RUN rep={rep} ranks={ranks} makers={makers} ratio={r} prefetch={prefetch} {res}",
+                  file=sys.stderr, flush=True)
         print_table(cells, runs, ratios, args, rep + 1, time.perf_counter() - started)  # usable if cut short
 
 
 def print_table(cells, runs, ratios, args, rounds: int, elapsed_s: float) -> None:
     rows = []
-    for ranks, makers, r in cells:
-        rs = runs[(ranks, makers, r)]
+    for ranks, makers, r, prefetch in cells:
+        rs = runs[(ranks, makers, r, prefetch)]
         m = {k: median([x[k] for x in rs]) for k in rs[0] if k != "in_sync"}
         ideal_step = max(m["t_gen"] / makers, m["t_train"])
         ideal_speedup = (m["t_gen"] + m["t_train"]) / ideal_step
         speedup = (m["t_gen"] + m["t_train"]) / m["step_s"]
         ratio_ideal = ideal_step / m["step_s"]
-        rows.append([ranks, makers, r, int(m["max_staleness"]), m["t_gen"], m["t_train"], ideal_step, m["step_s"], m["median_step_s"],
+        rows.append([ranks, makers, r, "on" if prefetch else "off", int(m["max_staleness"]), m["t_gen"], m["t_train"], ideal_step, m["step_s"], m["median_step_s"],
                      ideal_speedup, speedup,
                      ratio_ideal, "met" if ratio_ideal >= 0.95 else "missed",
                      m["wait"], m["train"], m["push"], m["other"],
@@ -222,7 +231,7 @@ def print_table(cells, runs, ratios, args, rounds: int, elapsed_s: float) -> Non
     print(f"\nSimulated-device overlap: T_train {args.train_s:g} s, {ITEMS_PER_RANK} items per rank per step, "
           f"{PROMPTS_PER_BATCH} prompts per generation batch, {args.steps} steps of which the first {args.skip} "
           f"excluded, median of {rounds} interleaved rounds ({elapsed_s / 60:.1f} min)\n", flush=True)
-    print(table(["ranks", "makers", "T_gen:T_train", "max_staleness", "T_gen s", "T_train s", "ideal step s", "step s (mean)",
+    print(table(["ranks", "makers", "T_gen:T_train", "prefetch", "max_staleness", "T_gen s", "T_train s", "ideal step s", "step s (mean)",
                  "step s (median)",
                  "ideal speedup", "speedup vs sync", "ratio / ideal", ">= 0.95", "trainer wait s", "train s",
                  "push s", "other s", "maker gen share", "maker admission share", "maker back-pressure share",
