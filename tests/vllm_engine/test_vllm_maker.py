@@ -114,6 +114,23 @@ def test_greedy_generation_equals_the_hf_makers(worker):
     assert torch.equal(engine.sequences, hf.sequences) and torch.equal(engine.action_mask, hf.action_mask)
 
 
+def test_generation_compiles_nothing(worker):
+    """vLLM's sampler torch.compiles small ops (the sampled token's rank for log-probs); on a CPU
+    inductor builds them in C++ at the first call of each shape, 20-60 s on 2 cores inside a
+    generate that holds the maker's model lock, so pushes queued behind it (a CI run ended out of
+    sync). The CPU engine runs them eagerly: no frame goes through dynamo."""
+    from torch._dynamo.utils import counters
+
+    from ray_ppo.core.models.generation import SamplingParams
+
+    tokenizer = worker.maker.tokenizer
+    for prompts in (PROMPTS, PROMPTS[:1]):  # a batch, and a batch of one: a shape specialisation of its own
+        rollout = worker.engine.generate(prompts, SamplingParams(max_new_tokens=4), tokenizer.pad_token_id,
+                                         tokenizer.eos_token_id)
+        assert (rollout.log_probs[rollout.action_mask] <= 0).all()
+    assert not counters["frames"], dict(counters["frames"])
+
+
 def test_three_pushes_land_in_the_engine(worker):
     """The trainer perturbs its copy 3 times and pushes; after each push the engine's greedy
     tokens equal HF's on the trainer's weights, its log-probs agree within LOGPROB_ATOL, and
