@@ -311,8 +311,6 @@ def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, s
                 continue
             raise e.as_instanceof_cause() from None
         pending = None
-        if chunks is None:  # cancelled (never this rank's own pulls in practice): pull again
-            continue
         fetched = resolve(chunks)
         if fetched.lost:
             ray.get(coordinator.lost_in_transit.remote(rank, fetched.lost, fetched.lost_prompt_ids, version))
