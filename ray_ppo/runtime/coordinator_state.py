@@ -172,14 +172,9 @@ class Admission:
         pending = (self.total_reserved + self.prompt_batch_size) * self.samples_per_prompt
         return in_flight + pending <= capacity
 
-    @property
-    def oldest_allowed(self) -> int:
-        """The oldest policy version a rank may still train on."""
-        return self.trainer_version - self.max_staleness
-
     def oldest_allowed_at(self, version: int) -> int:
         """The oldest policy version items trained at ``version`` may have been made at (never
-        older than what the trainer's own version allows)."""
+        older than what the trainer's own version allows: ``oldest_allowed_at(trainer_version)``)."""
         return max(version, self.trainer_version) - self.max_staleness
 
     def reserve(self, maker_id: int, n: int) -> None:

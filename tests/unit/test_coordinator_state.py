@@ -123,7 +123,7 @@ def test_admission_hand_computed():
     assert not a.admits(1, in_flight=0)      # 5 + 4 = 9 > 8
 
     a.trainer_at(3)                          # a new version resets consumed_at_version
-    assert a.consumed_at_version == 0 and a.oldest_allowed == 2
+    assert a.consumed_at_version == 0 and a.oldest_allowed_at(a.trainer_version) == 2
     a.trainer_at(2)                          # versions never go back
     assert a.trainer_version == 3
 
