@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray_ppo.core.build import resolve_config
 from ray_ppo.core.checkpoint import validate_checkpoint
 from ray_ppo.config import Config
-from ray_ppo.runtime.coordinator import Coordinator
+from ray_ppo.runtime.coordinator import CoordinatorActor
 from ray_ppo.data import read_prompt_dataset, select_prompt_column
 from ray_ppo.runtime.maker import maker_actor_class
 from ray_ppo.runtime.messages import CoordinatorStatus
@@ -48,10 +48,6 @@ ABORT_WAIT_S = 2.0
 """How long fit() waits for Ray Train's controller to acknowledge an abort (Ctrl-C)."""
 KILL_WAIT_S = 10.0
 """How long fit() waits for killed actors to disappear from Ray's list of named actors."""
-COORDINATOR_ENV = {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}
-"""The coordinator's only ``ray.get`` calls are Ray Data's, made while the prompt feed iterates the
-dataset in a worker thread (``asyncio.to_thread``), never on the event loop; Ray's check cannot
-tell the threads apart and would warn anyway (Ray Train turns it off for its controller alike)."""
 OUTSIDE_CALLER_PLACEMENT_GROUP = "DEFAULT"
 """Scheduling strategy of the makers: never captured by the caller's placement group (a
 Tune trial's driver holds one sized for itself alone)."""
@@ -249,9 +245,9 @@ class PPOTrainer(TorchTrainer):
     def _start_actors(self) -> None:
         cfg = self.ppo_config
         dataset = self._dataset()
-        self.coordinator = ray.remote(num_cpus=0)(Coordinator).options(
+        self.coordinator = ray.remote(num_cpus=0)(CoordinatorActor).options(
             name="coordinator", namespace=self.namespace, lifetime=self.lifetime,
-            scheduling_strategy=on_driver_node(), runtime_env={"env_vars": COORDINATOR_ENV}).remote(
+            scheduling_strategy=on_driver_node()).remote(
             num_ranks=cfg.trainer.num_workers, num_makers=cfg.maker.num_makers, buffer_size=cfg.buffer_size,
             max_staleness=cfg.ppo.max_staleness, routing=cfg.topology.routing, prompts=dataset,
             items_per_version=cfg.trainer.update_steps * cfg.trainer.train_batch_size * cfg.trainer.num_workers,

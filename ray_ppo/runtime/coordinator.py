@@ -23,6 +23,7 @@ locks. Its calls take and return the typed messages of ``ray_ppo.runtime.message
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -386,3 +387,20 @@ def _node_id() -> str | None:
     import ray
 
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
+class CoordinatorActor(Coordinator):
+    """The coordinator in the actor process ``fit()`` starts for it.
+
+    Its only blocking ``ray.get`` calls are Ray Data's, made in a worker thread while the prompt
+    feed reads the dataset (``asyncio.to_thread``), never on the event loop. Ray's check for
+    blocking gets in async actors cannot tell the threads apart and would warn anyway, so it is
+    turned off in this process, as Ray Train turns it off for its controller. It is set here and
+    not as the actor's ``runtime_env``: an actor with a runtime_env of its own cannot take one of
+    Ray's prestarted worker processes and waits for a new one to start, 2-3 s longer on 2 cores
+    (benchmarks/README, Start-up).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"
+        super().__init__(*args, **kwargs)

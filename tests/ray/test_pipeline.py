@@ -45,6 +45,14 @@ def run_namespaces() -> set[str]:
     return {a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)}
 
 
+def actor_logs(class_name: str) -> list[str]:
+    """The texts of this session's worker log files whose actor is a ``class_name`` (Ray writes
+    ``:actor_name:<class>`` at the top of an actor's logs)."""
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    texts = [f.read_text(errors="replace") for f in logs.glob("worker-*")]
+    return [t for t in texts if f":actor_name:{class_name}\n" in t]
+
+
 # One rank with DDP, two with FSDP (routing across ranks, sharded gathers for pushes). The other
 # two combinations added ~4 min on 2 cores and no path of their own (issue 16's suite budget).
 @pytest.mark.parametrize("strategy,num_makers,num_workers", [("ddp", 2, 1), ("fsdp", 1, 2)])
@@ -84,6 +92,10 @@ def test_fit_accounts_for_every_item(ray_session, tmp_path, strategy, num_makers
     assert 0 < history[-1]["prompts_blank"] <= counters.blank_prompts
     assert 0 < history[-1]["prompts_truncated"] <= counters.truncated_prompts
     assert_run_files(tmp_path / "run")
+    # The coordinator reads prompts with Ray Data in a thread (blocking gets off its event loop);
+    # it turns Ray's warning off in its own process, not by a runtime_env (CoordinatorActor).
+    coordinator_logs = actor_logs("CoordinatorActor")
+    assert coordinator_logs and not any("blocking ray.get inside async actor" in t for t in coordinator_logs)
 
 
 def test_a_run_ended_by_its_time_budget_hands_back_the_batch_it_pulled_ahead(ray_session, tmp_path):
