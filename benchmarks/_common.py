@@ -57,7 +57,11 @@ def init_ray(num_cpus: int = 8, object_store_gb: float | None = None):
     kwargs = {"num_cpus": num_cpus, "include_dashboard": False, "log_to_driver": False}
     if object_store_gb:
         kwargs["object_store_memory"] = int(object_store_gb * 2**30)
-    ray.init(address="local", runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, **kwargs)
+    # Workers import ray_ppo from this checkout: they inherit PYTHONPATH from the raylet that this
+    # ray.init starts. Not a job runtime_env, which would make every worker process start through
+    # Ray's runtime-env setup (2-3 s of CPU each on 2 cores: benchmarks/README, Start-up).
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    ray.init(address="local", **kwargs)
     return ray
 
 
