@@ -49,8 +49,10 @@ def broadcast_time_up(budget_s: float, run_start: float, device: torch.device) -
     return bool(over.item())
 
 
-def barrier() -> None:
-    """Every rank waits here until all have arrived (e.g. until rank 0 has finished a call to the
-    coordinator that the others depend on)."""
-    if multi_rank():
-        torch.distributed.barrier()
+def broadcast_from_rank_0(value: int, device: torch.device) -> int:
+    """Rank 0's ``value`` on every rank; the other ranks wait here until rank 0 has sent it."""
+    if not multi_rank():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    torch.distributed.broadcast(t, src=0)
+    return int(t.item())

@@ -68,6 +68,7 @@ class Coordinator:
         self.rank_pids: dict[int, int | None] = {}  # process of each trainer rank, for diagnostics
         self.pulling: set[tuple[int, int | None]] = set()    # (rank, pid) of each pull in progress
         self.cancelled: set[tuple[int, int | None]] = set()  # of those, the ones cancelled
+        self.group = 0  # the trainer worker group whose pulls are served (``rewind`` starts the next)
         self.finished = False
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -130,7 +131,7 @@ class Coordinator:
 
     async def pull(self, rank: int, n: int, trainer_version: int, timeout_s: float,
                    pid: int | None = None, step: int | None = None,
-                   for_version: int | None = None) -> list[ExperienceChunk] | None:
+                   for_version: int | None = None, group: int | None = None) -> list[ExperienceChunk] | None:
         """Chunks holding ``n`` items for ``rank`` to train at ``for_version`` (default: the rank's
         ``trainer_version``; later when it pulls ahead for its next step), none older than
         ``for_version - max_staleness`` (``ray_ppo.runtime.transport.resolve`` fetches their items).
@@ -139,8 +140,12 @@ class Coordinator:
         Raises ``RuntimeError`` if a maker failed, ``TimeoutError`` (with what was seen) when
         nothing arrives for ``timeout_s``; either way the items taken go back to the buffer. Returns
         None, the items taken put back, if it was cancelled while it waited (``cancel_pull``, or
-        ``rewind``: its caller's worker group is gone).
+        ``rewind``: its caller's worker group is gone), and None at once, taking nothing, if it
+        comes from a worker group that ``rewind`` has replaced (``group``, the number the caller's
+        group got from ``rewind``: a dead rank's pull can arrive after its successor's rewind).
         """
+        if group is not None and group != self.group:
+            return None
         for_version = trainer_version if for_version is None else for_version
         self.admission.trainer_at(trainer_version)
         self.rank_pids[rank] = pid
@@ -342,15 +347,18 @@ class Coordinator:
         return {**self.ledger.state(step), "first_prompt": self._first_prompt()}
 
     async def rewind(self, step: int) -> int:
-        """The trainer's worker group restarted from the checkpoint of ``step``: prompts trained
-        after it are served again. Returns how many."""
-        requeued = self.ledger.rewind(step)
-        # Pulls still waiting belong to the worker group that died (the new one pulls only after
+        """A trainer worker group starts (also a run's first) from the checkpoint of ``step``:
+        prompts trained after it are served again. Returns the group's number, which its ranks
+        pass with every ``pull``."""
+        self.ledger.rewind(step)
+        # Pulls of an earlier group belong to processes that died (the new group pulls only after
         # this): had they taken items for a dead caller, a step the new group redoes would count
-        # them as trained. Cancelled, they put their items back.
+        # them as trained. Those still waiting are cancelled, and put their items back; those still
+        # on their way are refused when they arrive (their group number is an old one).
         self.cancelled |= self.pulling
+        self.group += 1
         await self._notify()
-        return requeued
+        return self.group
 
     def logprob_gaps_since(self, index: int) -> list[tuple[float, float, int]]:
         """The engine log-prob gaps of the batches recorded after the first ``index``."""

@@ -26,7 +26,7 @@ from ray_ppo.core.models import load_tokenizer
 from ray_ppo.runtime.publish import WeightPublisher
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.core.sync import fingerprint
-from ray_ppo.core.collectives import all_reduce_metrics, barrier, broadcast_time_up
+from ray_ppo.core.collectives import all_reduce_metrics, broadcast_from_rank_0, broadcast_time_up
 from ray_ppo.core.learner import PPOLearner, drop_absent
 from ray_ppo.core.metrics import experience_metrics
 from ray_ppo.runtime.monitor import MakerMonitor, verify_makers
@@ -60,6 +60,7 @@ class _Worker:
     version: int = 0
     run_start: float = 0.0
     ahead: _PullAhead | None = None  # the next step's pull, in flight while this step trains
+    group: int | None = None  # this worker group's number at the coordinator (``_rewind_prompts``)
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,7 @@ def _start_makers(w: _Worker, restored: bool, first_step: int) -> None:
     latest = ray.get(w.coordinator.status.remote()).trainer_version
     behind = latest > w.version
     w.version = latest + 1 if behind else w.version
-    _rewind_prompts(w.coordinator, first_step - 1, w.rank)
+    w.group = _rewind_prompts(w.coordinator, first_step - 1, w.rank, w.device)
     if restored or behind or w.cfg.maker.wait_for_weights:  # makers start from these weights
         state = w.publisher.gather()
         if w.rank == 0:
@@ -191,13 +192,13 @@ def _pull_step(w: _Worker, step: int) -> list[ExperienceItem]:
         raise RuntimeError(f"pulled ahead for step {ahead.step} at version {ahead.version}, "
                            f"but step {step} trains at version {w.version}")
     items = _pull(w.coordinator, w.rank, t.train_batch_size, w.version, t.pull_timeout_s, step,
-                  ahead.ref if ahead else None)
+                  ahead.ref if ahead else None, w.group)
     if t.prefetch and step < t.total_steps:
         # The next step trains at the version this step pushes, if it pushes on schedule; a step
         # that pushes off schedule is the run's last (``_plan``), whose pull ahead is cancelled.
         version = w.version + (step % t.update_steps == 0)
         w.ahead = _PullAhead(_pull_call(w.coordinator, w.rank, t.train_batch_size, w.version, t.pull_timeout_s,
-                                        step + 1, version), step + 1, version)
+                                        step + 1, version, w.group), step + 1, version)
     if w.monitor:
         w.monitor.request()
     return items
@@ -277,23 +278,23 @@ def _announce_checkpoint(coordinator: Any, step: int) -> None:
             return
 
 
-def _rewind_prompts(coordinator: Any, step: int, rank: int) -> None:
+def _rewind_prompts(coordinator: Any, step: int, rank: int, device: torch.device) -> int:
     """Prompts trained after ``step`` by an earlier worker group of this run (``FailureConfig``
-    restart) are served again, since their training was lost with its weights. Rank 0 asks, and
-    no rank pulls before it is done (a no-op for a fresh or resumed run)."""
-    if rank == 0:
-        ray.get(coordinator.rewind.remote(step))
-    barrier()
+    restart) are served again, since their training was lost with its weights (nothing to serve
+    again for a fresh or resumed run). Rank 0 asks; every rank gets the group number that its
+    pulls carry, so no rank pulls before the rewind is done."""
+    group = ray.get(coordinator.rewind.remote(step)) if rank == 0 else 0
+    return broadcast_from_rank_0(group, device)
 
 
 def _pull_call(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, step: int,
-               for_version: int | None = None) -> ray.ObjectRef:
+               for_version: int | None = None, group: int | None = None) -> ray.ObjectRef:
     """The coordinator's ``pull`` of ``n`` items for ``step``, sent (not awaited)."""
-    return coordinator.pull.remote(rank, n, version, timeout_s, os.getpid(), step, for_version)
+    return coordinator.pull.remote(rank, n, version, timeout_s, os.getpid(), step, for_version, group)
 
 
 def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, step: int,
-          pending: ray.ObjectRef | None = None) -> list[ExperienceItem]:
+          pending: ray.ObjectRef | None = None, group: int | None = None) -> list[ExperienceItem]:
     """``n`` items from the coordinator for ``step``, starting with the ``pending`` pull if one was
     sent ahead. Items lost with a dead maker are reported (their prompts are served again) and
     replaced. A pull ahead that timed out (its wait included the previous step's training) is
@@ -302,7 +303,7 @@ def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, s
     error message is the coordinator's one-line diagnosis."""
     items: list[ExperienceItem] = []
     while len(items) < n:
-        ref = pending or _pull_call(coordinator, rank, n - len(items), version, timeout_s, step)
+        ref = pending or _pull_call(coordinator, rank, n - len(items), version, timeout_s, step, group=group)
         try:
             chunks = ray.get(ref)
         except ray.exceptions.RayTaskError as e:

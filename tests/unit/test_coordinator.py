@@ -450,6 +450,24 @@ def test_a_rewind_cancels_the_pulls_of_the_worker_group_that_died():
     asyncio.run(main())
 
 
+def test_a_pull_of_a_replaced_worker_group_arriving_after_the_rewind_takes_nothing():
+    async def main():
+        coord = coordinator()
+        first = await coord.rewind(0)   # the first worker group starts
+        await coord.send(0, items(4), NO_STATS)
+        assert uids(await coord.pull(0, 2, trainer_version=0, timeout_s=1.0, pid=7, step=1, group=first)) == ["m0-0", "m0-1"]
+        second = await coord.rewind(0)  # it died; the restarted group's rank 0
+        assert second == first + 1
+        # the dead rank's pull, sent before it died, arrives now: refused at once, nothing taken
+        assert await asyncio.wait_for(coord.pull(0, 2, trainer_version=0, timeout_s=5.0, pid=7, step=2, group=first),
+                                      timeout=1.0) is None
+        assert coord.status().buffered == (2,) and counters(coord).consumed == 2
+        got = await coord.pull(0, 2, trainer_version=0, timeout_s=1.0, pid=8, step=1, group=second)
+        assert uids(got) == ["m0-2", "m0-3"]
+
+    asyncio.run(main())
+
+
 def test_a_pull_ahead_handed_back_is_buffered_again_and_its_prompts_are_not_trained():
     async def main():
         coord = coordinator(num_makers=1, prompt_batch_size=4, items_per_version=8, max_staleness=1, shuffle=False)
@@ -689,7 +707,8 @@ def test_stale_lost_and_rewound_prompts_are_served_again():
         assert (await coord.next_prompts(0)).ids == [0, 1]   # ... then the discarded ones
         await coord.send(0, answering([2, 3], version=2), MakerStats(num_prompts=2, prompt_ids=(2, 3)))
         await coord.pull(0, 2, trainer_version=2, timeout_s=1.0, step=1)
-        assert await coord.rewind(0) == 2                    # a restarted worker group redoes step 1
+        await coord.rewind(0)                                # a restarted worker group redoes step 1
+        assert coord.status().counters.prompts_requeued == 2 + 2 + 2
         assert (await coord.next_prompts(0)).ids == [2, 3]
         await coord.lost_in_transit(0, 1, [7])               # an id it never handed out: ignored
         assert coord.status().counters.prompts_requeued == 2 + 2 + 2
