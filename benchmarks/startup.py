@@ -14,6 +14,12 @@ first ``train_step`` ends. Phases, in seconds from the ``fit()`` call (medians o
 - ``first batch made``: the first generation batch of any maker is done;
 - ``rank 0 ready``: the Ray Train worker group is up and rank 0 built actor, critic, learner;
 - ``first step trained``: rank 0's first ``train_step`` returned (the goal: <= 8 s).
+
+Where the CPU went: a thread samples every process's CPU time (``psutil``, every 0.2 s) from the
+``fit()`` call to its return and sums it by role (Ray's process title: ``ray::MakerWorker``,
+``ray::TrainController``, ...), next to the machine's busy CPU-seconds over the same window
+(``/proc/stat``) and the most it could have given (cores x wall). A process that exits between two
+samples loses at most its last 0.2 s.
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ import collections
 import os
 import sys
 import tempfile
+import threading
 import time
+
+import psutil
 
 import _common  # noqa: F401
 from _common import ROOT, init_ray, median, table
@@ -84,20 +93,95 @@ def events(directory: str) -> dict[str, list[float]]:
     return out
 
 
-def one_fit(config: str, overrides: list[str]) -> dict[str, float]:
+ROLES = [  # (role, substrings of the process title), first match wins
+    ("makers", ["ray::MakerWorker"]),
+    ("coordinator", ["ray::Coordinator"]),
+    ("Ray Train controller", ["ray::TrainController"]),
+    ("Ray Train worker (rank 0)", ["ray::RayTrainWorker"]),
+    ("Ray Train helper actors", ["ray::SynchronizationActor", "ray::PlacementGroupCleaner", "ray::DatasetManager"]),
+    ("Ray Data (read tasks, stats)", ["ray::Read", "ray::_StatsActor", "ray::_AutoscalingCoordinator"]),
+    ("worker processes starting or idle", ["ray::IDLE", "setup_worker.py", "default_worker.py"]),
+    ("Ray daemons (gcs, raylet, agents)", ["gcs_server", "raylet", "dashboard", "log_monitor", "runtime_env"]),
+]
+
+
+def role_of(title: str, pid: int) -> str:
+    if pid == os.getpid():
+        return "driver (fit() caller)"
+    return next((role for role, keys in ROLES if any(k in title for k in keys)), "other")
+
+
+class CpuSampler:
+    """CPU-seconds per process role between ``start`` and ``stop`` (see the module docstring)."""
+
+    def __init__(self, interval_s: float = 0.2):
+        self.interval_s, self.running = interval_s, False
+        self.first: dict[int, float] = {}
+        self.last: dict[int, tuple[float, str]] = {}  # pid -> (cpu-s, most telling title seen)
+
+    def _sample(self) -> None:
+        for p in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
+            try:
+                t = p.info["cpu_times"]
+                cpu, title = t.user + t.system, " ".join(p.info["cmdline"] or [])
+            except (psutil.Error, TypeError, AttributeError):
+                continue
+            seen = self.last.get(p.info["pid"], (0.0, ""))[1]
+            if role_of(title, -1) in ("worker processes starting or idle", "other") and seen:
+                title = seen  # keep the actor's title once known: it reads IDLE again as it exits
+            self.first.setdefault(p.info["pid"], cpu if not self.running else 0.0)
+            self.last[p.info["pid"]] = (cpu, title)
+
+    @staticmethod
+    def _busy() -> tuple[float, float]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        tick = os.sysconf("SC_CLK_TCK")
+        return (sum(v) - v[3] - v[4]) / tick, sum(v) / tick  # busy (all but idle, iowait), all
+
+    def start(self) -> None:
+        self._sample()  # processes already there count from now; new ones from 0
+        self.running, self.busy0 = True, self._busy()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while self.running:
+            time.sleep(self.interval_s)
+            self._sample()
+
+    def stop(self) -> dict[str, float]:
+        self.running = False
+        self.thread.join()
+        self._sample()
+        busy1 = self._busy()
+        out = collections.Counter()
+        for pid, (cpu, title) in self.last.items():
+            out[role_of(title, pid)] += cpu - self.first.get(pid, 0.0)
+        out = {k: v for k, v in out.items() if v >= 0.05}
+        out["all processes (sum)"] = sum(out.values())
+        out["machine busy (/proc/stat)"] = busy1[0] - self.busy0[0]
+        out["machine capacity (cores x wall)"] = busy1[1] - self.busy0[1]
+        return out
+
+
+def one_fit(config: str, overrides: list[str]) -> tuple[dict[str, float], dict[str, float]]:
     from ray_ppo.api import PPOTrainer
     from ray_ppo.config import load_config
 
     with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as marks:
         cfg = load_config(config, [f"logging.output_dir={out}", "trainer.total_steps=2", "logging.progress=false",
                                    *overrides])
+        sampler = CpuSampler()
+        sampler.start()
         start = time.time()
         trainer = PPOTrainer(cfg, experience_maker_factory=TimedMakerFactory(marks),
                              learner_factory=TimedLearnerFactory(marks))
         trainer.fit()
         end = time.time()
+        cpu = sampler.stop()
         e = events(marks)
-    return {"makers built": max(e["maker_built"]) - start, "first batch made": min(e["maker_batch"]) - start,
+    return cpu, {"makers built": max(e["maker_built"]) - start, "first batch made": min(e["maker_batch"]) - start,
             "rank 0 ready": min(e["rank_ready"]) - start, "first step trained": min(e["train_step"]) - start,
             "fit() total (2 steps + shutdown)": end - start}
 
@@ -113,14 +197,22 @@ def main():
     init_ray(num_cpus=8)
     ray_init_s = time.time() - t
     one_fit(args.config, args.set)  # warm-up: the tiny model's build cache, Ray's worker pool
-    runs = []
+    runs, cpus = [], []
     for _ in range(args.repeats):
-        runs.append(one_fit(args.config, args.set))
-        print(f"RUN {runs[-1]}", file=sys.stderr, flush=True)
+        cpu, phases = one_fit(args.config, args.set)
+        runs.append(phases)
+        cpus.append(cpu)
+        print(f"RUN {phases} CPU {cpu}", file=sys.stderr, flush=True)
     print(f"\nStart-up of fit() on {os.path.relpath(args.config, ROOT)} (ray.init once before: {ray_init_s:.1f} s), "
           f"median of {args.repeats} after a warm-up\n")
     print(table(["phase (from the fit() call)", "s (median)", "min", "max"],
                 [[k, median([r[k] for r in runs]), min(r[k] for r in runs), max(r[k] for r in runs)] for k in runs[0]]))
+    roles = [r for r, _ in ROLES] + ["driver (fit() caller)", "other", "all processes (sum)", "machine busy (/proc/stat)",
+                                     "machine capacity (cores x wall)"]
+    print(f"\nCPU-seconds from the fit() call to its return, by process role (median of {args.repeats})\n")
+    print(table(["role", "CPU-s (median)", "min", "max"],
+                [[k, median([c.get(k, 0.0) for c in cpus]), min(c.get(k, 0.0) for c in cpus),
+                  max(c.get(k, 0.0) for c in cpus)] for k in roles if any(k in c for c in cpus)]))
 
 
 if __name__ == "__main__":
