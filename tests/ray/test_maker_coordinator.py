@@ -26,11 +26,23 @@ def cfg():
     return resolve_config(load_config(REPO / "configs" / "tiny.yaml", ["maker.batch_size=4", "maker.num_makers=1"]))
 
 
-def start(cfg, *, buffer_size=8, items_per_version=10_000, prompts=None):
+@pytest.fixture
+def actors(ray_session):
+    """Actors a test starts, killed when it ends: a coordinator and its makers hold handles to
+    each other, so dropping the test's handles would not end them (they would hold their CPUs
+    and memory for the rest of the session)."""
+    started = []
+    yield started
+    for actor in started:
+        ray.kill(actor)
+
+
+def start(cfg, actors, *, buffer_size=8, items_per_version=10_000, prompts=None):
     coordinator = ray.remote(num_cpus=0)(Coordinator).remote(
         num_ranks=1, num_makers=1, buffer_size=buffer_size, max_staleness=1, items_per_version=items_per_version,
         prompts=prompts, prompt_batch_size=cfg.maker.batch_size)
     maker = maker_actor_class(0.5, 0).remote(0, cfg.to_dict(), coordinator)
+    actors += [coordinator, maker]
     ray.get(coordinator.register_makers.remote({0: maker}))
     ray.get(maker.ping.remote())
     return coordinator, maker
@@ -52,8 +64,8 @@ def put_buckets(state, bucket_mb=0.05):
     return [ray.put(b) for b in make_buckets(state, bucket_mb)]
 
 
-def test_push_is_atomic_and_exact(ray_session, cfg):
-    coordinator, maker = start(cfg)
+def test_push_is_atomic_and_exact(ray_session, cfg, actors):
+    coordinator, maker = start(cfg, actors)
     version0, print0 = ray.get(maker.weights_fingerprint.remote())
     state = perturbed_state(cfg, seed=1)
     refs = put_buckets(state)
@@ -96,8 +108,8 @@ def test_push_is_atomic_and_exact(ray_session, cfg):
     assert ray.get(maker.weights_fingerprint.remote()) == fingerprint5
 
 
-def test_coordinator_relays_pushes_as_refs(ray_session, cfg):
-    coordinator, maker = start(cfg)
+def test_coordinator_relays_pushes_as_refs(ray_session, cfg, actors):
+    coordinator, maker = start(cfg, actors)
     state = perturbed_state(cfg, seed=3)
     refs = put_buckets(state)
     ray.get(coordinator.publish_weights.remote(PushHeader(1, len(refs), 0, kl_coef=0.05), refs))
@@ -106,11 +118,11 @@ def test_coordinator_relays_pushes_as_refs(ray_session, cfg):
     assert ray.get(coordinator.maker_fingerprints.remote()) == {0: (1, fingerprint(state))}
 
 
-def test_streamed_push_interrupted_midway_keeps_the_previous_weights(ray_session, cfg):
+def test_streamed_push_interrupted_midway_keeps_the_previous_weights(ray_session, cfg, actors):
     """Rank 0 hands buckets in one by one (``WeightPublisher.publish``) and dies before the last:
     the maker staged the others but never swaps them in; the next push (tied ``lm_head`` left
     out, as the trainer sends it) loads exactly, re-tied."""
-    coordinator, maker = start(cfg)
+    coordinator, maker = start(cfg, actors)
     before = ray.get(maker.weights_fingerprint.remote())
     state = perturbed_state(cfg, seed=4)
     refs = put_buckets(state)
@@ -128,9 +140,9 @@ def test_streamed_push_interrupted_midway_keeps_the_previous_weights(ray_session
     assert ray.get(coordinator.maker_fingerprints.remote()) == {0: (2, fingerprint(newer))}
 
 
-def test_slow_trainer_makes_makers_wait_and_loses_nothing(ray_session, cfg):
+def test_slow_trainer_makes_makers_wait_and_loses_nothing(ray_session, cfg, actors):
     prompts = ray.data.from_items([{"prompt": "1 2 3"}] * 64)
-    coordinator, maker = start(cfg, buffer_size=8, prompts=prompts)
+    coordinator, maker = start(cfg, actors, buffer_size=8, prompts=prompts)
     loops = [maker.run.remote(), maker.send_loop.remote()]
     deadline = time.monotonic() + 120  # the "trainer" pulls nothing: the buffer fills, then the maker blocks
     while ray.get(coordinator.status.remote()).buffered != (8,) and time.monotonic() < deadline:
@@ -167,7 +179,7 @@ class Sender:
         return ray.get(coordinator.send.remote(0, ExperienceChunk.put(items), MakerStats()))
 
 
-def test_a_maker_killed_after_sending_costs_no_hang_and_no_miscount(ray_session):
+def test_a_maker_killed_after_sending_costs_no_hang_and_no_miscount(ray_session, actors):
     """A batch lives in the object store of the maker that put it. After that maker is killed
     the batch is either still readable (the node's store had not dropped it yet) or gone; the
     rank gets exactly the items it asked for either way, and every item is accounted for (gone
@@ -176,6 +188,7 @@ def test_a_maker_killed_after_sending_costs_no_hang_and_no_miscount(ray_session)
     coordinator = ray.remote(num_cpus=0)(Coordinator).remote(
         num_ranks=1, num_makers=1, buffer_size=16, max_staleness=1, items_per_version=10_000)
     doomed, alive = Sender.remote(), Sender.remote()
+    actors += [coordinator, alive]
     doomed_items = [_item(f"d-{i}") for i in range(4)]
     assert ray.get(doomed.send.remote(coordinator, doomed_items)) == 4
     ray.kill(doomed)
