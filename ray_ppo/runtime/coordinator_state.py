@@ -279,23 +279,37 @@ class Push:
 
 class PushRelay:
     """Responsibilities: keep the latest push (its refs stay alive for makers that restart later)
-    and its buckets as they arrive; tell a relay whether its push was superseded."""
+    and its buckets as they arrive, also those that arrive before their push's start; tell a
+    relay whether its push was superseded.
+
+    Rank 0 sends a push's start and its buckets without waiting for them, and the coordinator is
+    an async actor: Ray does not promise to run one caller's calls to it in the order they were
+    sent. A bucket that ran before its start, once dropped, left the push without it for good:
+    no maker got that version, and the run ended with ``weights_in_sync`` = 0.
+    """
 
     def __init__(self):
         self.latest: Push | None = None
         self.count = 0  # pushes started
+        self.early: dict[int, dict[int, Any]] = {}  # version -> buckets that came before its start
 
     def start(self, header: PushHeader) -> Push:
-        """Open push ``header.version``; older pushes' refs are released here."""
-        self.latest = Push(header)
+        """Open push ``header.version`` with the buckets that came ahead of it; older pushes'
+        refs are released here."""
+        self.latest = Push(header, self.early.pop(header.version, {}))
+        self.early = {v: buckets for v, buckets in self.early.items() if v > header.version}
         self.count += 1
         return self.latest
 
     def add(self, version: int, index: int, ref: Any) -> bool:
-        """Bucket ``index`` of push ``version``; False (ignored) if a newer push started."""
-        if self.latest is None or self.latest.version != version:
+        """Bucket ``index`` of push ``version``, kept for its push also if it has not started yet;
+        False (ignored) if a newer push started."""
+        if self.latest is not None and version < self.latest.version:
             return False
-        self.latest.bucket_refs[index] = ref
+        if self.latest is None or version > self.latest.version:
+            self.early.setdefault(version, {})[index] = ref
+        else:
+            self.latest.bucket_refs[index] = ref
         return True
 
     def superseded(self, push: Push) -> bool:

@@ -49,8 +49,9 @@ class WeightPublisher:
                 partial: bool = False) -> tuple[float, int]:
         """Put the buckets, each handed on as soon as it is put; returns (seconds, bytes). Rank 0 only.
 
-        The calls are not waited for: the coordinator runs them in order, before this rank's next
-        call, and the next push checks that the previous one's calls succeeded. ``kl_coef`` is the
+        The calls are not waited for, and the coordinator (an async actor) may run them out of the
+        order they were sent: it keeps a bucket that comes before its push's start
+        (``PushRelay``). The next push checks that the previous one's calls succeeded. ``kl_coef`` is the
         trainer's current KL coefficient: the makers shape this version's rewards with it."""
         start = time.perf_counter()
         ray.get(self.handed)

@@ -606,6 +606,23 @@ def test_a_push_interrupted_midway_is_never_ended_and_the_next_one_completes():
     asyncio.run(main())
 
 
+def test_a_push_whose_buckets_run_before_its_start_still_reaches_the_maker():
+    """Ray may run an async actor's calls out of the order one caller sent them: rank 0's
+    publish_chunk can run before its publish_start."""
+    async def main():
+        coord = coordinator(num_makers=1)
+        maker = FakeMaker()
+        coord.register_makers({0: maker})
+        await coord.publish_chunk(1, 1, ["ref-b"])
+        await coord.publish_start(header(1, 2))
+        await coord.publish_chunk(1, 0, ["ref-a"])
+        assert await coord.wait_for_version(1, timeout_s=1.0) == {0: 1}
+        assert maker.sent()[-1] == ("end", 1)
+        assert sorted(c for c in maker.sent() if c[0] == "chunk") == [("chunk", 1, 0, ["ref-a"]), ("chunk", 1, 1, ["ref-b"])]
+
+    asyncio.run(main())
+
+
 def test_a_restarted_maker_gets_the_latest_push_again():
     async def main():
         coord = coordinator(num_makers=1)

@@ -186,6 +186,23 @@ def test_push_relay_keeps_the_latest_push_and_ignores_late_buckets():
     assert (relay.count, relay.last) == (2, LastPush(2, 32))
 
 
+def test_push_relay_keeps_buckets_that_arrive_before_their_push_starts():
+    """The coordinator is an async actor: Ray may run rank 0's publish_chunk before the
+    publish_start sent ahead of it."""
+    relay = PushRelay()
+    assert relay.add(1, 1, "b1")  # push 1's second bucket, before push 1 started
+    first = relay.start(PushHeader(1, 2, 64, kl_coef=0.1))
+    assert first.bucket_refs == {1: "b1"}
+    assert relay.add(1, 0, "a1") and first.bucket_refs == {0: "a1", 1: "b1"}
+    assert relay.add(3, 0, "a3") and relay.add(2, 0, "a2")  # two pushes ahead of their starts
+    second = relay.start(PushHeader(2, 1, 32, kl_coef=0.2))
+    assert second.bucket_refs == {0: "a2"} and relay.early == {3: {0: "a3"}}
+    third = relay.start(PushHeader(3, 1, 32, kl_coef=0.2))
+    assert third.bucket_refs == {0: "a3"} and relay.early == {}
+    assert not relay.add(2, 1, "late")  # superseded: ignored, not kept
+    assert relay.early == {} and relay.count == 3
+
+
 # -- PromptFeed ---------------------------------------------------------------------------------
 
 
