@@ -105,9 +105,11 @@ ROLES = [  # (role, substrings of the process title), first match wins
 ]
 
 
-def role_of(title: str, pid: int) -> str:
-    if pid == os.getpid():
-        return "driver (fit() caller)"
+DRIVER = "driver (fit() caller)"
+
+
+def role_of(title: str) -> str:
+    """A process's role by its title (command line)."""
     return next((role for role, keys in ROLES if any(k in title for k in keys)), "other")
 
 
@@ -127,7 +129,7 @@ class CpuSampler:
             except (psutil.Error, TypeError, AttributeError):
                 continue
             seen = self.last.get(p.info["pid"], (0.0, ""))[1]
-            if role_of(title, -1) in ("worker processes starting or idle", "other") and seen:
+            if role_of(title) in ("worker processes starting or idle", "other") and seen:
                 title = seen  # keep the actor's title once known: it reads IDLE again as it exits
             self.first.setdefault(p.info["pid"], cpu if not self.running else 0.0)
             self.last[p.info["pid"]] = (cpu, title)
@@ -157,7 +159,7 @@ class CpuSampler:
         busy1 = self._busy()
         out = collections.Counter()
         for pid, (cpu, title) in self.last.items():
-            out[role_of(title, pid)] += cpu - self.first.get(pid, 0.0)
+            out[DRIVER if pid == os.getpid() else role_of(title)] += cpu - self.first.get(pid, 0.0)
         out = {k: v for k, v in out.items() if v >= 0.05}
         out["all processes (sum)"] = sum(out.values())
         out["machine busy (/proc/stat)"] = busy1[0] - self.busy0[0]
@@ -207,7 +209,7 @@ def main():
           f"median of {args.repeats} after a warm-up\n")
     print(table(["phase (from the fit() call)", "s (median)", "min", "max"],
                 [[k, median([r[k] for r in runs]), min(r[k] for r in runs), max(r[k] for r in runs)] for k in runs[0]]))
-    roles = [r for r, _ in ROLES] + ["driver (fit() caller)", "other", "all processes (sum)", "machine busy (/proc/stat)",
+    roles = [r for r, _ in ROLES] + [DRIVER, "other", "all processes (sum)", "machine busy (/proc/stat)",
                                      "machine capacity (cores x wall)"]
     print(f"\nCPU-seconds from the fit() call to its return, by process role (median of {args.repeats})\n")
     print(table(["role", "CPU-s (median)", "min", "max"],
