@@ -61,6 +61,7 @@ class _Worker:
     run_start: float = 0.0
     ahead: _PullAhead | None = None  # the next step's pull, in flight while this step trains
     group: int | None = None  # this worker group's number at the coordinator (``_rewind_prompts``)
+    recorded: Any = None  # rank 0: the ref of the last metrics row sent (``_record``)
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,7 @@ def _report(w: _Worker, plan: _StepPlan, metrics: dict[str, float], step_s: floa
             metrics["weights_in_sync"] = verify_makers(w.coordinator, w.version, fingerprint(state))
         due = samples_due(plan.step, w.cfg.logging.samples_every)
         samples = pick_samples(items, w.tokenizer, plan.step) if due else []
-        w.coordinator.record_metrics.remote({**metrics, SAMPLES_KEY: samples} if samples else metrics)
+        _record(w, {**metrics, SAMPLES_KEY: samples} if samples else metrics)
     if plan.last or plan.checkpoint or plan.step % w.cfg.logging.report_every == 0:
         ray.train.report(metrics, checkpoint=checkpoint)
         if checkpoint is not None:
@@ -267,6 +268,16 @@ def _report(w: _Worker, plan: _StepPlan, metrics: dict[str, float], step_s: floa
 
 
 # -- calls to the coordinator -----------------------------------------------------------------------
+
+
+def _record(w: _Worker, row: dict) -> None:
+    """Send a metrics row to the coordinator, not waiting for it, but only once the previous row
+    is in: the coordinator is an async actor, and Ray does not promise to run one caller's calls
+    to it in the order they were sent, so two rows sent back to back could land swapped. The
+    previous row went a step ago, so the wait is for a call long done."""
+    if w.recorded is not None:
+        ray.get(w.recorded)
+    w.recorded = w.coordinator.record_metrics.remote(row)
 
 
 def _announce_checkpoint(coordinator: Any, step: int) -> None:

@@ -606,6 +606,27 @@ def test_a_push_interrupted_midway_is_never_ended_and_the_next_one_completes():
     asyncio.run(main())
 
 
+def test_rank_0_sends_a_metrics_row_only_after_the_previous_one_is_in(monkeypatch):
+    """The coordinator may run one caller's calls out of order (an async actor), so rank 0 sends
+    each step's row once the previous step's call is done: rows land in step order."""
+    from types import SimpleNamespace
+
+    from ray_ppo.runtime import loop
+
+    events = []
+
+    class RecordMetrics:
+        def remote(self, row):
+            events.append(("send", row["step"]))
+            return f"ref{row['step']}"
+
+    monkeypatch.setattr(loop.ray, "get", lambda ref: events.append(("wait", ref)))
+    worker = SimpleNamespace(coordinator=SimpleNamespace(record_metrics=RecordMetrics()), recorded=None)
+    for step in (1, 2, 3):
+        loop._record(worker, {"step": step})
+    assert events == [("send", 1), ("wait", "ref1"), ("send", 2), ("wait", "ref2"), ("send", 3)]
+
+
 def test_a_push_whose_buckets_run_before_its_start_still_reaches_the_maker():
     """Ray may run an async actor's calls out of the order one caller sent them: rank 0's
     publish_chunk can run before its publish_start."""
