@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TextIO
 
 from ray_ppo.config import Config
 
@@ -68,12 +68,21 @@ def budgeted(base: Config, budget_s: float) -> Config:
 
 
 def async_search(base: Config, budget_s: float, space: Mapping[str, Sequence] | None = None, *, num_samples: int = 8,
-                 repeats: int = 1, max_concurrent_trials: int | None = None, output_dir: str | None = None) -> AsyncPick:
-    """Search ``space`` (default ``ASYNC_SPACE``) at ``budget_s`` seconds per trial, then confirm."""
+                 repeats: int = 1, max_concurrent_trials: int | None = None, output_dir: str | None = None,
+                 progress: TextIO | None = None) -> AsyncPick:
+    """Search ``space`` (default ``ASYNC_SPACE``) at ``budget_s`` seconds per trial, then confirm.
+    ``progress``: where to print a line per phase and per ended trial, in place of Tune's status
+    tables (the CLI passes stdout); None leaves Tune's own output."""
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
-    from ray_ppo.sweep import PRESET_KEY, sweep
+    from ray_ppo.sweep import PRESET_KEY, sweep, trial_lines
+
+    def phase(title: str, keys: list[str], trials: int) -> dict:
+        if progress is None:
+            return {}
+        print(title, file=progress, flush=True)
+        return {"verbose": 0, "callbacks": [trial_lines(keys, METRIC, stream=progress, total=trials)]}
 
     space = dict(space or ASYNC_SPACE)
     cfg = budgeted(base, budget_s)
@@ -81,12 +90,15 @@ def async_search(base: Config, budget_s: float, space: Mapping[str, Sequence] | 
     asha = ASHAScheduler(time_attr="elapsed_s", max_t=budget_s, grace_period=budget_s / 4, reduction_factor=2)
     search = sweep(cfg, {k: tune.choice(list(v)) for k, v in space.items()}, metric=METRIC, mode="max",
                    num_samples=num_samples, scheduler=asha, max_concurrent_trials=max_concurrent_trials,
-                   output_dir=str(root / "search"))
+                   output_dir=str(root / "search"),
+                   **phase(f"search: {num_samples} settings, {budget_s:g} s of training each", list(space), num_samples))
     default = {k: base.get(k) for k in space}
     recommended = {k: search.best_config[k] for k in space}
     presets = [default] if recommended == default else [default, recommended]
     confirm = sweep(cfg, {PRESET_KEY: tune.grid_search(presets)}, metric=METRIC, mode="max", num_samples=repeats,
-                    max_concurrent_trials=max_concurrent_trials, output_dir=str(root / "confirm"))
+                    max_concurrent_trials=max_concurrent_trials, output_dir=str(root / "confirm"),
+                    **phase(f"confirm: {' and '.join(_fmt(p) for p in presets)}, {repeats} run(s) each "
+                            f"(first: the default)", [PRESET_KEY], len(presets) * repeats))
     rewards = {i: [t[METRIC] for t in confirm.trials if t[PRESET_KEY] == p and t[METRIC] is not None]
                for i, p in enumerate(presets)}
     return AsyncPick(budget_s, recommended, default, rewards[len(presets) - 1], rewards[0], search.trials)

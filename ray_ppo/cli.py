@@ -165,7 +165,9 @@ def _token_auth_if_set_up() -> None:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
-def _init_ray(args) -> None:
+def _init_ray(args, dashboard: bool = False) -> None:
+    """Attach to ``--address``, or start a local cluster. ``dashboard``: the local cluster serves
+    Ray's state API (on loopback), which Ray Train's placement-group cleaner needs (``sweep``)."""
     import logging
 
     import ray
@@ -194,7 +196,12 @@ def _init_ray(args) -> None:
     # Allowing num_cpus at a time removes the warning and, measured with benchmarks/startup.py,
     # leaves start-up as it was (first trained step 27.3 vs 26.8 s).
     os.environ.setdefault("RAY_worker_maximum_startup_concurrency", str(int(num_cpus)))
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    # No dashboard for one run: the run's placement groups end with the job. A sweep needs it (see
+    # ray_ppo.sweep.cleaner_can_see): Tune ends an early-stopped trial's process, its Ray Train
+    # controller dies with it, and only the dashboard's state API lets Ray Train see that and free
+    # the worker group's CPUs.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, log_to_driver=False,
+             **({"dashboard_host": "127.0.0.1"} if dashboard else {}))
 
 
 def cmd_train(args) -> int:
@@ -287,7 +294,7 @@ def cmd_tune(args) -> int:
 
         scheduler = ASHAScheduler(time_attr="step", max_t=cfg.trainer.total_steps,
                                   grace_period=max(1, cfg.logging.report_every))
-    _init_ray(args)
+    _init_ray(args, dashboard=True)
     _quiet_tune()  # after the cluster started: its processes keep their own setting
     start = time.perf_counter()
     try:
@@ -325,12 +332,13 @@ def cmd_async_search(args) -> int:
     check_run(cfg)
     out_dir = Path(args.output or f"runs/{cfg.name}-async-search").resolve()
     args.run_dir = out_dir
-    _init_ray(args)
+    _init_ray(args, dashboard=True)
     _quiet_tune()  # after the cluster started: its processes keep their own setting
     start = time.perf_counter()
     try:
         pick = async_search(cfg, args.async_search, space, num_samples=args.num_samples or 8,
-                            repeats=args.confirm_repeats, max_concurrent_trials=args.max_concurrent, output_dir=str(out_dir))
+                            repeats=args.confirm_repeats, max_concurrent_trials=args.max_concurrent, output_dir=str(out_dir),
+                            progress=sys.stdout)
     finally:
         ray.shutdown()
     print(_ranking(pick.search_trials, list(space), "reward_mean", "max"))

@@ -17,7 +17,9 @@ def ray_session(tmp_path_factory):
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")  # as the CLI's local cluster (ray_ppo/cli.py)
     # Actors import test helpers by name (e.g. model.reward_fn=faulty_rewards:...): workers inherit this.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-    ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    # The dashboard (on loopback), as `ray-ppo tune` starts it: the sweeps here stop trials early,
+    # and Ray Train frees a stopped trial's worker-group CPUs only through the state API it serves.
+    ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=True, dashboard_host="127.0.0.1",
+             log_to_driver=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
     yield ray
     ray.shutdown()

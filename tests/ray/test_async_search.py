@@ -1,6 +1,7 @@
 """`ray-ppo tune --async-search` at a tiny budget: Tune picks a pipeline knob, the pick and the
 default are rerun to the budget, and no trial leaves actors behind."""
 
+import io
 import math
 from pathlib import Path
 
@@ -19,16 +20,57 @@ def test_async_search_picks_a_setting_and_measures_it_against_the_default(ray_se
     cfg = load_config(REPO / "configs" / "tiny.yaml", [
         f"trainer.total_steps={TOTAL_STEPS}", "trainer.train_batch_size=16", "trainer.mini_batch_size=8",
         "maker.num_makers=1", "maker.batch_size=8", "trainer.pull_timeout_s=60", f"logging.output_dir={tmp_path}"])
+    progress = io.StringIO()
     pick = async_search(cfg, budget_s=3.0, space={"maker.batch_size": [8, 16]}, num_samples=2,
-                        max_concurrent_trials=2, output_dir=str(tmp_path / "search"))
+                        max_concurrent_trials=2, output_dir=str(tmp_path / "search"), progress=progress)
     assert len(pick.search_trials) == 2 and all(t["status"] == "TERMINATED" for t in pick.search_trials)
     assert pick.default == {"maker.batch_size": 8} and pick.recommended["maker.batch_size"] in (8, 16)
     assert len(pick.default_rewards) == 1 and (pick.recommended == pick.default or len(pick.recommended_rewards) == 1)
     assert math.isfinite(pick.gain)
     assert "measured gain over the default" in pick.summary()
+    lines = progress.getvalue().splitlines()  # a line per phase and per ended trial, in place of Tune's tables
+    confirmed = 1 if pick.recommended == pick.default else 2
+    assert lines[0] == "search: 2 settings, 3 s of training each"
+    assert [line.split(" done:")[0] for line in lines[1:3]] == ["trial 1/2", "trial 2/2"]
+    assert lines[3].startswith("confirm: maker.batch_size=8") and "(first: the default)" in lines[3]
+    assert [line.split(" done:")[0] for line in lines[4:]] == [f"trial {i}/{confirmed}" for i in range(1, confirmed + 1)]
+    assert all("reward_mean" in line for line in lines[1:3] + lines[4:])
     confirm = list((tmp_path / "search" / "confirm" / "trials").iterdir())
     assert len(confirm) == (1 if pick.recommended == pick.default else 2)
     for run_dir in confirm:  # the budget, not total_steps, ended each confirmation run
         steps = len((run_dir / "metrics.jsonl").read_text().splitlines())
         assert 1 <= steps < TOTAL_STEPS
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"].startswith("ray_ppo.")]
+
+
+def test_a_trial_that_tune_stops_early_leaves_no_cpus_reserved(ray_session, tmp_path):
+    """Tune ends the process of a trial it stops (here: every trial, at its first result), so the
+    trial's Ray Train controller dies without removing its worker group's placement group. On a
+    cluster that serves the state API (the dashboard, as `ray-ppo tune` starts one), Ray Train's
+    cleaner removes it; without, the CPUs stayed reserved and later trials could not start."""
+    import time
+
+    from ray.tune.schedulers import FIFOScheduler
+
+    from ray_ppo.sweep import cleaner_can_see, sweep
+
+    class StopAtFirstResult(FIFOScheduler):
+        def on_trial_result(self, tune_controller, trial, result):
+            return self.STOP
+
+    def reserved() -> list:
+        return [pg["bundles"] for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED"]
+
+    assert cleaner_can_see()
+    before = reserved()
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [
+        f"trainer.total_steps={TOTAL_STEPS}", "trainer.train_batch_size=16", "trainer.mini_batch_size=8",
+        "maker.num_makers=1", "maker.batch_size=8", "logging.report_every=1", f"logging.output_dir={tmp_path}"])
+    outcome = sweep(cfg, {"ppo.kl_coef": 0.05}, scheduler=StopAtFirstResult(), output_dir=str(tmp_path / "sweep"))
+    assert [t["status"] for t in outcome.trials] == ["TERMINATED"]
+    assert 1 <= float(outcome.trials[0]["step"]) < TOTAL_STEPS  # stopped, not finished
+    deadline = time.monotonic() + 30
+    while (left := reserved()) != before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == before, f"placement groups still reserved after the stopped trial: {left}"
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"].startswith("ray_ppo.")]

@@ -117,7 +117,8 @@ def test_live_line_format():
 
 def test_tune_sweeps_the_estimator_and_off_policy_keys(capsys, monkeypatch, tmp_path):
     """`ray-ppo tune --grid algo.advantage=... --grid ppo.off_policy=...` validates every value and
-    hands Tune a grid over both keys (the sweep itself is stubbed: tests/e2e runs real sweeps)."""
+    hands Tune a grid over both keys (the sweep itself is stubbed: tests/e2e runs real sweeps), on
+    a local cluster with the dashboard."""
     import ray
 
     import ray_ppo.cli as cli
@@ -131,11 +132,14 @@ def test_tune_sweeps_the_estimator_and_off_policy_keys(capsys, monkeypatch, tmp_
         return SweepOutcome({}, 0.0, None, "", [], None)
 
     monkeypatch.setattr(sweep_module, "sweep", fake_sweep)
-    monkeypatch.setattr(cli, "_init_ray", lambda args: None)
+    dashboards = []
+    monkeypatch.setattr(cli, "_init_ray", lambda args, dashboard=False: dashboards.append(dashboard))
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     config = str(ROOT / "configs" / "sum_mod10.yaml")
     assert main(["tune", "--config", config, "--output", str(tmp_path), "--grid", "algo.advantage=gae,grpo,rloo,reinforce_pp",
                  "--grid", "ppo.off_policy=none,tis,decoupled"]) == 0
+    # A sweep's local cluster serves the state API, which Ray Train needs to free a stopped trial's CPUs.
+    assert dashboards == [True]
     assert seen == {"algo.advantage": {"grid_search": ["gae", "grpo", "rloo", "reinforce_pp"]},
                     "ppo.off_policy": {"grid_search": ["none", "tis", "decoupled"]}}
     assert main(["tune", "--config", TINY, "--grid", "ppo.off_policy=none,clip"]) == EXIT_USAGE
