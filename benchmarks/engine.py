@@ -29,9 +29,11 @@ BATCH, PROMPT_LEN, NEW_TOKENS = 64, 16, 48
 
 
 def build_model(kind: str, directory: str):
-    """(HF model, its directory) of ``kind``."""
+    """(HF model, its directory) of ``kind``: the built-in ``tiny-vllm``, or a random-weight
+    ``gpt2-small`` or ``llama-small`` (GPT-2-small's size in Llama's layout: ``nn.Linear``
+    weights, fused qkv / gate_up in vLLM) saved to ``directory``."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     from ray_ppo.core.models import load_actor, resolve_pretrained
 
@@ -39,7 +41,15 @@ def build_model(kind: str, directory: str):
         path = resolve_pretrained("tiny-vllm")
         return load_actor(path).eval(), path
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)).eval()
+    if kind == "gpt2-small":
+        model = GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024))
+    elif kind == "llama-small":
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                                             num_attention_heads=12, num_key_value_heads=12, vocab_size=32000,
+                                             max_position_embeddings=1024, tie_word_embeddings=False))
+    else:
+        raise SystemExit(f"unknown model {kind!r}: tiny-vllm, gpt2-small or llama-small")
+    model = model.eval()
     model.save_pretrained(directory)
     return model, directory
 

@@ -39,28 +39,9 @@ import tempfile
 import time
 
 from _common import median, table
+from engine import NEW_TOKENS, PROMPT_LEN, build_model, prompts
 
-BATCH, PROMPT_LEN, NEW_TOKENS = 64, 16, 48
 VARIANTS = ("packed", "unpacked")
-
-
-def build_model(kind: str, directory: str):
-    """A random-weight HF model of ``kind``, saved to ``directory``."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    if kind == "gpt2-small":
-        model = GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024))
-    elif kind == "llama-small":  # GPT-2-small's size in Llama's layout: nn.Linear weights, fused qkv / gate_up in vLLM
-        model = LlamaForCausalLM(LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                                             num_attention_heads=12, num_key_value_heads=12, vocab_size=32000,
-                                             max_position_embeddings=1024, tie_word_embeddings=False))
-    else:
-        raise SystemExit(f"unknown model {kind!r}: gpt2-small or llama-small")
-    model = model.eval()
-    model.save_pretrained(directory)
-    return model
 
 
 class PackTimer:
@@ -100,11 +81,10 @@ def run_variant(kind: str, variant: str, rounds: int) -> dict:
         ops._supports_onednn = False
     timer = PackTimer()
     with tempfile.TemporaryDirectory() as directory:
-        model = build_model(kind, directory)
-        engine = VllmEngine(directory, "float32", seed=0, max_model_len=PROMPT_LEN + NEW_TOKENS,
+        model, path = build_model(kind, directory)
+        engine = VllmEngine(path, "float32", seed=0, max_model_len=PROMPT_LEN + NEW_TOKENS,
                             gpu_memory_utilization=0.2, kv_cache_gib=1.0)
-        ids = torch.randint(3, model.config.vocab_size, (BATCH, PROMPT_LEN),
-                            generator=torch.Generator().manual_seed(0)).tolist()
+        ids = prompts(model.config.vocab_size)
         params = SamplingParams(max_new_tokens=NEW_TOKENS)
         engine.generate(ids, params, 0, None)  # warm-up of this shape
         transposed = transposed_weights(model)
