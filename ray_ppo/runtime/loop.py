@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -262,7 +263,11 @@ def _report(w: _Worker, plan: _StepPlan, metrics: dict[str, float], step_s: floa
         samples = pick_samples(items, w.tokenizer, plan.step) if due else []
         _record(w, {**metrics, SAMPLES_KEY: samples} if samples else metrics)
     if plan.last or plan.checkpoint or plan.step % w.cfg.logging.report_every == 0:
-        ray.train.report(metrics, checkpoint=checkpoint)
+        try:
+            ray.train.report(metrics, checkpoint=checkpoint)
+        finally:  # the report uploaded it (SYNC mode) or failed: either way the local copy is spent
+            if checkpoint is not None:
+                shutil.rmtree(checkpoint.path, ignore_errors=True)
         if checkpoint is not None:
             _announce_checkpoint(w.coordinator, plan.step)
 

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ REPO = Path(__file__).parents[2]
 
 def test_ray_ppo_train_writes_metrics_and_checkpoint(tmp_path):
     out = tmp_path / "run"
+    staged_before = set(Path(tempfile.gettempdir()).glob("ray_ppo_ckpt_*"))
     proc = subprocess.run(
         [sys.executable, "-m", "ray_ppo.cli", "train", "--config", "configs/tiny.yaml", "--output", str(out),
          "trainer.total_steps=3", "trainer.train_batch_size=16", "trainer.mini_batch_size=8", "maker.batch_size=8",
@@ -28,6 +30,8 @@ def test_ray_ppo_train_writes_metrics_and_checkpoint(tmp_path):
     assert (out / "config.yaml").exists()
     assert (out / "checkpoint" / "actor" / "model.safetensors").exists()
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 3
+    # rank 0 stages each checkpoint in a temporary directory; once Ray Train has its copy, none is left
+    assert set(Path(tempfile.gettempdir()).glob("ray_ppo_ckpt_*")) == staged_before
 
     # TensorBoard files hold every step of the main metrics, equal to metrics.jsonl
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
