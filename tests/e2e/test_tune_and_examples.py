@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -105,6 +106,7 @@ def head_node():
         yield {"dashboard": f"http://127.0.0.1:{dashboard}", "gcs": f"127.0.0.1:{port}"}
     finally:
         stop_cluster(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)  # the head's logs and session files
 
 
 def test_example_submit_job(head_node, tmp_path):
