@@ -128,31 +128,54 @@ def past_checkpoint(run: Path, after: int = 0):
 
 
 @pytest.mark.timeout(4 * RUN_TIMEOUT_S)
-def test_ctrl_c_stops_the_run_and_resume_continues_it(tmp_path):
+def test_ctrl_c_then_kill_9_and_two_resumes_train_every_prompt_exactly_once(tmp_path):
+    """Ctrl-C stops the run cleanly; its resume is killed with kill -9 (no clean-up of any kind);
+    a second resume runs to the end. 3 makers generate, so prompts are in flight at each stop. By
+    prompt identity, every prompt of the first epoch is trained exactly once, and no prompt twice;
+    steps and policy versions go on from each checkpoint. Then the finished run has nothing to do,
+    and a new run refuses its directory. (One run through both stops: each CLI run starts a
+    cluster of its own, ~40 s of the suite.)"""
+    n_prompts, total = 48, 10  # 10 steps x 8 items: the first epoch, and a third of the second
     run = tmp_path / "run"
-    args = ["--config", "configs/tiny.yaml", "--output", str(run), f"data.path={prompts_csv(tmp_path, 64)}",
-            "maker.num_makers=1", "trainer.total_steps=200", *SMALL]
+    args = ["--config", "configs/tiny.yaml", "--output", str(run), f"data.path={prompts_csv(tmp_path, n_prompts)}",
+            "maker.num_makers=3", f"trainer.total_steps={total}", *SMALL]
     cli = Cli(args, tmp_path)
     wait_until(cli, past_checkpoint(run))
     sent = time.monotonic()
     cli.proc.send_signal(signal.SIGINT)
     code, err = cli.wait()
     stop_s = time.monotonic() - sent
-    saved = checkpoint_state(run)["step"]
-    last = max(steps_in(run))
+    interrupted = [checkpoint_state(run)]
+    saved, last = interrupted[0]["step"], max(steps_in(run))
     assert code == 130, err[-3000:]
     assert err.strip().splitlines()[-1] == (f"ray-ppo train: interrupted after step {last}; {run}/checkpoint holds "
                                             f"step {saved}: resume with: ray-ppo train --resume {run}")
     assert stop_s < STOP_LIMIT_S and cli.leaked == []
     print(f"Ctrl-C at step {last}: exit 130 after {stop_s:.1f} s; checkpoint at step {saved}")
 
-    total = saved + 2
-    cli = Cli(["--resume", str(run), f"trainer.total_steps={total}"], tmp_path)
+    cli = Cli(["--resume", str(run)], tmp_path)
+    wait_until(cli, past_checkpoint(run, after=saved))
+    cli.proc.kill()  # SIGKILL
+    cli.wait()
+    assert cli.leaked == []  # the local cluster died with its driver
+    interrupted.append(checkpoint_state(run))
+
+    cli = Cli(["--resume", str(run)], tmp_path)
     code, err = cli.wait()
     assert code == 0 and cli.leaked == [], err[-3000:]
-    assert steps_in(run) == list(range(1, total + 1))  # rows after the checkpoint were redone, not doubled
-    assert versions_in(run) == list(range(1, total + 1))  # the policy version went on from the checkpoint's
-    assert checkpoint_state(run)["step"] == total
+    in_flight = [s["data"]["next"] - s["data"]["watermark"] - len(s["data"]["done"]) for s in interrupted]
+    assert sum(in_flight) > 0  # prompts handed out but not trained when the checkpoints were taken
+    final = checkpoint_state(run)
+    assert final["step"] == total
+    assert steps_in(run) == list(range(1, total + 1))  # rows after each checkpoint were redone, not doubled
+    assert versions_in(run) == list(range(1, total + 1))  # the policy version went on from each checkpoint's
+    trained = [pid for _, ids in final["data"]["trained"] for pid in ids]
+    assert len(trained) == total * 8 == len(set(trained)), "a prompt was trained twice"
+    assert set(range(n_prompts)) <= set(trained), f"never trained: {sorted(set(range(n_prompts)) - set(trained))}"
+    steps_of = {step for step, _ in final["data"]["trained"]}
+    assert steps_of == set(range(1, total + 1))  # the log spans all three processes' steps
+    print(f"stopped at checkpoints {[s['step'] for s in interrupted]} with {in_flight} prompts in flight; "
+          f"{len(trained)} prompts trained, each once")
 
     started = time.monotonic()
     cli = Cli(["--resume", str(run), f"trainer.total_steps={total}"], tmp_path)
@@ -188,37 +211,3 @@ def test_a_run_that_fails_before_its_first_step_leaves_the_directory_as_it_was(t
     assert (run / "config.yaml").read_text() == "name: the old run\n"  # the overwritten run is back, untouched
     assert cli.leaked == []
     print(f"failed before its first step: exit {code} after {time.monotonic() - started:.0f} s")
-
-
-@pytest.mark.timeout(4 * RUN_TIMEOUT_S)
-def test_killed_driver_resumed_twice_trains_every_prompt_exactly_once(tmp_path):
-    """kill -9 of the driver twice, with 3 makers generating (prompts in flight at each kill),
-    then a resume to the end: by prompt identity, every prompt of the first epoch is trained
-    exactly once, and no prompt twice."""
-    n_prompts, total = 48, 10  # 10 steps x 8 items: the first epoch, and a third of the second
-    run = tmp_path / "run"
-    args = ["--config", "configs/tiny.yaml", "--output", str(run), f"data.path={prompts_csv(tmp_path, n_prompts)}",
-            "maker.num_makers=3", f"trainer.total_steps={total}", *SMALL]
-    resumed_from = []
-    cli = Cli(args, tmp_path)
-    for _ in range(2):
-        wait_until(cli, past_checkpoint(run, after=max([0, *[s["step"] for s in resumed_from]])))
-        cli.proc.kill()  # SIGKILL: no clean-up of any kind
-        cli.wait()
-        assert cli.leaked == []  # the local cluster died with its driver
-        resumed_from.append(checkpoint_state(run))
-        cli = Cli(["--resume", str(run)], tmp_path)
-    code, err = cli.wait()
-    assert code == 0 and cli.leaked == [], err[-3000:]
-
-    in_flight = [s["data"]["next"] - s["data"]["watermark"] - len(s["data"]["done"]) for s in resumed_from]
-    assert sum(in_flight) > 0  # prompts handed out but not trained when the checkpoints were taken
-    final = checkpoint_state(run)
-    assert final["step"] == total and steps_in(run) == list(range(1, total + 1))
-    trained = [pid for _, ids in final["data"]["trained"] for pid in ids]
-    assert len(trained) == total * 8 == len(set(trained)), "a prompt was trained twice"
-    assert set(range(n_prompts)) <= set(trained), f"never trained: {sorted(set(range(n_prompts)) - set(trained))}"
-    steps_of = {step for step, _ in final["data"]["trained"]}
-    assert steps_of == set(range(1, total + 1))  # the log spans all three processes' steps
-    print(f"killed at checkpoints {[s['step'] for s in resumed_from]} with {in_flight} prompts in flight; "
-          f"{len(trained)} prompts trained, each once")
