@@ -172,13 +172,14 @@ def test_reward_that_fails_the_probe_stops_fit_before_any_actor(ray_session, tmp
     ("nan_on_generated", r"returned nan for prompt '[\d ]+' \(response '[\d ]*'\)"),
 ])
 def test_reward_fault_in_a_maker_names_the_function_and_prompt(ray_session, tmp_path, reward, problem):
-    cfg = small_config(tmp_path, f"model.reward_fn=faulty_rewards:{reward}", "trainer.total_steps=2")
+    cfg = small_config(tmp_path, f"model.reward_fn=faulty_rewards:{reward}", "trainer.total_steps=2",
+                       "maker.num_makers=1")  # one maker: a process less to start
     trainer = PPOTrainer(cfg)
     with pytest.raises(Exception) as info:
         trainer.fit()
     line = one_line(info.value)  # what the CLI prints
-    assert re.fullmatch(rf"RuntimeError: maker_\d failed \(\d/2 makers failed\): RewardError: "
-                        rf"model.reward_fn='faulty_rewards:{reward}' {problem} in maker_\d; a reward must be one "
+    assert re.fullmatch(rf"RuntimeError: maker_0 failed \(1/1 makers failed\): RewardError: "
+                        rf"model.reward_fn='faulty_rewards:{reward}' {problem} in maker_0; a reward must be one "
                         rf"finite float per response \(at experience.py:\d+\)", line), line
     assert trainer.namespace not in run_namespaces()
 
