@@ -9,8 +9,9 @@ A checkpoint directory holds:
     trainer/optimizer.pt     optimizer, scheduler and RNG state (plain tensors; loaded weights_only)
     state.json               step, policy version, KL controller, prompt-stream position
 
-Rank 0 of the train loop writes one with ``CheckpointWriter`` and reports it to Ray Train; the
-driver publishes it into the run directory (``publish_checkpoint``). No Ray import here.
+Rank 0 of the train loop writes one with ``CheckpointWriter`` into a temporary directory, reports
+it to Ray Train (which copies it to the run's storage) and removes the temporary directory; the
+driver publishes Ray Train's copy into the run directory (``publish_checkpoint``). No Ray import here.
 
 Nothing is ever unpickled: weights are safetensors and ``optimizer.pt`` is read with
 ``torch.load(weights_only=True)``. A missing, truncated or corrupt file raises
@@ -134,8 +135,8 @@ def load_trainer_state(directory: str | Path) -> tuple[dict, dict, dict, dict]:
 
 class CheckpointWriter:
     """Rank 0 writes actor and critic (``save_pretrained``, safetensors; no critic for the
-    critic-free estimators), tokenizer, optimizer state and run state into a fresh directory that
-    the train loop reports as a ``ray.train.Checkpoint``."""
+    critic-free estimators), tokenizer, optimizer state and run state into a fresh temporary
+    directory that the train loop reports as a ``ray.train.Checkpoint`` and then removes."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
