@@ -135,7 +135,12 @@ def test_ctrl_c_then_kill_9_and_two_resumes_train_every_prompt_exactly_once(tmp_
     steps and policy versions go on from each checkpoint. Then the finished run has nothing to do,
     and a new run refuses its directory. (One run through both stops: each CLI run starts a
     cluster of its own, ~40 s of the suite.)"""
-    n_prompts, total = 48, 10  # 10 steps x 8 items: the first epoch, and a third of the second
+    # Steps take well under a second here, RUN_DIR/checkpoint follows the run by a poll or two,
+    # and Ctrl-C stops it a few steps later (seen: interrupted after step 8, checkpoint of step 6);
+    # the kill then needs a later checkpoint and a step after it: 20 steps hold both. 20 x 8 items
+    # are the first epoch of 96 prompts and two thirds of the second, all in the checkpoint's log
+    # of trained prompts (it keeps the current and the previous epoch).
+    n_prompts, total = 96, 20
     run = tmp_path / "run"
     args = ["--config", "configs/tiny.yaml", "--output", str(run), f"data.path={prompts_csv(tmp_path, n_prompts)}",
             "maker.num_makers=3", f"trainer.total_steps={total}", *SMALL]
