@@ -111,12 +111,16 @@ def _train_step(w: _Worker, step: int) -> bool:
     step_s, elapsed_s = time.perf_counter() - start, time.perf_counter() - w.run_start
     metrics.update(trainer_idle_ratio=wait_s / step_s)
     checkpoint = _checkpoint(w, step, state) if plan.checkpoint else None
-    metrics = drop_absent(all_reduce_metrics(metrics, w.device))
-    # Only rank 0 pushes, and only rank 0's row is kept: its own time and bytes, never a mean over ranks.
-    metrics.update(push_s=push_s, push_bytes=float(push_bytes))
-    metrics.update(step=step, policy_version=w.version, kl_coef=w.kl_ctl.value,
-                   samples_per_s=w.cfg.trainer.train_batch_size * w.world / step_s, elapsed_s=elapsed_s)
-    _report(w, plan, metrics, step_s, items, state, checkpoint)
+    try:
+        metrics = drop_absent(all_reduce_metrics(metrics, w.device))
+        # Only rank 0 pushes, and only rank 0's row is kept: its own time and bytes, never a mean over ranks.
+        metrics.update(push_s=push_s, push_bytes=float(push_bytes))
+        metrics.update(step=step, policy_version=w.version, kl_coef=w.kl_ctl.value,
+                       samples_per_s=w.cfg.trainer.train_batch_size * w.world / step_s, elapsed_s=elapsed_s)
+        _report(w, plan, metrics, step_s, items, state, checkpoint)
+    finally:  # Ray Train has its copy (the report uploads in SYNC mode), or the step failed: the staged one is spent
+        if checkpoint is not None:
+            shutil.rmtree(checkpoint.path, ignore_errors=True)
     return plan.last
 
 
@@ -263,11 +267,7 @@ def _report(w: _Worker, plan: _StepPlan, metrics: dict[str, float], step_s: floa
         samples = pick_samples(items, w.tokenizer, plan.step) if due else []
         _record(w, {**metrics, SAMPLES_KEY: samples} if samples else metrics)
     if plan.last or plan.checkpoint or plan.step % w.cfg.logging.report_every == 0:
-        try:
-            ray.train.report(metrics, checkpoint=checkpoint)
-        finally:  # the report uploaded it (SYNC mode) or failed: either way the local copy is spent
-            if checkpoint is not None:
-                shutil.rmtree(checkpoint.path, ignore_errors=True)
+        ray.train.report(metrics, checkpoint=checkpoint)
         if checkpoint is not None:
             _announce_checkpoint(w.coordinator, plan.step)
 
