@@ -11,7 +11,7 @@ import ray
 from ray.train import FailureConfig, RunConfig
 
 from ray_ppo.api import PPOTrainer
-from ray_ppo.core.checkpoint import publish_checkpoint, validate_checkpoint
+from ray_ppo.core.checkpoint import validate_checkpoint
 from ray_ppo.config import load_config
 from ray_ppo.runtime.messages import CoordinatorStatus
 
@@ -50,88 +50,71 @@ def trained_ids(state: dict) -> list[int]:
     return [pid for _, ids in state["data"]["trained"] for pid in ids]
 
 
-def test_resume_continues_step_version_and_prompt_position(ray_session, tmp_path):
-    base = ["maker.num_makers=1", "data.shuffle=false"]
-    first = PPOTrainer(config(tmp_path, *base, "trainer.total_steps=2"))
-    result = first.fit()
-    with result.checkpoint.as_directory() as directory:
-        publish_checkpoint(directory, tmp_path, step=2)
-    saved = validate_checkpoint(tmp_path / "checkpoint")
-    assert saved["step"] == 2 and saved["policy_version"] == 2
-    trained = trained_ids(saved)
-    assert len(trained) == 2 * 16 == len(set(trained))  # one item per prompt: 32 prompts, each once
+def test_a_run_survives_a_killed_maker_and_trainer_worker_then_resumes_where_it_stopped(ray_session, tmp_path):
+    """One run takes two faults and is then resumed: the paths of three fits in two (each fit
+    costs ~30 s of start-up on 2 cores).
 
-    resumed = PPOTrainer(config(tmp_path, *base, "trainer.total_steps=4"), resume_from=tmp_path / "checkpoint")
-    result = resumed.fit()
-    assert [m["step"] for m in resumed.history] == [3, 4]
-    assert [m["policy_version"] for m in resumed.history] == [3, 4]
-    # The resumed stream starts at the first prompt (file order: data.shuffle=false) not trained
-    # by the checkpoint: prompts are read in file order (Ray Data's preserve_order), so this
-    # holds on every run, not only when Ray Data happens to keep the blocks in order.
-    assert first.final_status.data["first_prompt"] == PROMPTS[0]
-    assert resumed.final_status.data["first_prompt"] == PROMPTS[saved["data"]["watermark"]]
-    with result.checkpoint.as_directory() as directory:
-        trained = trained_ids(validate_checkpoint(directory))
-    assert len(trained) == 4 * 16 == len(set(trained))  # across the resume: no prompt trained twice
-    assert resumed.history[-1]["weights_in_sync"] == 1.0
-
-
-def test_killed_maker_is_restarted_and_resynced(ray_session, tmp_path):
-    trainer = PPOTrainer(config(tmp_path, "trainer.total_steps=8", "maker.num_makers=2", "maker.max_restarts=2"))
+    - maker_0 is killed (SIGKILL) once step 1 is seen: Ray restarts it (``maker.max_restarts``),
+      it resyncs to the last push, and maker_1 runs on untouched.
+    - rank 0 is killed once step 3 is seen. The history lags the trainer by a poll or two, so with
+      checkpoints at 3 and 6 the kill lands in steps 4-6: the group restarts from step 3 and reruns
+      what followed. (With checkpoints every 2 steps a late kill could fall just after one, and
+      nothing would run twice: seen in CI.)
+    - the run's last checkpoint, which fit() published to ``output_dir/checkpoint``, is resumed
+      for 2 more steps: step, policy version and prompt position continue, no prompt twice.
+    """
+    base = ["maker.num_makers=2", "maker.max_restarts=2", "data.shuffle=false"]
+    trainer = PPOTrainer(config(tmp_path, *base, "trainer.total_steps=8", "trainer.checkpoint_every=3"),
+                         run_config=RunConfig(name="restart", storage_path=str(tmp_path / "ray_train"),
+                                              failure_config=FailureConfig(max_failures=1, controller_failure_limit=0)))
     killed = {}
 
     def kill_maker_0():
-        killed["pid"] = ray.get(trainer.makers[0].ping.remote())
-        killed["at"] = time.monotonic()
-        os.kill(killed["pid"], signal.SIGKILL)
-
-    when_step(trainer, 2, kill_maker_0)
-    trainer.fit()
-    status = trainer.final_status
-    assert killed and status.makers[0].restarts == 1 and status.makers[1].restarts == 0
-    assert trainer.history[-1]["step"] == 8
-    assert trainer.history[-1]["weights_in_sync"] == 1.0  # the restarted maker resynced to the last push
-    assert accounted(status)
-    assert status.counters.lost >= 0  # prompts that died with the maker are counted, not silently dropped
-    assert status.counters.lost_in_transit == 0  # inline transport: what it had sent is the coordinator's
-    print(f"maker kill: lost {status.counters.lost} prompts; run finished "
-          f"{time.monotonic() - killed['at']:.1f} s after the kill")
-
-
-def test_killed_trainer_worker_restarts_from_checkpoint(ray_session, tmp_path):
-    # The kill comes once step 3 is seen in the history, which lags the trainer by a poll or two.
-    # With checkpoints at 3 and 6 it lands in steps 4-6, so the group restarts from step 3 and
-    # reruns what followed; with checkpoints every 2 steps a late kill could fall just after a
-    # checkpoint, and nothing would run twice (seen in CI).
-    cfg = config(tmp_path, "trainer.total_steps=7", "trainer.checkpoint_every=3", "maker.num_makers=1")
-    trainer = PPOTrainer(cfg, run_config=RunConfig(
-        name="restart", storage_path=str(tmp_path / "ray_train"),
-        failure_config=FailureConfig(max_failures=1, controller_failure_limit=0)))
-    killed = {}
+        killed["maker"] = ray.get(trainer.makers[0].ping.remote())
+        killed["maker_at"] = time.monotonic()
+        os.kill(killed["maker"], signal.SIGKILL)
 
     def kill_rank_0():
-        killed["pid"] = ray.get(trainer.coordinator.status.remote()).rank_pids[0]
-        os.kill(killed["pid"], signal.SIGKILL)
+        killed["rank"] = ray.get(trainer.coordinator.status.remote()).rank_pids[0]
+        os.kill(killed["rank"], signal.SIGKILL)
 
+    when_step(trainer, 1, kill_maker_0)
     when_step(trainer, 3, kill_rank_0)
     result = trainer.fit()
     steps = [m["step"] for m in trainer.history]
     versions = [m["policy_version"] for m in trainer.history]
-    assert killed and result.metrics["step"] == 7 and steps[-1] == 7
+    assert {"maker", "rank"} <= killed.keys() and result.metrics["step"] == 8 and steps[-1] == 8
     assert len(steps) > len(set(steps))  # steps after the checkpoint ran again
     assert versions == sorted(versions)  # the makers never saw the policy version go backwards
     status = trainer.final_status
-    assert all(m.restarts == 0 for m in status.makers.values())  # makers and coordinator survived
-    assert trainer.history[-1]["weights_in_sync"] == 1.0
+    # maker_0 came back once; the trainer's restart restarted no maker (nor the coordinator)
+    assert status.makers[0].restarts == 1 and status.makers[1].restarts == 0
+    assert trainer.history[-1]["weights_in_sync"] == 1.0  # the restarted maker resynced to the last push
     assert accounted(status)
-    # Exactly once: what the killed group trained after its checkpoint was served again (rewound),
-    # and the final checkpoint's log holds each prompt once, over steps 1..7.
+    assert status.counters.lost_in_transit == 0  # inline transport: what a maker had sent is the coordinator's
+    assert status.counters.prompts_requeued > 0  # what the killed group trained after its checkpoint, served again
+    print(f"maker kill: lost {status.counters.lost} prompts; run finished "
+          f"{time.monotonic() - killed['maker_at']:.1f} s after the kill")
+    # Exactly once: the final checkpoint's log holds each prompt once, over steps 1..8.
+    saved = validate_checkpoint(tmp_path / "checkpoint")
+    assert saved["step"] == 8
+    trained = trained_ids(saved)
+    assert len(trained) == 8 * 16 == len(set(trained))
+    assert [s for s, _ in saved["data"]["trained"]] == list(range(1, 9))
+
+    resumed = PPOTrainer(config(tmp_path, *base, "trainer.total_steps=10"), resume_from=tmp_path / "checkpoint")
+    result = resumed.fit()
+    assert [m["step"] for m in resumed.history] == [9, 10]
+    assert [m["policy_version"] for m in resumed.history] == [saved["policy_version"] + 1, saved["policy_version"] + 2]
+    # The resumed stream starts at the first prompt (file order: data.shuffle=false) not trained
+    # by the checkpoint: prompts are read in file order (Ray Data's preserve_order), so this
+    # holds on every run, not only when Ray Data happens to keep the blocks in order.
+    assert trainer.final_status.data["first_prompt"] == PROMPTS[0]
+    assert resumed.final_status.data["first_prompt"] == PROMPTS[saved["data"]["watermark"]]
     with result.checkpoint.as_directory() as directory:
-        state = validate_checkpoint(directory)
-    trained = trained_ids(state)
-    assert len(trained) == 7 * 16 == len(set(trained))
-    assert [s for s, _ in state["data"]["trained"]] == [1, 2, 3, 4, 5, 6, 7]
-    assert status.counters.prompts_requeued > 0
+        trained = trained_ids(validate_checkpoint(directory))
+    assert len(trained) == 10 * 16 == len(set(trained))  # across the resume: no prompt trained twice
+    assert resumed.history[-1]["weights_in_sync"] == 1.0
 
 
 def test_killed_coordinator_fails_the_run_clearly(ray_session, tmp_path):
