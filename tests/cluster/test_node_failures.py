@@ -1,16 +1,25 @@
-"""Node failure on a simulated multi-node cluster: the makers' node dies mid-run, the run survives.
+"""Node failures on a simulated multi-node cluster: one run loses its trainer's node, then its
+makers' node, and survives both.
 
 A ``ray.cluster_utils.Cluster`` is a set of raylets of its own and a driver can be connected to
 one cluster only, so the scenario runs in a subprocess (this file run as a script) and writes
 what it saw as JSON; the test asserts on that. This keeps it apart from the session cluster of
-tests/ray, whichever order pytest runs them in.
+tests/ray, whichever order pytest runs them in. One run takes both faults, because each run
+costs a cluster and a fit (~90 s on 2 cores).
 
 Layout: the head node runs the driver, the coordinator and Ray Train's controller; one node
-advertises ``trainer_node`` (the worker group), one ``maker_node`` (both makers). Once the makers
-are up, a spare ``maker_node`` node joins; after two trained steps the makers' node is killed
-(no graceful shutdown, like a lost machine). Ray restarts the makers on the spare node
-(``maker.max_restarts``), the coordinator counts what died with them and resends the latest
-weights, and the run finishes every step.
+advertises ``trainer_node`` (the worker group), one ``maker_node`` (both makers). Once the
+makers are up, a spare of each joins. Then, each node killed with no graceful shutdown (like a
+lost machine):
+
+1. **The trainer's node**, once a checkpoint is stored and a later step trained: with
+   ``trainer.max_failures=1`` Ray Train restarts the worker group on the spare trainer node from
+   that checkpoint; the prompts trained after it are served again, so every prompt is still
+   trained exactly once. This fault comes first: it must land between a checkpoint and the end
+   of the run, which is easiest while the run is young.
+2. **The makers' node**, two policy versions after the restarted group's first: Ray restarts
+   the makers on the spare maker node (``maker.max_restarts``), the coordinator counts what died
+   with them and resends the latest weights, and the run finishes every step.
 """
 
 from __future__ import annotations
@@ -32,18 +41,20 @@ from scenario import POLL_S, coordinator_status, fit_recording_error, record_end
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).parents[2]
-TOTAL_STEPS = 6
-REMOVE_AT_VERSION = 2
+TOTAL_STEPS = 12
 NUM_MAKERS = 2
 MAKER_NODE = {"num_cpus": 1, "resources": {"maker_node": NUM_MAKERS}}  # room for every maker (0.5 CPU each)
+TRAINER_NODE = {"num_cpus": 1, "resources": {"trainer_node": 1}}
 NODE_HEALTH_CHECK = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 """The GCS declares a silent node dead after ~3 s (Ray's defaults, 3000 ms x 5, take ~15 s)."""
-SCENARIO_TIMEOUT_S = 300  # ~60 s on a quiet machine, ~190 s with both cores busy
+MAKERS_KILLED_AFTER = 2
+"""Policy versions the restarted worker group trains before the makers' node is killed."""
+SCENARIO_TIMEOUT_S = 900  # ~2 min on a quiet machine; minutes more on a loaded one (five raylets, models built twice)
 
 
 @pytest.mark.timeout(SCENARIO_TIMEOUT_S + 60)
-def test_makers_node_lost_midrun_is_survived(tmp_path):
-    out = tmp_path / "node_failure.json"
+def test_trainer_node_then_makers_node_lost_midrun_are_survived(tmp_path):
+    out = tmp_path / "node_failures.json"
     temp_dir = tempfile.mkdtemp(prefix="rp_node_", dir="/tmp")  # short: Ray's socket paths have a length limit
     # RAY_TMPDIR: the cluster's session files and its address file stay out of /tmp/ray, where a
     # plain ray.init() of any other process on this machine would find and join it.
@@ -52,34 +63,49 @@ def test_makers_node_lost_midrun_is_survived(tmp_path):
     try:
         proc = subprocess.run([sys.executable, __file__, str(out), str(tmp_path / "run")], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the scenario timed out; it got as far as: {out.read_text() if out.exists() else 'nothing'}")
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     seen = json.loads(out.read_text())
-
     assert seen["error"] is None, seen["error"]
+
     steps = [m["step"] for m in seen["history"]]
     versions = [m["policy_version"] for m in seen["history"]]
     assert steps[-1] == TOTAL_STEPS and versions == sorted(versions)
     assert seen["history"][-1]["weights_in_sync"] == 1.0  # the restarted makers hold the last push
-
     nodes = seen["nodes"]
+
+    # 1. The trainer's node: the group restarted on the spare from the checkpoint, steps after it ran again.
+    assert len(steps) > len(set(steps))
+    assert seen["rank_nodes"] == [nodes["trainer"], nodes["trainer_spare"]]
+    final = seen["final_checkpoint"]
+    assert final["step"] == TOTAL_STEPS
+    trained = [pid for _, ids in final["data"]["trained"] for pid in ids]
+    # exactly once: the prompts trained by the lost worker group after the checkpoint were
+    # served again (rewound), and the log holds each prompt once, over steps 1..TOTAL_STEPS
+    assert len(trained) == len(set(trained)) == TOTAL_STEPS * seen["train_batch_size"]
+    assert {s for s, _ in final["data"]["trained"]} == set(range(1, TOTAL_STEPS + 1))
+    c = seen["final_status"]["counters"]
+    assert c["prompts_requeued"] >= seen["trained_after_checkpoint"] > 0
+
+    # 2. The makers' node: the makers restarted on the spare, once each, and resynced.
     assert seen["coordinator_node"] == nodes["head"]  # pinned to the driver's node, so it survived
     assert {m["NodeID"] for m in seen["makers_before"].values()} == {nodes["makers"]}
-    assert {m["NodeID"] for m in seen["makers_after"].values()} == {nodes["spare"]}  # restarted there
+    assert {m["NodeID"] for m in seen["makers_after"].values()} == {nodes["makers_spare"]}
     assert all(m["NumRestarts"] == 1 for m in seen["makers_after"].values())
-
-    status = seen["final_status"]
-    assert all(m["restarts"] == 1 for m in status["makers"].values())  # each resynced once
-    c = status["counters"]
+    assert all(m["restarts"] == 1 for m in seen["final_status"]["makers"].values())  # each resynced once
     assert c["produced"] == c["consumed"] + c["in_flight"] + c["discarded"] + c["lost_in_transit"]
     # Every prompt handed out is accounted for: it came back as an item, was blank, or died
     # with the node (counted as lost, not silently dropped: before the coordinator ended the
     # dead makers' waiting next_prompts calls, their batches went nowhere, uncounted).
     assert c["prompts_served"] == c["produced"] + c["blank_prompts"] + c["lost"]
-    assert c["consumed"] == TOTAL_STEPS * seen["train_batch_size"]
     assert seen["recovery"]["recovered_step_s"] is not None  # trained on experience made after the restart
-    print(f"node failure: lost {c['lost']} prompts and {c['lost_in_transit']} items in transit, discarded {c['discarded']} items; after the node was killed: "
+    print(f"trainer node lost after step {seen['killed_after_step']} (checkpoint at step {seen['checkpoint_step']}); "
+          f"{seen['trained_after_checkpoint']} prompts rewound; restarted on the spare node in {seen['restart_s']:.1f} s. "
+          f"Makers' node: lost {c['lost']} prompts and {c['lost_in_transit']} items in transit, discarded "
+          f"{c['discarded']} items; after the node was killed: "
           + ", ".join(f"{k} {v:.1f} s" for k, v in seen["recovery"].items() if v is not None)
           + f"; scenario {seen['scenario_s']:.0f} s")
 
@@ -97,13 +123,14 @@ def run_scenario(out_path: str, run_dir: str) -> None:
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "include_dashboard": False, "_system_config": NODE_HEALTH_CHECK})
     try:
-        cluster.add_node(num_cpus=1, resources={"trainer_node": 1})
+        trainer_node = cluster.add_node(**TRAINER_NODE)
         makers_node = cluster.add_node(**MAKER_NODE)
         ray.init(address=cluster.address, log_to_driver=False)
         cfg = load_config(REPO / "configs" / "tiny.yaml", [
-            f"trainer.total_steps={TOTAL_STEPS}", "trainer.train_batch_size=16", "trainer.mini_batch_size=8",
-            "trainer.pull_timeout_s=60", "trainer.node_resource=trainer_node",
-            f"maker.num_makers={NUM_MAKERS}", "maker.batch_size=8", "maker.node_resource=maker_node",
+            f"trainer.total_steps={TOTAL_STEPS}", "trainer.train_batch_size=8", "trainer.mini_batch_size=8",
+            "trainer.ppo_epochs=1", "trainer.pull_timeout_s=120", "trainer.node_resource=trainer_node",
+            "trainer.checkpoint_every=2", "trainer.max_failures=1",
+            f"maker.num_makers={NUM_MAKERS}", "maker.batch_size=4", "maker.node_resource=maker_node",
             "maker.max_restarts=1", "logging.report_every=1", f"logging.output_dir={run_dir}",
             # Makers may run 4 versions ahead: the trainer goes on with what is buffered while
             # they restart, and they often hold made batches when their node dies (lost > 0;
@@ -114,20 +141,48 @@ def run_scenario(out_path: str, run_dir: str) -> None:
             "topology.transport=ref"])
         trainer = PPOTrainer(cfg)  # its RunConfig has controller_failure_limit=0: fails, never hangs
         seen = {"train_batch_size": cfg.trainer.train_batch_size, "error": None}
+        save = lambda: Path(out_path).write_text(json.dumps({**seen, "history": trainer.history}, default=str))  # noqa: E731
         fit = threading.Thread(target=fit_recording_error, args=(trainer, seen), daemon=True)
         fit.start()  # Cluster.add_node/remove_node only work from the main thread
         wait_for(lambda: len(_makers()) == NUM_MAKERS and all(m["State"] == "ALIVE" for m in _makers().values()), SCENARIO_TIMEOUT_S)
         seen["makers_before"] = _makers()
-        spare = cluster.add_node(**MAKER_NODE)
-        wait_for(lambda: coordinator_status(trainer).get("trainer_version", 0) >= REMOVE_AT_VERSION, SCENARIO_TIMEOUT_S)
-        seen["nodes"] = {"head": cluster.head_node.node_id, "makers": makers_node.node_id, "spare": spare.node_id}
-        seen["killed_after_s"] = time.monotonic() - start
+        makers_spare = cluster.add_node(**MAKER_NODE)
+        trainer_spare = cluster.add_node(**TRAINER_NODE)
+        seen["nodes"] = {"head": cluster.head_node.node_id, "trainer": trainer_node.node_id,
+                         "trainer_spare": trainer_spare.node_id, "makers": makers_node.node_id,
+                         "makers_spare": makers_spare.node_id}
+
+        # 1. the trainer's node, between a stored checkpoint and the end of the run
+        wait_for(lambda: len(trainer.history) >= 1, SCENARIO_TIMEOUT_S)
+        rank_nodes = [_node_of(coordinator_status(trainer)["rank_pids"][0])]
+        checkpoint = Path(run_dir) / "checkpoint" / "state.json"
+        wait_for(lambda: checkpoint.exists() and trainer.history[-1]["step"] > json.loads(checkpoint.read_text())["step"], SCENARIO_TIMEOUT_S)
+        saved = json.loads(checkpoint.read_text())
+        status = coordinator_status(trainer)
+        seen.update(checkpoint_step=saved["step"], killed_after_step=trainer.history[-1]["step"],
+                    trained_after_checkpoint=status["counters"]["prompts_trained"] - len(
+                        [p for _, ids in saved["data"]["trained"] for p in ids]))
+        save()
+        killed_at = time.monotonic()
+        cluster.remove_node(trainer_node, allow_graceful=False)
+        old_pid = status["rank_pids"][0]
+        wait_for(lambda: coordinator_status(trainer).get("rank_pids", {}).get(0) not in (None, old_pid), SCENARIO_TIMEOUT_S)
+        seen["restart_s"] = time.monotonic() - killed_at
+        rank_nodes.append(_node_of(coordinator_status(trainer)["rank_pids"][0]))
+        seen["rank_nodes"] = rank_nodes
+        save()
+
+        # 2. the makers' node, once the restarted group has trained MAKERS_KILLED_AFTER versions
+        restarted_at = coordinator_status(trainer)["trainer_version"]
+        wait_for(lambda: coordinator_status(trainer).get("trainer_version", 0) >= restarted_at + MAKERS_KILLED_AFTER, SCENARIO_TIMEOUT_S)
+        seen["makers_killed_after_s"] = time.monotonic() - start
         killed_at = time.monotonic()
         cluster.remove_node(makers_node, allow_graceful=False)
         seen["recovery"] = _watch_recovery(trainer, killed_at, fit, makers_node.node_id)
+        save()
         record_end_of_fit(trainer, seen, fit, start, SCENARIO_TIMEOUT_S)
         seen.update(makers_after=_makers(), coordinator_node=seen["final_status"] and seen["final_status"]["node_id"],
-                    scenario_s=time.monotonic() - start)
+                    final_checkpoint=json.loads(checkpoint.read_text()), scenario_s=time.monotonic() - start)
         Path(out_path).write_text(json.dumps(seen, default=str))
     finally:
         ray.shutdown()
@@ -143,11 +198,21 @@ def _makers() -> dict[str, dict]:
             for a in ray._private.state.actors().values() if a["Name"].startswith("maker_")}
 
 
+def _node_of(pid: int) -> str | None:
+    """The node whose worker process has ``pid`` (the GCS's record of live actors and their pids)."""
+    import ray._private.state
+
+    for actor in ray._private.state.actors().values():
+        if actor.get("Pid") == pid and actor["State"] == "ALIVE":
+            return actor["Address"]["NodeID"]
+    return None
+
+
 def _watch_recovery(trainer, killed_at: float, fit: threading.Thread, dead_node: str) -> dict:
-    """Seconds from the node's death to: Ray declaring it dead; the trainer's next step (it may
-    train on what was already buffered); the first maker back (process restarted, models loaded);
-    its first item; the first step trained after that item arrived; every maker back on the
-    weights the trainer had at the kill."""
+    """Seconds from the makers' node's death to: Ray declaring it dead; the trainer's next step
+    (it may train on what was already buffered); the first maker back (process restarted, models
+    loaded); its first item; the first step trained after that item arrived; every maker back on
+    the weights the trainer had at the kill."""
     import ray
 
     before = coordinator_status(trainer)
