@@ -1,6 +1,6 @@
 """Detached PPO from a script: TorchTrainer.fit() with Ray Data prompts read from CSV.
 
-    python examples/fit_from_script.py [--steps 30] [--prompts data/toy_prompts.csv]
+    python examples/fit_from_script.py [--steps 30] [--prompts data/toy_prompts.csv] [KEY=VALUE ...]
 """
 
 import argparse
@@ -18,12 +18,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--prompts", default=str(REPO / "data" / "toy_prompts.csv"))
     parser.add_argument("--output", default="runs/fit_from_script")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="config overrides, as `ray-ppo train` takes them (e.g. maker.num_makers=1)")
     args = parser.parse_args()
 
     ray.init(address="local", num_cpus=8, include_dashboard=False)  # a new local cluster, never an existing one
     prompts = ray.data.read_csv(args.prompts)  # any Ray Data source works: read_parquet, read_json, ...
     cfg = load_config(REPO / "configs" / "tiny.yaml",
-                      [f"trainer.total_steps={args.steps}", f"logging.output_dir={args.output}"])
+                      [f"trainer.total_steps={args.steps}", f"logging.output_dir={args.output}", *args.overrides])
     trainer = PPOTrainer(cfg, prompts=prompts)  # a ray.train.torch.TorchTrainer
     result = trainer.fit()                      # a ray.train.Result
     first, last = trainer.history[0]["reward_mean"], trainer.history[-1]["reward_mean"]

@@ -4,7 +4,7 @@ Start a cluster first (keep it on a private network, dashboard on loopback or be
 own proxy; this script sends Ray's auth token when one is set up):
 
     ray start --head --dashboard-host 127.0.0.1 --num-cpus 8
-    python examples/submit_job.py --address http://127.0.0.1:8265 [--steps 5]
+    python examples/submit_job.py --address http://127.0.0.1:8265 [--steps 5] [KEY=VALUE ...]
     ray stop
 
 The job's runtime environment carries this repository as its working directory, so the
@@ -14,6 +14,7 @@ nodes (or add it to runtime_env["pip"] where the nodes can reach a package index
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -50,12 +51,15 @@ def main() -> int:
     parser.add_argument("--output", default=None,
                         help="the run directory on the cluster (default: a new /tmp/ray_ppo_job-<time>; ray-ppo refuses "
                              "a directory that already holds a run)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="config overrides, as `ray-ppo train` takes them (e.g. maker.num_makers=1)")
     args = parser.parse_args()
     output = args.output or f"/tmp/ray_ppo_job-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
     client = JobSubmissionClient(args.address)
     job_id = submit(client, entrypoint=f"python -m ray_ppo.cli train --config configs/tiny.yaml --address auto "
-                                       f"--output {output} trainer.total_steps={args.steps}")
+                                       f"--output {shlex.quote(output)} trainer.total_steps={args.steps} "
+                                       + " ".join(map(shlex.quote, args.overrides)))
     print(f"submitted {job_id} (run directory {output})")
     deadline = time.monotonic() + args.timeout_s
     while (status := client.get_job_status(job_id)) not in TERMINAL:

@@ -1,6 +1,6 @@
 """A Ray Tune sweep over kl_coef x eps_clip, each trial a detached PPO run.
 
-    python examples/tune_sweep.py [--steps 20]
+    python examples/tune_sweep.py [--steps 20] [KEY=VALUE ...]
 """
 
 import argparse
@@ -22,12 +22,14 @@ def main() -> None:
     parser.add_argument("--max-concurrent", type=int, default=2)
     parser.add_argument("--kl-coefs", default="0.001,0.1", help="comma-separated ppo.kl_coef values")
     parser.add_argument("--eps-clips", default="0.1,0.2", help="comma-separated ppo.eps_clip values")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="config overrides, as `ray-ppo train` takes them (e.g. maker.num_makers=1)")
     args = parser.parse_args()
 
     # A new local cluster, never an existing one; with the dashboard (on loopback), whose state API
     # lets Ray Train free the CPUs of a trial that a scheduler stops early (README, "Sweeps").
     ray.init(address="local", num_cpus=8, include_dashboard=True, dashboard_host="127.0.0.1")
-    base = load_config(REPO / "configs" / "tiny.yaml", [f"trainer.total_steps={args.steps}"])
+    base = load_config(REPO / "configs" / "tiny.yaml", [f"trainer.total_steps={args.steps}", *args.overrides])
     space = {"ppo.kl_coef": tune.grid_search([float(v) for v in args.kl_coefs.split(",")]),
              "ppo.eps_clip": tune.grid_search([float(v) for v in args.eps_clips.split(",")])}
     outcome = sweep(base, space,

@@ -11,10 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from ray_ppo.config import load_config
+
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).parents[2]
 SMALL = ["trainer.total_steps=3", "trainer.train_batch_size=16", "trainer.mini_batch_size=8", "maker.batch_size=8",
          "logging.report_every=1"]
+EXAMPLE_SMALL = ["maker.num_makers=1", "trainer.train_batch_size=16", "trainer.mini_batch_size=8", "maker.batch_size=8"]
+"""The examples take overrides as `ray-ppo train` does: one maker and small batches, a fit ~20 s shorter."""
 
 
 def run(args, timeout=600, **kwargs):
@@ -62,17 +66,20 @@ def test_ray_ppo_tune_sweeps_two_keys(tmp_path):
 
 
 def test_example_fit_from_script(tmp_path):
-    proc = run([sys.executable, "examples/fit_from_script.py", "--steps", "3", "--output", str(tmp_path / "fit")])
+    proc = run([sys.executable, "examples/fit_from_script.py", "--steps", "3", "--output", str(tmp_path / "fit"),
+                *EXAMPLE_SMALL])
     assert "steps=3 reward" in proc.stdout
 
 
 def test_example_tune_sweep(tmp_path):
     # a 1 x 1 grid keeps CI short: a grid over two keys is exercised by test_ray_ppo_tune_sweeps_two_keys
     proc = run([sys.executable, "examples/tune_sweep.py", "--steps", "2", "--kl-coefs", "0.001",
-                "--eps-clips", "0.2", "--output", str(tmp_path / "sweep")], timeout=900)
+                "--eps-clips", "0.2", "--output", str(tmp_path / "sweep"), *EXAMPLE_SMALL], timeout=900)
     trials = [line for line in proc.stdout.splitlines() if line.startswith("trial ")]
     assert len(trials) == 1 and all(line.endswith("TERMINATED") for line in trials)
     assert "best {'ppo.kl_coef'" in proc.stdout
+    configs = list((tmp_path / "sweep").rglob("config.yaml"))  # the trial's run directory
+    assert len(configs) == 1 and load_config(configs[0]).maker.num_makers == 1  # the overrides reached the trial
 
 
 def stop_cluster(temp_dir: str) -> None:
@@ -114,8 +121,9 @@ def head_node():
 def test_example_submit_job(head_node, tmp_path):
     # A run directory of its own: ray-ppo refuses one that holds an earlier run (a second CI run on one machine).
     proc = run([sys.executable, "examples/submit_job.py", "--address", head_node["dashboard"], "--steps", "2",
-                "--output", str(tmp_path / "job")], timeout=900)
+                "--output", str(tmp_path / "job"), *EXAMPLE_SMALL], timeout=900)
     assert "SUCCEEDED" in proc.stdout and "done: 2 steps" in proc.stdout
+    assert load_config(tmp_path / "job" / "config.yaml").maker.num_makers == 1  # the overrides reached the job
 
 
 def run_actors(gcs: str) -> list[str]:
