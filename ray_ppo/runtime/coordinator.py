@@ -356,6 +356,7 @@ class Coordinator:
         # them as trained. Those still waiting are cancelled, and put their items back; those still
         # on their way are refused when they arrive (their group number is an old one).
         self.cancelled |= self.pulling
+        self.admission.restart()  # nothing the dead group pulled was trained by the new one
         self.group += 1
         await self._notify()
         return self.group

@@ -193,6 +193,15 @@ class Admission:
             self.consumed_at_version = self.ahead.pop(version, 0)
             self.ahead = {v: n for v, n in self.ahead.items() if v > version}
 
+    def restart(self) -> None:
+        """A worker group starts from a checkpoint (``Coordinator.rewind``): what earlier groups
+        pulled at the trainer's version or ahead of it was never trained by this one (its prompts
+        are served again), so it needs as many items again. Without this, a group that died after
+        pulling at version V, before pushing V + 1, left a successor at V (its checkpoint's version
+        equal to the makers') with no admission left: the makers waited and the run timed out."""
+        self.consumed_at_version = 0
+        self.ahead = {}
+
     def consumed(self, n: int, version: int) -> None:
         """A rank pulled ``n`` items to train at ``version``. A rank still finishing the previous
         version's step (rank 0 already pushed the next one) consumed from that version's budget,
