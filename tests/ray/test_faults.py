@@ -1,5 +1,6 @@
 """Fault injection on a local CPU cluster: kill a maker, a trainer worker, the coordinator; resume."""
 
+import json
 import os
 import signal
 import threading
@@ -26,18 +27,35 @@ def config(tmp_path, *overrides):
         "trainer.pull_timeout_s=60", f"logging.output_dir={tmp_path}", *overrides])
 
 
-def when_step(trainer: PPOTrainer, step: int, action, timeout_s: float = 240) -> threading.Thread:
-    """Run ``action()`` in a thread once the run has reported ``step``."""
+def when(predicate, action, timeout_s: float = 240) -> threading.Thread:
+    """Run ``action()`` in a thread once ``predicate()`` holds."""
     def wait_then_act():
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if any(m["step"] >= step for m in list(trainer.history)):
+            if predicate():
                 action()
                 return
             time.sleep(0.1)
     thread = threading.Thread(target=wait_then_act, daemon=True)
     thread.start()
     return thread
+
+
+def when_step(trainer: PPOTrainer, step: int, action, timeout_s: float = 240) -> threading.Thread:
+    """Run ``action()`` in a thread once the run has reported ``step``."""
+    return when(lambda: any(m["step"] >= step for m in list(trainer.history)), action, timeout_s)
+
+
+def past_checkpoint(trainer: PPOTrainer, run_dir: Path, at_least: int):
+    """True once ``run_dir/checkpoint`` (published by fit()) holds a step >= ``at_least`` and the
+    run has reported a later step: a kill then lands after a reported step that a restart redoes."""
+    def check() -> bool:
+        try:
+            saved = json.loads((run_dir / "checkpoint" / "state.json").read_text())["step"]
+        except (OSError, ValueError, KeyError):
+            return False
+        return saved >= at_least and max((m["step"] for m in list(trainer.history)), default=0) > saved
+    return check
 
 
 def accounted(status: CoordinatorStatus) -> bool:
@@ -56,10 +74,10 @@ def test_a_run_survives_a_killed_maker_and_trainer_worker_then_resumes_where_it_
 
     - maker_0 is killed (SIGKILL) once step 1 is seen: Ray restarts it (``maker.max_restarts``),
       it resyncs to the last push, and maker_1 runs on untouched.
-    - rank 0 is killed once step 3 is seen. The history lags the trainer by a poll or two, so with
-      checkpoints at 3 and 6 the kill lands in steps 4-6: the group restarts from step 3 and reruns
-      what followed. (With checkpoints every 2 steps a late kill could fall just after one, and
-      nothing would run twice: seen in CI.)
+    - rank 0 is killed once the checkpoint of step 3 (or 6) is published and a later step
+      reported: the group restarts from that checkpoint and redoes the reported steps after it.
+      (Killed once step 3 was merely seen, rank 0 could die inside step 4, before reporting it,
+      with the maker's restart slowing the run: then no step ran twice, seen in CI.)
     - the run's last checkpoint, which fit() published to ``output_dir/checkpoint``, is resumed
       for 2 more steps: step, policy version and prompt position continue, no prompt twice.
     """
@@ -79,7 +97,7 @@ def test_a_run_survives_a_killed_maker_and_trainer_worker_then_resumes_where_it_
         os.kill(killed["rank"], signal.SIGKILL)
 
     when_step(trainer, 1, kill_maker_0)
-    when_step(trainer, 3, kill_rank_0)
+    when(past_checkpoint(trainer, tmp_path, at_least=3), kill_rank_0)
     result = trainer.fit()
     steps = [m["step"] for m in trainer.history]
     versions = [m["policy_version"] for m in trainer.history]
@@ -94,7 +112,7 @@ def test_a_run_survives_a_killed_maker_and_trainer_worker_then_resumes_where_it_
     assert status.counters.lost_in_transit == 0  # inline transport: what a maker had sent is the coordinator's
     assert status.counters.prompts_requeued > 0  # what the killed group trained after its checkpoint, served again
     print(f"maker kill: lost {status.counters.lost} prompts; run finished "
-          f"{time.monotonic() - killed['maker_at']:.1f} s after the kill")
+          f"{time.monotonic() - killed['maker_at']:.1f} s after the kill; steps reported: {steps}")
     # Exactly once: the final checkpoint's log holds each prompt once, over steps 1..8.
     saved = validate_checkpoint(tmp_path / "checkpoint")
     assert saved["step"] == 8
