@@ -57,9 +57,9 @@ def main() -> int:
     output = args.output or f"/tmp/ray_ppo_job-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
     client = JobSubmissionClient(args.address)
-    job_id = submit(client, entrypoint=f"python -m ray_ppo.cli train --config configs/tiny.yaml --address auto "
-                                       f"--output {shlex.quote(output)} trainer.total_steps={args.steps} "
-                                       + " ".join(map(shlex.quote, args.overrides)))
+    job_id = submit(client, entrypoint=shlex.join([
+        "python", "-m", "ray_ppo.cli", "train", "--config", "configs/tiny.yaml", "--address", "auto",
+        "--output", output, f"trainer.total_steps={args.steps}", *args.overrides]))
     print(f"submitted {job_id} (run directory {output})")
     deadline = time.monotonic() + args.timeout_s
     while (status := client.get_job_status(job_id)) not in TERMINAL:
