@@ -64,6 +64,7 @@ class Coordinator:
         self.pushed = asyncio.Condition()   # a bucket arrived, or a newer push started
         self.loading = asyncio.Lock()       # the prompt texts are read once
         self.push_tasks: set[asyncio.Task] = set()
+        self.relays = 0  # relays started; each one's number goes with its calls to the maker
         self.mailbox = Mailbox()
         self.rank_pids: dict[int, int | None] = {}  # process of each trainer rank, for diagnostics
         self.pulling: set[tuple[int, int | None]] = set()    # (rank, pid) of each pull in progress
@@ -281,31 +282,35 @@ class Coordinator:
             await self.publish_chunk(header.version, index, [ref])
 
     def _relay(self, maker_id: int, handle: Any, push: Push) -> None:
-        task = asyncio.get_running_loop().create_task(self._push_to(maker_id, handle, push))
+        self.relays += 1
+        task = asyncio.get_running_loop().create_task(self._push_to(maker_id, handle, push, self.relays))
         self.push_tasks.add(task)
         task.add_done_callback(self.push_tasks.discard)
 
-    async def _push_to(self, maker_id: int, handle: Any, push: Push) -> None:
+    async def _push_to(self, maker_id: int, handle: Any, push: Push, relay: int) -> None:
         """chunk_start, one chunk call per bucket as it arrives, chunk_end, in the maker's
         ``model_io`` group. A threaded actor does not promise to run one caller's calls in the
         order they were sent, so chunks go out once chunk_start has run, and chunk_end once every
         chunk has (a chunk's error then fails the push here instead of vanishing). A push
         superseded before all its buckets arrived is not ended (the maker drops its staging at
         the newer chunk_start); a late chunk_end of an older push leaves the newer push's staging
-        alone (``WeightReceiver.end``)."""
+        alone (``WeightReceiver.end``). Every call carries ``relay``, this relay's number: a
+        maker that restarted gets the latest push again while Ray retries the calls of the relay
+        its old process died in, and a retried call of the older relay must not touch the newer
+        relay's staging of the same push."""
         if self.pushes.superseded(push):
             return  # superseded before it started: the maker gets the newer one
         try:
-            await handle.weights_start.remote(push.header)
+            await handle.weights_start.remote(push.header, relay)
             chunks = []
             for index in range(push.header.num_chunks):
                 async with self.pushed:
                     await self.pushed.wait_for(lambda: index in push.bucket_refs or self.pushes.superseded(push))
                 if self.pushes.superseded(push):
                     return
-                chunks.append(handle.weights_chunk.remote(push.version, index, [push.bucket_refs[index]]))  # nested: the maker fetches it
+                chunks.append(handle.weights_chunk.remote(push.version, index, [push.bucket_refs[index]], relay))  # nested: the maker fetches it
             await asyncio.gather(*chunks)
-            loaded = await handle.weights_end.remote(push.version)
+            loaded = await handle.weights_end.remote(push.version, relay)
         except Exception as e:
             self.book.fail(maker_id, f"weight push v{push.version} failed: {type(e).__name__}: {e}")
             return

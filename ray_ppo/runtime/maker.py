@@ -164,25 +164,28 @@ class MakerWorker:
 
     # -- model_io -------------------------------------------------------------------------------
     @ray.method(concurrency_group="model_io")
-    def weights_start(self, header: PushHeader) -> None:
-        """chunk_start: begin staging push ``header.version`` (any unfinished earlier push is
-        dropped; one older than the push staging or the weights held is ignored)."""
+    def weights_start(self, header: PushHeader, relay: int = 0) -> None:
+        """chunk_start: begin staging push ``header.version`` for the coordinator's relay number
+        ``relay`` (any unfinished earlier push is dropped; one older than the push staging or the
+        weights held, or an older relay of the push staging, is ignored: ``WeightReceiver.start``)."""
         if not self.receiver.start(header, join_state(self.float_actor.state_dict(), self._critic_state()),
-                                   loaded_version=self.version):
+                                   loaded_version=self.version, relay=relay):
             staging = self.receiver.staging.version if self.receiver.staging is not None else None
-            logger.warning("maker_%d: chunk_start of push v%d came after newer weights (holding v%d, staging v%s); "
-                           "ignored, the newer push stands", self.maker_id, header.version, self.version, staging)
+            logger.warning("maker_%d: chunk_start of push v%d (relay %d) came after newer weights or a newer relay "
+                           "(holding v%d, staging v%s, relay %d); ignored, the newer one stands", self.maker_id,
+                           header.version, relay, self.version, staging, self.receiver.relay)
 
     @ray.method(concurrency_group="model_io")
-    def weights_chunk(self, version: int, index: int, bucket_ref: list) -> None:
+    def weights_chunk(self, version: int, index: int, bucket_ref: list, relay: int = 0) -> None:
         """One bucket of push ``version``; the ref comes nested so it is fetched here, zero-copy,
         and copied into staged tensors on the maker's device while generation goes on."""
-        self.receiver.chunk(version, index, bucket_ref)
+        self.receiver.chunk(version, index, bucket_ref, relay)
 
     @ray.method(concurrency_group="model_io")
-    def weights_end(self, version: int) -> bool:
-        """chunk_end: swap the staged weights in under the model lock. False if the push is incomplete."""
-        received = self.receiver.end(version)
+    def weights_end(self, version: int, relay: int = 0) -> bool:
+        """chunk_end: swap the staged weights in under the model lock. False if the push is
+        incomplete, or another relay or push is staging."""
+        received = self.receiver.end(version, relay)
         if received is None:
             return False
         header, staged = received
@@ -257,10 +260,12 @@ def _check_keys(model: torch.nn.Module, state: dict[str, torch.Tensor], partial:
 def maker_actor_class(num_cpus: float, num_gpus: float, max_restarts: int = 0, resources: dict | None = None):
     """``MakerWorker`` as a Ray actor class with its concurrency groups.
 
-    With ``max_restarts`` a dead maker process is restarted and its interrupted ``run`` and
-    ``send_loop`` calls are retried on the new process (``max_task_retries=-1``): both only
-    ask the coordinator for more work, so retrying them is safe. Exceptions raised by the code
-    are not retried: they end the run.
+    With ``max_restarts`` a dead maker process is restarted and its interrupted calls are retried
+    on the new process (``max_task_retries=-1``). ``run`` and ``send_loop`` only ask the
+    coordinator for more work, so retrying them is safe. The weight-push calls of a relay the
+    dead process was in are retried too, beside the coordinator's resend of the latest push:
+    each carries its relay's number, and the newer relay stages (``WeightReceiver.start``).
+    Exceptions raised by the code are not retried: they end the run.
     """
     return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, concurrency_groups=CONCURRENCY_GROUPS,
                       max_restarts=max_restarts, max_task_retries=-1 if max_restarts else 0)(MakerWorker)

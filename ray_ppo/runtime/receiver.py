@@ -2,7 +2,9 @@
 
 A push arrives as ``weights_start(header)``, one ``weights_chunk`` per bucket, ``weights_end``
 (``ray_ppo.runtime.coordinator.Coordinator`` relays them in this order, in the maker's ``model_io``
-group). ``WeightReceiver`` stages the buckets as they arrive (``sync.StagedPush``: the pushed
+group), each call carrying the number of its relay: one push can be relayed to a maker twice
+(the coordinator resends the latest push to a restarted maker while Ray retries the calls of the
+relay its predecessor died in), and only the newest relay of a version stages. ``WeightReceiver`` stages the buckets as they arrive (``sync.StagedPush``: the pushed
 buffers themselves where the receiving model's dtype and device allow and ``share`` is on, else
 copies shaped like the receiving model, into the tensors the previous swap replaced), and hands back a complete
 push for the caller's swap; an incomplete or superseded push is dropped and the model keeps its
@@ -30,11 +32,12 @@ class WeightReceiver:
         self.share = share
         self.staging: StagedPush | None = None
         self.header: PushHeader | None = None  # of the push being staged
+        self.relay = 0  # the number of the relay that stages it
         self.spares: dict[str, torch.Tensor] = {}  # the weights the last swap replaced, reused for staging
         self.shared: set[str] = set()  # names whose weights in the model are pushed buffers (never written)
 
     def start(self, header: PushHeader, targets: Mapping[str, torch.Tensor] | None,
-              loaded_version: int | None = None) -> bool:
+              loaded_version: int | None = None, relay: int = 0) -> bool:
         """chunk_start: begin staging push ``header.version`` (any unfinished earlier push is
         dropped). ``targets``: the receiving models' state dict, keys prefixed ``actor.`` /
         ``critic.`` (``sync.join_state``); None stages views of the buckets (copied at the swap).
@@ -43,12 +46,21 @@ class WeightReceiver:
         ``loaded_version`` (the weights the model holds) is ignored (returns False):
         the relays of two pushes to one maker are independent calls, and a threaded actor may run
         push 4's chunk_start after push 5's. Letting it replace push 5's staging left the maker on
-        push 3 for good once the trainer waited for experience only a newer policy could make."""
+        push 3 for good once the trainer waited for experience only a newer policy could make.
+
+        Of two relays of one version (numbered by the coordinator), the newer one stages: an
+        older relay's calls come from Ray retrying, on a restarted maker, the calls its dead
+        process was sent; the newer relay is the coordinator's resend. The start of the relay
+        already staging (a call Ray ran twice) keeps what was staged."""
         if loaded_version is not None and header.version < loaded_version:
             return False
-        if self.staging is not None and self.staging.version > header.version:
-            return False
-        self.header = header
+        if self.staging is not None:
+            staging = (self.staging.version, self.relay)
+            if staging > (header.version, relay):
+                return False
+            if staging == (header.version, relay):
+                return True
+        self.header, self.relay = header, relay
         if targets is None:
             self.staging = StagedPush(header.version, header.num_chunks)
             return True
@@ -56,12 +68,12 @@ class WeightReceiver:
         self.spares = {}  # the staging owns them now; dropped with it if the push never completes
         return True
 
-    def chunk(self, version: int, index: int, bucket_ref: list) -> None:
+    def chunk(self, version: int, index: int, bucket_ref: list, relay: int = 0) -> None:
         """One bucket of push ``version``; the ref comes nested so it is fetched here, zero-copy,
         and copied into staged tensors while generation goes on. A bucket lost with its owner
         (trainer rank 0 died after putting it: a ``FailureConfig`` restart) drops the push: the
         model keeps its weights, and the restarted worker group's next push replaces them."""
-        if self.staging is None or self.staging.version != version:
+        if not self._staging(version, relay):
             return
         try:
             bucket = ray.get(bucket_ref[0])
@@ -70,16 +82,20 @@ class WeightReceiver:
             return
         self.staging.add(index, bucket)
 
-    def end(self, version: int) -> tuple[PushHeader, StagedPush] | None:
+    def end(self, version: int, relay: int = 0) -> tuple[PushHeader, StagedPush] | None:
         """chunk_end: the complete push ``version`` (header and staged tensors), or None if it is
-        incomplete or was superseded. The end of another push than the one staging leaves the
-        staging alone (a late chunk_end must not drop a newer push's buckets)."""
-        if self.staging is None or self.staging.version != version:
+        incomplete or was superseded. The end of another push or relay than the one staging
+        leaves the staging alone (a late chunk_end must not drop a newer push's buckets)."""
+        if not self._staging(version, relay):
             return None
         staged, self.staging = self.staging, None
         if not staged.complete(version):
             return None
         return self.header, staged
+
+    def _staging(self, version: int, relay: int) -> bool:
+        """Whether relay ``relay`` of push ``version`` is the one staging."""
+        return self.staging is not None and (self.staging.version, self.relay) == (version, relay)
 
     def recycle(self, staged: StagedPush) -> None:
         """After ``staged`` was swapped in: the tensors it replaced stage the next push, except

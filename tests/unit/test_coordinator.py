@@ -81,17 +81,17 @@ class FakeMaker:
                 raise ConnectionError("actor died")
             return True
 
-        async def weights_start(header):
+        async def weights_start(header, relay):
             await asyncio.sleep(0.01)
             self.calls.append(("started", header.version))
 
-        async def weights_chunk(version, index, refs):
+        async def weights_chunk(version, index, refs, relay):
             await asyncio.sleep(0.01 * (3 - index))  # later buckets finish first
             if fail_chunk:
                 raise ValueError("bucket lost")
             self.calls.append(("staged", version, index))
 
-        async def weights_end(version):
+        async def weights_end(version, relay):
             if fail_push:
                 raise ConnectionError("maker died")
             return True
@@ -102,8 +102,16 @@ class FakeMaker:
         self.weights_end = FakeRemote(self.calls, "end", weights_end)
 
     def sent(self) -> list[tuple]:
-        """The calls as the coordinator sent them (without what the fake records as it runs them)."""
-        return [c for c in self.calls if c[0] not in ("started", "staged")]
+        """The calls as the coordinator sent them (without what the fake records as it runs them),
+        less the relay number that push calls end with (``relays``)."""
+        return [c[:-1] if c[0] in PUSH_CALLS else c for c in self.calls if c[0] not in ("started", "staged")]
+
+    def relays(self) -> list[tuple[str, int]]:
+        """(call, relay number) of each push call sent."""
+        return [(c[0], c[-1]) for c in self.calls if c[0] in PUSH_CALLS]
+
+
+PUSH_CALLS = ("start", "chunk", "end")
 
 
 # -- send and pull ------------------------------------------------------------------------------
@@ -683,6 +691,9 @@ def test_a_restarted_maker_gets_the_latest_push_again():
         assert coord.book.states[0].version == 0
         assert await coord.wait_for_version(1, timeout_s=1.0) == {0: 1}
         assert maker.sent()[-3:] == [("start", header(1, 1)), ("chunk", 1, 0, ["ref-a"]), ("end", 1)]
+        # the resend is a relay of its own: its calls carry a later number than the first relay's,
+        # so the first relay's calls that Ray retries on the new process leave it alone
+        assert maker.relays() == [("start", 1), ("chunk", 1), ("end", 1), ("start", 2), ("chunk", 2), ("end", 2)]
 
     asyncio.run(main())
 
@@ -863,3 +874,49 @@ def test_a_start_older_than_the_loaded_weights_is_ignored_and_an_equal_one_is_no
     assert received.start(header(0, 1), None, loaded_version=0)
     received.chunk(0, 0, ["b0"])
     assert received.end(0) is not None
+
+
+def test_two_relays_of_one_push_to_a_restarted_maker_load_it_whatever_their_order(monkeypatch):
+    """A maker died while push 6 was relayed to it. Ray retries the relay's calls on the restarted
+    process (the maker's methods have ``max_task_retries=-1``), and the coordinator relays the
+    latest push, 6 again, to the restarted maker. The old relay's retried chunk_end, run after
+    the new relay's chunk_start, once dropped the new relay's staging (same version): the maker
+    stayed on its initial weights, and the run ended 'no complete batch for 120 s ... maker_0:
+    alive at version 0' (tests/cluster/test_node_failures.py). Each relay now stages under its
+    own number, and the calls of an older relay leave a newer one's staging alone."""
+    from ray_ppo.runtime import receiver as receiver_module
+    from ray_ppo.runtime.receiver import WeightReceiver
+
+    monkeypatch.setattr(receiver_module.ray, "get", lambda ref: ref)
+    monkeypatch.setattr(receiver_module.StagedPush, "add", lambda self, index, bucket: self.seen.add(index))
+    old, new = 1, 2
+    for stale_calls in (["end"], ["start", "end"], ["start", "chunk", "end"]):
+        received = WeightReceiver()
+        assert received.start(header(6, 2), None, loaded_version=0, relay=new)
+        received.chunk(6, 0, ["b0"], relay=new)
+        for call in stale_calls:  # the old relay's retried calls, between the new relay's
+            if call == "start":
+                assert not received.start(header(6, 2), None, loaded_version=0, relay=old)
+            elif call == "chunk":
+                received.chunk(6, 1, ["b1"], relay=old)
+            else:
+                assert received.end(6, relay=old) is None
+        received.chunk(6, 1, ["b1"], relay=new)
+        done = received.end(6, relay=new)
+        assert done is not None and done[0].version == 6, stale_calls
+
+
+def test_a_repeated_start_of_one_relay_keeps_what_it_staged(monkeypatch):
+    """A call Ray retries on the same process (the actor was briefly unreachable: the call 'may or
+    may not have been executed') runs twice: chunk_start again must not drop the staged buckets."""
+    from ray_ppo.runtime import receiver as receiver_module
+    from ray_ppo.runtime.receiver import WeightReceiver
+
+    monkeypatch.setattr(receiver_module.ray, "get", lambda ref: ref)
+    monkeypatch.setattr(receiver_module.StagedPush, "add", lambda self, index, bucket: self.seen.add(index))
+    received = WeightReceiver()
+    assert received.start(header(2, 2), None, relay=7)
+    received.chunk(2, 0, ["b0"], relay=7)
+    assert received.start(header(2, 2), None, relay=7)
+    received.chunk(2, 1, ["b1"], relay=7)
+    assert received.end(2, relay=7) is not None
