@@ -105,20 +105,20 @@ class Receiver:
             self.receiver.shared = set()
 
     @ray.method(concurrency_group="model_io")
-    def weights_start(self, header: PushHeader) -> None:
+    def weights_start(self, header: PushHeader, relay: int = 0) -> None:
         self.log[header.version] = {"start": time.time()}
         # pipelined, as MakerWorker: staged copies shaped like the model, into the last push's spares;
         # serial: views of the buckets, copied at the swap (the spares stay for the next pipelined push)
         targets = {f"actor.{k}": v for k, v in self.model.state_dict().items()} if self.variant != "serial" else None
-        self.receiver.start(header, targets)
+        self.receiver.start(header, targets, relay=relay)
 
     @ray.method(concurrency_group="model_io")
-    def weights_chunk(self, version: int, index: int, bucket_ref: list) -> None:
-        self.receiver.chunk(version, index, bucket_ref)
+    def weights_chunk(self, version: int, index: int, bucket_ref: list, relay: int = 0) -> None:
+        self.receiver.chunk(version, index, bucket_ref, relay)
 
     @ray.method(concurrency_group="model_io")
-    def weights_end(self, version: int) -> bool:
-        received = self.receiver.end(version)
+    def weights_end(self, version: int, relay: int = 0) -> bool:
+        received = self.receiver.end(version, relay)
         if received is None:
             return False
         _, staged = received
