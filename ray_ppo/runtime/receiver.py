@@ -2,13 +2,15 @@
 
 A push arrives as ``weights_start(header)``, one ``weights_chunk`` per bucket, ``weights_end``
 (``ray_ppo.runtime.coordinator.Coordinator`` relays them in this order, in the maker's ``model_io``
-group), each call carrying the number of its relay: one push can be relayed to a maker twice
-(the coordinator resends the latest push to a restarted maker while Ray retries the calls of the
-relay its predecessor died in), and only the newest relay of a version stages. ``WeightReceiver`` stages the buckets as they arrive (``sync.StagedPush``: the pushed
-buffers themselves where the receiving model's dtype and device allow and ``share`` is on, else
-copies shaped like the receiving model, into the tensors the previous swap replaced), and hands back a complete
-push for the caller's swap; an incomplete or superseded push is dropped and the model keeps its
-weights.
+group), each call carrying the number of its relay. One push can be relayed to a maker twice (the
+coordinator resends the latest push to a restarted maker while Ray retries the calls of the relay
+its predecessor died in); only the newest relay of a version stages.
+
+``WeightReceiver`` stages the buckets as they arrive (``sync.StagedPush``: the pushed buffers
+themselves where the receiving model's dtype and device allow and ``share`` is on, else copies
+shaped like the receiving model, into the tensors the previous swap replaced), and hands back a
+complete push for the caller's swap; an incomplete or superseded push is dropped and the model
+keeps its weights.
 """
 
 from __future__ import annotations
