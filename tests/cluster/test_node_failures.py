@@ -153,9 +153,9 @@ def run_scenario(out_path: str, run_dir: str) -> None:
         fit = threading.Thread(target=fit_recording_error, args=(trainer, seen), daemon=True)
         fit.start()  # Cluster.add_node/remove_node only work from the main thread
         deadline = start + SCENARIO_TIMEOUT_S - END_MARGIN_S
+        checkpoint = Path(run_dir) / "checkpoint" / "state.json"  # the published checkpoint's state
         try:
-            _run_faults(cluster, trainer, fit, seen, save, deadline, run_dir,
-                        {"trainer": trainer_node, "makers": makers_node})
+            _run_faults(cluster, trainer, fit, seen, save, deadline, checkpoint, trainer_node, makers_node)
         except Exception as e:  # the test fails with what the scenario saw, not with a bare timeout
             seen["error"] = f"{type(e).__name__}: {e}" + (f"; fit() failed with {seen['error']}" if seen["error"] else "")
             seen["last_status"] = coordinator_status(trainer)
@@ -164,7 +164,7 @@ def run_scenario(out_path: str, run_dir: str) -> None:
             raise
         record_end_of_fit(trainer, seen, fit, deadline)
         seen.update(makers_after=_makers(), coordinator_node=seen["final_status"] and seen["final_status"]["node_id"],
-                    final_checkpoint=json.loads((Path(run_dir) / "checkpoint" / "state.json").read_text()),
+                    final_checkpoint=json.loads(checkpoint.read_text()),
                     scenario_s=time.monotonic() - start)
         Path(out_path).write_text(json.dumps(seen, default=str))
     finally:
@@ -172,9 +172,9 @@ def run_scenario(out_path: str, run_dir: str) -> None:
         cluster.shutdown()
 
 
-def _run_faults(cluster, trainer, fit, seen: dict, save, deadline: float, run_dir: str, nodes: dict) -> None:
+def _run_faults(cluster, trainer, fit, seen: dict, save, deadline: float, checkpoint: Path,
+                trainer_node, makers_node) -> None:
     """The two node losses, each once the run reached the stage it needs; records what it saw."""
-    trainer_node, makers_node = nodes["trainer"], nodes["makers"]
     wait_for("every maker alive", lambda: len(_makers()) == NUM_MAKERS and all(
         m["State"] == "ALIVE" for m in _makers().values()), fit, deadline)
     seen["makers_before"] = _makers()
@@ -187,7 +187,6 @@ def _run_faults(cluster, trainer, fit, seen: dict, save, deadline: float, run_di
     # 1. the trainer's node, between a stored checkpoint and the end of the run
     wait_for("a first trained step", lambda: len(trainer.history) >= 1, fit, deadline)
     rank_nodes = [_node_of(coordinator_status(trainer)["rank_pids"][0])]
-    checkpoint = Path(run_dir) / "checkpoint" / "state.json"
     wait_for("a step trained after a stored checkpoint", lambda: checkpoint.exists() and (
         trainer.history[-1]["step"] > json.loads(checkpoint.read_text())["step"]), fit, deadline)
     saved = json.loads(checkpoint.read_text())
