@@ -9,6 +9,11 @@ three concurrency groups of one thread each:
   - ``model_io``: ``weights_start`` / ``weights_chunk`` / ``weights_end`` — stage a push while
     generation continues (each bucket is copied into fresh tensors as it arrives); only the
     final swap, which rebinds the parameters to the staged tensors, takes the model lock.
+
+Every process that receives a maker's handle imports this module: Ray loads an actor's class to
+read its methods when it deserializes the handle. The coordinator holds the makers' handles and
+must not pay for torch (seconds of CPU at each ``fit()`` start on a small machine), so this module
+imports torch and the model code only inside the methods that run in the maker.
 """
 
 from __future__ import annotations
@@ -20,19 +25,17 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-import torch
 
 from ray_ppo.config import Config
 from ray_ppo.data import PromptEncoder
-from ray_ppo.core.vllm_engine import engine_actor_state, hf_weights
-from ray_ppo.core.models.quantize import quantize_for_generation
-from ray_ppo.runtime.receiver import WeightReceiver
 from ray_ppo.runtime.messages import MakerStats, PushHeader
-from ray_ppo.core.sync import assign_state, fingerprint, join_state, split_state, tied_aliases
 from ray_ppo.runtime.transport import ExperienceChunk
+
+if TYPE_CHECKING:
+    import torch
 
 CONCURRENCY_GROUPS = {"compute": 1, "experience_io": 1, "model_io": 1}
 SEND_QUEUE_BATCHES = 2
@@ -49,7 +52,11 @@ class MakerWorker:
     def __init__(self, maker_id: int, config: dict, coordinator: Any, maker_factory: Any = None):
         """``maker_factory(cfg, name=, device=)`` builds the ``ExperienceMaker`` (default
         ``build.build_experience_maker``); benchmarks pass one that simulates generation."""
+        import torch
+
         from ray_ppo.core.build import build_experience_maker, maker_device
+        from ray_ppo.core.models.quantize import quantize_for_generation
+        from ray_ppo.runtime.receiver import WeightReceiver
 
         self.cfg = Config.from_dict(config)
         torch.set_num_threads(self.cfg.maker.torch_threads)
@@ -168,6 +175,8 @@ class MakerWorker:
         """chunk_start: begin staging push ``header.version`` for the coordinator's relay number
         ``relay`` (any unfinished earlier push is dropped; one older than the push staging or the
         weights held, or an older relay of the push staging, is ignored: ``WeightReceiver.start``)."""
+        from ray_ppo.core.sync import join_state
+
         if not self.receiver.start(header, join_state(self.float_actor.state_dict(), self._critic_state()),
                                    loaded_version=self.version, relay=relay):
             staging = self.receiver.staging.version if self.receiver.staging is not None else None
@@ -185,6 +194,10 @@ class MakerWorker:
     def weights_end(self, version: int, relay: int = 0) -> bool:
         """chunk_end: swap the staged weights in under the model lock. False if the push is
         incomplete, or another relay or push is staging."""
+        from ray_ppo.core.models.quantize import quantize_for_generation
+        from ray_ppo.core.sync import assign_state, split_state
+        from ray_ppo.core.vllm_engine import hf_weights
+
         received = self.receiver.end(version, relay)
         if received is None:
             return False
@@ -219,6 +232,9 @@ class MakerWorker:
     def weights_fingerprint(self) -> tuple[int, str]:
         """(version, fingerprint of the actor and critic weights) for consistency checks. With an
         engine, the actor's weights are those read back from the engine, not the HF copy's."""
+        from ray_ppo.core.sync import fingerprint, join_state
+        from ray_ppo.core.vllm_engine import engine_actor_state
+
         with self.model_lock:
             actor_state = self.float_actor.state_dict() if self.engine is None else engine_actor_state(self.engine, self.float_actor)
             return self.version, fingerprint(join_state(actor_state, self._critic_state()))
@@ -251,6 +267,8 @@ def _was_restarted() -> bool:
 def _check_keys(model: torch.nn.Module, state: dict[str, torch.Tensor], partial: bool, what: str) -> None:
     """A push may never bring tensors the model lacks; it omits tied aliases (loaded through
     their canonical name), and only a partial (LoRA-only) push may omit anything else."""
+    from ray_ppo.core.sync import tied_aliases
+
     expected = set(model.state_dict())
     unknown, missing = sorted(set(state) - expected), sorted(expected - set(state) - tied_aliases(model))
     if unknown or (missing and not partial):

@@ -20,9 +20,11 @@ def test_the_local_loop_does_not_import_ray():
 
 def test_the_coordinator_does_not_import_torch():
     """The coordinator routes packed NumPy batches: its process skips torch's import (seconds of
-    CPU at every fit() start on a small machine)."""
-    code = ("import ray_ppo.runtime.coordinator, ray_ppo.config, sys; "
-            "assert 'torch' not in sys.modules, 'ray_ppo.runtime.coordinator imported torch'")
+    CPU at every fit() start on a small machine). It also holds the makers' handles, and Ray
+    imports an actor's class module wherever it deserializes the actor's handle, so the maker's
+    module is imported there too."""
+    code = ("import ray_ppo.runtime.coordinator, ray_ppo.runtime.maker, ray_ppo.config, sys; "
+            "assert 'torch' not in sys.modules, 'the coordinator or the maker module imported torch'")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
