@@ -26,7 +26,7 @@ from ray_ppo.core.build import resolve_config
 from ray_ppo.core.checkpoint import validate_checkpoint
 from ray_ppo.config import Config
 from ray_ppo.runtime.coordinator import CoordinatorActor
-from ray_ppo.data import read_prompt_dataset, select_prompt_column
+from ray_ppo.data import check_prompt_column, read_prompt_dataset
 from ray_ppo.runtime.maker import maker_actor_class
 from ray_ppo.runtime.messages import CoordinatorStatus
 from ray_ppo.preflight import check_run
@@ -232,24 +232,26 @@ class PPOTrainer(TorchTrainer):
         for callback in self.metrics_callbacks:
             callback(metrics)
 
-    def _dataset(self):
+    def _dataset(self) -> tuple[Any, str]:
+        """The prompt dataset and the column that holds the prompts."""
         d = self.ppo_config.data
         if self.prompts is not None:
-            return select_prompt_column(self.prompts, d.prompt_column)
+            check_prompt_column(self.prompts, d.prompt_column)
+            return self.prompts, d.prompt_column
         if not d.path:
             toy = self.ppo_config.toy
             texts = make_prompts(toy.num_prompts, toy.prompt_len, toy.seed)
-            return ray.data.from_items([{"prompt": t} for t in texts])
-        return read_prompt_dataset(d.path, d.prompt_column, d.format, checked=True)  # fit() ran check_run
+            return ray.data.from_items([{"prompt": t} for t in texts]), "prompt"
+        return read_prompt_dataset(d.path, d.prompt_column, d.format, checked=True), "prompt"  # fit() ran check_run
 
     def _start_actors(self) -> None:
         cfg = self.ppo_config
-        dataset = self._dataset()
+        dataset, prompt_column = self._dataset()
         self.coordinator = ray.remote(num_cpus=0)(CoordinatorActor).options(
             name="coordinator", namespace=self.namespace, lifetime=self.lifetime,
             scheduling_strategy=on_driver_node()).remote(
             num_ranks=cfg.trainer.num_workers, num_makers=cfg.maker.num_makers, buffer_size=cfg.buffer_size,
-            max_staleness=cfg.ppo.max_staleness, routing=cfg.topology.routing, prompts=dataset,
+            max_staleness=cfg.ppo.max_staleness, routing=cfg.topology.routing, prompts=dataset, prompt_column=prompt_column,
             items_per_version=cfg.trainer.update_steps * cfg.trainer.train_batch_size * cfg.trainer.num_workers,
             prompt_batch_size=cfg.maker.batch_size, shuffle=cfg.data.shuffle, seed=cfg.seed,
             initial_version=self.resume_state["policy_version"] if self.resume_state else 0,

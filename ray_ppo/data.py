@@ -129,10 +129,14 @@ def _local_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in files)
 
 
-def select_prompt_column(ds, prompt_column: str, source: str = "dataset"):
-    """Keep only ``prompt_column`` of a Ray Dataset, renamed to ``prompt``."""
+def check_prompt_column(ds, prompt_column: str, source: str = "dataset") -> None:
+    """A user's Ray Dataset must have ``prompt_column`` (its schema is read now, before any actor
+    starts). The dataset itself is left as it is: the coordinator takes the column from each batch
+    it reads. A ``select_columns`` here would add an operator that Ray Data cannot fuse into a
+    read it split into blocks (``read_csv`` splits even a small file into 2 x the cluster's CPUs):
+    a task per block, each in a worker process that imports Ray Data, seconds of start-up for a
+    file read in milliseconds. A user with wide rows can select the column in the dataset given."""
     _check_column(ds.schema().names, prompt_column, source)
-    return _prompt_only(ds, prompt_column)
 
 
 def _prompt_only(ds, prompt_column: str, num_cpus: float | None = None):
@@ -175,9 +179,9 @@ class PromptFeed:
         self.epochs = 0  # full passes over the dataset started
 
     @classmethod
-    def of_dataset(cls, dataset: Any, ledger: PromptLedger) -> PromptFeed:
-        """A feed over a Ray Dataset with a ``prompt`` column."""
-        return cls(functools.partial(read_texts, dataset), ledger)
+    def of_dataset(cls, dataset: Any, ledger: PromptLedger, column: str = "prompt") -> PromptFeed:
+        """A feed over the texts in ``column`` of a Ray Dataset."""
+        return cls(functools.partial(read_texts, dataset, column), ledger)
 
     @property
     def loaded(self) -> bool:
@@ -199,12 +203,12 @@ class PromptFeed:
         return PromptBatch(texts, ids)
 
 
-def read_texts(dataset: Any, batch_size: int = 4096) -> list[str | None]:
-    """Every prompt text of a Ray Dataset with a ``prompt`` column, in the dataset's order."""
+def read_texts(dataset: Any, column: str = "prompt", batch_size: int = 4096) -> list[str | None]:
+    """Every text in ``column`` of a Ray Dataset, in the dataset's order."""
     dataset.context.enable_progress_bars = False  # the driver shows the run's progress
     dataset.context.print_on_execution_start = False  # no plan logged at every read
     dataset.context.execution_options.preserve_order = True
     texts: list[str | None] = []
     for batch in dataset.iter_batches(batch_size=batch_size, batch_format="numpy", drop_last=False):
-        texts.extend(None if v is None else str(v) for v in batch["prompt"].tolist())
+        texts.extend(None if v is None else str(v) for v in batch[column].tolist())
     return texts

@@ -49,7 +49,7 @@ class Coordinator:
 
     def __init__(self, num_ranks: int, num_makers: int, buffer_size: int, max_staleness: int,
                  items_per_version: int, routing: str = "round_robin", prompts: Any = None,
-                 prompt_batch_size: int = 16, shuffle: bool = True, seed: int = 0,
+                 prompt_column: str = "prompt", prompt_batch_size: int = 16, shuffle: bool = True, seed: int = 0,
                  initial_version: int = 0, data_start: dict | None = None, samples_per_prompt: int = 1):
         self.num_ranks, self.num_makers, self.routing = num_ranks, num_makers, routing
         self.buffers = RankBuffers(num_ranks, buffer_size)
@@ -58,7 +58,7 @@ class Coordinator:
         self.book = MakerBook(num_makers)
         self.pushes = PushRelay()
         self.ledger = PromptLedger(shuffle, seed, data_start)
-        self.feed = PromptFeed.of_dataset(prompts, self.ledger) if prompts is not None else None
+        self.feed = PromptFeed.of_dataset(prompts, self.ledger, prompt_column) if prompts is not None else None
         self.makers: dict[int, Any] = {}
         self.changed = asyncio.Condition()  # buffers, admission or maker versions changed
         self.pushed = asyncio.Condition()   # a bucket arrived, or a newer push started

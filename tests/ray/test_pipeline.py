@@ -10,7 +10,7 @@ import ray
 
 from ray_ppo.api import PPOTrainer
 from ray_ppo.config import load_config
-from ray_ppo.data import DataError
+from ray_ppo.data import DataError, read_texts
 from ray_ppo.failures import one_line
 from ray_ppo.preflight import PreflightError
 
@@ -145,6 +145,21 @@ def test_missing_column_names_the_columns(ray_session, tmp_path):
     with pytest.raises(DataError, match=r"'question'.*columns present: \['text', 'id'\]"):
         PPOTrainer(cfg).fit()
     assert run_namespaces() == before
+
+
+def test_a_given_dataset_is_read_as_given_and_its_column_checked(ray_session, tmp_path):
+    """PPOTrainer(prompts=ds): the coordinator reads the user's dataset as it is and takes the
+    prompt column from each batch. No operator is added: read_csv splits even a small file into
+    blocks, and a column selection after that was a task per block (benchmarks/README, Start-up)."""
+    path = messy_prompts(tmp_path / "prompts.csv")
+    given = ray.data.read_csv(str(path))
+    dataset, column = PPOTrainer(small_config(tmp_path, "data.prompt_column=text"), prompts=given)._dataset()
+    assert dataset is given and column == "text"
+    with open(path) as f:
+        expected = [row["text"] for row in csv.DictReader(f)]
+    assert read_texts(dataset, column) == expected  # in file order, blanks and long prompts as they are
+    with pytest.raises(DataError, match=r"'question'.*columns present: \['text', 'id'\]"):
+        PPOTrainer(small_config(tmp_path, "data.prompt_column=question"), prompts=given)._dataset()
 
 
 def test_unreadable_file_names_the_path(ray_session, tmp_path):
