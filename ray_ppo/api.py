@@ -149,7 +149,9 @@ class PPOTrainer(TorchTrainer):
         close_outputs = self._open_outputs()
         try:
             self._start_actors()
+            self._check_given_prompts()  # while the actors start: it waits on a read task
         except BaseException:
+            self._kill_actors()
             close_outputs(self.history)
             raise
         publisher = CheckpointPublisher(self.coordinator, self.output_dir or Path(self.ppo_config.output_dir).resolve(),
@@ -233,16 +235,23 @@ class PPOTrainer(TorchTrainer):
             callback(metrics)
 
     def _dataset(self) -> tuple[Any, str]:
-        """The prompt dataset and the column that holds the prompts."""
+        """The prompt dataset and the column that holds the prompts (a given dataset's column is
+        checked by ``_check_given_prompts``)."""
         d = self.ppo_config.data
         if self.prompts is not None:
-            check_prompt_column(self.prompts, d.prompt_column)
             return self.prompts, d.prompt_column
         if not d.path:
             toy = self.ppo_config.toy
             texts = make_prompts(toy.num_prompts, toy.prompt_len, toy.seed)
             return ray.data.from_items([{"prompt": t} for t in texts]), "prompt"
         return read_prompt_dataset(d.path, d.prompt_column, d.format, checked=True), "prompt"  # fit() ran check_run
+
+    def _check_given_prompts(self) -> None:
+        """A dataset given to ``PPOTrainer`` must hold ``data.prompt_column``. Its schema comes from
+        a Ray Data task (seconds in a new worker process on a small machine), so the check runs once
+        the actors are starting, not before; a missing column still ends ``fit()`` before any step."""
+        if self.prompts is not None:
+            check_prompt_column(self.prompts, self.ppo_config.data.prompt_column)
 
     def _start_actors(self) -> None:
         cfg = self.ppo_config

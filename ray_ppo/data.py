@@ -130,12 +130,12 @@ def _local_bytes(path: Path) -> int:
 
 
 def check_prompt_column(ds, prompt_column: str, source: str = "dataset") -> None:
-    """A user's Ray Dataset must have ``prompt_column`` (its schema is read now, before any actor
-    starts). The dataset itself is left as it is: the coordinator takes the column from each batch
-    it reads. A ``select_columns`` here would add an operator that Ray Data cannot fuse into a
-    read it split into blocks (``read_csv`` splits even a small file into 2 x the cluster's CPUs):
-    a task per block, each in a worker process that imports Ray Data, seconds of start-up for a
-    file read in milliseconds. A user with wide rows can select the column in the dataset given."""
+    """A user's Ray Dataset must have ``prompt_column`` (its schema is read now). The dataset
+    itself is left as it is: the coordinator takes the column from each batch it reads. A
+    ``select_columns`` here would add an operator that Ray Data cannot fuse into a read it split
+    into blocks (``read_csv`` splits even a small file into 2 x the cluster's CPUs): a task per
+    block, each in a worker process that imports Ray Data, seconds of start-up for a file read in
+    milliseconds. A user with wide rows can select the column in the dataset given."""
     _check_column(ds.schema().names, prompt_column, source)
 
 

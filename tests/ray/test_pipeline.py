@@ -158,8 +158,10 @@ def test_a_given_dataset_is_read_as_given_and_its_column_checked(ray_session, tm
     with open(path) as f:
         expected = [row["text"] for row in csv.DictReader(f)]
     assert read_texts(dataset, column) == expected  # in file order, blanks and long prompts as they are
+    before = run_namespaces()
     with pytest.raises(DataError, match=r"'question'.*columns present: \['text', 'id'\]"):
-        PPOTrainer(small_config(tmp_path, "data.prompt_column=question"), prompts=given)._dataset()
+        PPOTrainer(small_config(tmp_path, "data.prompt_column=question"), prompts=given).fit()
+    assert run_namespaces() == before  # the actors that had started are gone
 
 
 def test_unreadable_file_names_the_path(ray_session, tmp_path):
