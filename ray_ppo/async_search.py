@@ -91,7 +91,8 @@ def async_search(base: Config, budget_s: float, space: Mapping[str, Sequence] | 
     search = sweep(cfg, {k: tune.choice(list(v)) for k, v in space.items()}, metric=METRIC, mode="max",
                    num_samples=num_samples, scheduler=asha, max_concurrent_trials=max_concurrent_trials,
                    output_dir=str(root / "search"),
-                   **phase(f"search: {num_samples} settings, {budget_s:g} s of training each", list(space), num_samples))
+                   **phase(f"search: {num_samples} setting{'s' * (num_samples != 1)}, {budget_s:g} s of training each",
+                           list(space), num_samples))
     default = {k: base.get(k) for k in space}
     recommended = {k: search.best_config[k] for k in space}
     presets = [default] if recommended == default else [default, recommended]

@@ -29,24 +29,26 @@ def run_actors_left() -> list:
 
 
 def test_async_search_picks_a_setting_and_measures_it_against_the_default(ray_session, tmp_path):
+    """The search space holds one setting other than the default, so the run is the same every time:
+    one search trial, then the default and the pick side by side (3 fits of ~40 s on 2 cores; which
+    of several trials is best is Tune's ``best_config``)."""
     cfg = small_config(tmp_path, "trainer.pull_timeout_s=60")
     progress = io.StringIO()
-    pick = async_search(cfg, budget_s=3.0, space={"maker.batch_size": [8, 16]}, num_samples=2,
+    pick = async_search(cfg, budget_s=3.0, space={"maker.batch_size": [16]}, num_samples=1,
                         max_concurrent_trials=2, output_dir=str(tmp_path / "search"), progress=progress)
-    assert len(pick.search_trials) == 2 and all(t["status"] == "TERMINATED" for t in pick.search_trials)
-    assert pick.default == {"maker.batch_size": 8} and pick.recommended["maker.batch_size"] in (8, 16)
-    assert len(pick.default_rewards) == 1 and (pick.recommended == pick.default or len(pick.recommended_rewards) == 1)
+    assert len(pick.search_trials) == 1 and pick.search_trials[0]["status"] == "TERMINATED"
+    assert pick.default == {"maker.batch_size": 8} and pick.recommended == {"maker.batch_size": 16}
+    assert len(pick.default_rewards) == 1 and len(pick.recommended_rewards) == 1
     assert math.isfinite(pick.gain)
     assert "measured gain over the default" in pick.summary()
     lines = progress.getvalue().splitlines()  # a line per phase and per ended trial, in place of Tune's tables
-    confirmed = 1 if pick.recommended == pick.default else 2
-    assert lines[0] == "search: 2 settings, 3 s of training each"
-    assert [line.split(" done:")[0] for line in lines[1:3]] == ["trial 1/2", "trial 2/2"]
-    assert lines[3].startswith("confirm: maker.batch_size=8") and "(first: the default)" in lines[3]
-    assert [line.split(" done:")[0] for line in lines[4:]] == [f"trial {i}/{confirmed}" for i in range(1, confirmed + 1)]
-    assert all("reward_mean" in line for line in lines[1:3] + lines[4:])
+    assert lines[0] == "search: 1 setting, 3 s of training each"
+    assert lines[1].split(" done:")[0] == "trial 1/1"
+    assert lines[2] == "confirm: maker.batch_size=8 and maker.batch_size=16, 1 run(s) each (first: the default)"
+    assert [line.split(" done:")[0] for line in lines[3:]] == ["trial 1/2", "trial 2/2"]
+    assert all("reward_mean" in line for line in lines[1:2] + lines[3:])
     confirm = list((tmp_path / "search" / "confirm" / "trials").iterdir())
-    assert len(confirm) == confirmed
+    assert len(confirm) == 2
     for run_dir in confirm:  # the budget, not total_steps, ended each confirmation run
         steps = len((run_dir / "metrics.jsonl").read_text().splitlines())
         assert 1 <= steps < TOTAL_STEPS

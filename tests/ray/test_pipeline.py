@@ -98,22 +98,6 @@ def test_fit_accounts_for_every_item(ray_session, tmp_path, strategy, num_makers
     assert coordinator_logs and not any("blocking ray.get inside async actor" in t for t in coordinator_logs)
 
 
-def test_a_run_ended_by_its_time_budget_hands_back_the_batch_it_pulled_ahead(ray_session, tmp_path):
-    """trainer.prefetch (the default) pulls each next step's batch while a step trains; the step
-    that ends past trainer.time_budget_s is the last, so the batch pulled for the step after it
-    goes back, untrained: every count still adds up to the steps that ran."""
-    cfg = small_config(tmp_path, "maker.num_makers=1", "trainer.total_steps=1000", "trainer.time_budget_s=4")
-    trainer = PPOTrainer(cfg)
-    trainer.fit()
-    steps = len(trainer.history)
-    assert 1 <= steps < 1000 and trainer.history[-1]["weights_in_sync"] == 1.0
-    counters = trainer.final_status.counters
-    assert counters.consumed == steps * BATCH
-    assert counters.prompts_trained == counters.consumed  # one item per prompt, none blank in the toy file
-    assert counters.produced == (counters.consumed + counters.in_flight + counters.discarded
-                                 + counters.lost_in_transit)
-
-
 def assert_run_files(run: Path) -> None:
     """PPOTrainer(output_dir=...) writes what the CLI writes."""
     from ray_ppo.tracking import read_metrics
@@ -206,17 +190,28 @@ def test_runs_get_separate_namespaces(ray_session, tmp_path):
     assert a.namespace != b.namespace and a.namespace.startswith("ray_ppo.tiny.")
 
 
-def test_lora_only_pushes_into_an_int8_maker(ray_session, tmp_path):
-    """Both maker variants in one fit (a fit costs ~30 s of start-up on 2 cores): pushes carry the
-    LoRA adapters alone (sync.lora_only) into a maker that generates from an int8 copy of its
-    float model (maker.quantization), rebuilt with the adapters merged after each push. A full
-    push into an int8 maker is checked in tests/unit/test_quantize.py."""
-    overrides = ["model.lora.rank=4", "model.lora.critic=true", "sync.lora_only=true", "maker.quantization=int8"]
+def test_lora_only_pushes_into_an_int8_maker_in_a_run_its_time_budget_ends(ray_session, tmp_path):
+    """Three paths of their own in one fit (a fit costs ~30 s of start-up on 2 cores):
+    - pushes carry the LoRA adapters alone (sync.lora_only) into a maker that generates from an
+      int8 copy of its float model (maker.quantization), rebuilt with the adapters merged after
+      each push (a full push into an int8 maker: tests/unit/test_quantize.py);
+    - trainer.time_budget_s ends the run, and trainer.prefetch (the default) has pulled the next
+      step's batch while the last step trained: that batch goes back untrained, and every count
+      still adds up to the steps that ran."""
+    overrides = ["model.lora.rank=4", "model.lora.critic=true", "sync.lora_only=true", "maker.quantization=int8",
+                 "trainer.total_steps=1000", "trainer.time_budget_s=4"]
     trainer = PPOTrainer(small_config(tmp_path, "maker.num_makers=1", *overrides))  # one maker: a process less to start
     trainer.fit()
+    steps = len(trainer.history)
     last = trainer.history[-1]
-    assert last["weights_in_sync"] == 1.0 and last["policy_version"] == STEPS
+    assert 1 <= steps < 1000 and [m["step"] for m in trainer.history] == list(range(1, steps + 1))
+    assert last["weights_in_sync"] == 1.0 and last["policy_version"] == steps
     assert 0.0 <= last["reward_mean"] <= 1.0 and last["response_length"] > 0
+    counters = trainer.final_status.counters
+    assert counters.consumed == steps * BATCH
+    assert counters.prompts_trained == counters.consumed  # one item per prompt, none blank in the toy file
+    assert counters.produced == (counters.consumed + counters.in_flight + counters.discarded
+                                 + counters.lost_in_transit)
     full = PPOTrainer(small_config(tmp_path)).ppo_config  # same model without LoRA, for the byte count
     # adapters + critic adapters + value head only: far fewer bytes than the whole model
     assert 0 < last["push_bytes"] < 0.2 * _model_bytes(full)
