@@ -22,7 +22,9 @@ def main() -> None:
                         help="config overrides, as `ray-ppo train` takes them (e.g. maker.num_makers=1)")
     args = parser.parse_args()
 
-    ray.init(address="local", num_cpus=8, include_dashboard=False)  # a new local cluster, never an existing one
+    # A new local cluster, never an existing one. Its dashboard (on loopback) serves the state API
+    # that Ray Train's placement-group cleaner polls: without it, the cleaner warns every second.
+    ray.init(address="local", num_cpus=8, include_dashboard=True, dashboard_host="127.0.0.1")
     prompts = ray.data.read_csv(args.prompts)  # any Ray Data source works: read_parquet, read_json, ...
     cfg = load_config(REPO / "configs" / "tiny.yaml",
                       [f"trainer.total_steps={args.steps}", f"logging.output_dir={args.output}", *args.overrides])
