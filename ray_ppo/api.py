@@ -149,7 +149,6 @@ class PPOTrainer(TorchTrainer):
         close_outputs = self._open_outputs()
         try:
             self._start_actors()
-            self._check_given_prompts()  # while the actors start: it waits on a read task
         except BaseException:
             self._kill_actors()
             close_outputs(self.history)
@@ -274,6 +273,7 @@ class PPOTrainer(TorchTrainer):
                 i, cfg.to_dict(), self.coordinator, self.experience_maker_factory)
             for i in range(cfg.maker.num_makers)}
         self._registered = self.coordinator.register_makers.remote(self.makers)
+        self._check_given_prompts()  # while the actors start (it waits on a read task); before vLLM's minutes
         if cfg.maker.engine == "vllm":  # minutes on a loaded CPU machine: longer than a pull may wait
             try:
                 ray.get(self._registered, timeout=ACTOR_READY_TIMEOUT_S)
