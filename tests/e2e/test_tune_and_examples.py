@@ -83,12 +83,21 @@ def test_example_tune_sweep(tmp_path):
 
 
 def stop_cluster(temp_dir: str) -> None:
-    """Stop the processes of one cluster only (those whose command line names its temp dir):
-    `ray stop` would stop every Ray cluster on the machine, a developer's own included."""
+    """Stop the processes of one cluster only (those whose command line names its temp dir, or
+    that hold a file open under it: Ray's agents retitle themselves, e.g. `ray::DashboardAgent`,
+    and outlived the cluster when only command lines were matched): `ray stop` would stop every
+    Ray cluster on the machine, a developer's own included."""
     import psutil
 
-    mine = [p for p in psutil.process_iter(["pid", "cmdline"])
-            if p.pid != os.getpid() and any(temp_dir in arg for arg in (p.info["cmdline"] or []))]
+    def of_this_cluster(p) -> bool:
+        if any(temp_dir in arg for arg in (p.info["cmdline"] or [])):
+            return True
+        try:
+            return any(f.path.startswith(temp_dir) for f in p.open_files())
+        except (psutil.AccessDenied, psutil.NoSuchProcess):
+            return False
+
+    mine = [p for p in psutil.process_iter(["pid", "cmdline"]) if p.pid != os.getpid() and of_this_cluster(p)]
     for process in mine:
         try:
             process.kill()
