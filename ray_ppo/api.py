@@ -243,7 +243,7 @@ class PPOTrainer(TorchTrainer):
             toy = self.ppo_config.toy
             texts = make_prompts(toy.num_prompts, toy.prompt_len, toy.seed)
             return ray.data.from_items([{"prompt": t} for t in texts]), "prompt"
-        return read_prompt_dataset(d.path, d.prompt_column, d.format, checked=True), "prompt"  # fit() ran check_run
+        return read_prompt_dataset(d.path, d.prompt_column, d.format, checked=True), d.prompt_column  # fit() ran check_run
 
     def _check_given_prompts(self) -> None:
         """A dataset given to ``PPOTrainer`` must hold ``data.prompt_column``. Its schema comes from

@@ -98,7 +98,7 @@ process that imports Ray Data: seconds, for a file read in milliseconds)."""
 
 def read_prompt_dataset(path: str, prompt_column: str, fmt: str | None = None, num_cpus: float = 0.25,
                         checked: bool = False):
-    """A Ray Dataset with one column ``prompt`` read from CSV, Parquet or JSON Lines.
+    """A Ray Dataset with one column, ``prompt_column``, read from CSV, Parquet or JSON Lines.
 
     Read tasks ask for ``num_cpus`` (a fraction) so they are scheduled beside long-lived actors;
     the column selection asks for the same, so Ray Data fuses it into the read task. A local input
@@ -121,7 +121,7 @@ def read_prompt_dataset(path: str, prompt_column: str, fmt: str | None = None, n
         raise DataError(f"cannot read data.path={path!r} as {fmt}: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     if columns is not None:
         _check_column(columns, prompt_column, path)
-    return _prompt_only(ds, prompt_column, num_cpus)
+    return ds.select_columns([prompt_column], num_cpus=num_cpus)
 
 
 def _local_bytes(path: Path) -> int:
@@ -137,13 +137,6 @@ def check_prompt_column(ds, prompt_column: str, source: str = "dataset") -> None
     block, each in a worker process that imports Ray Data, seconds of start-up for a file read in
     milliseconds. A user with wide rows can select the column in the dataset given."""
     _check_column(ds.schema().names, prompt_column, source)
-
-
-def _prompt_only(ds, prompt_column: str, num_cpus: float | None = None):
-    """``prompt_column`` alone, named ``prompt``; with the read's ``num_cpus``, Ray Data fuses both
-    operations into the read task."""
-    ds = ds.select_columns([prompt_column], num_cpus=num_cpus)
-    return ds.rename_columns({prompt_column: "prompt"}, num_cpus=num_cpus) if prompt_column != "prompt" else ds
 
 
 def read_prompt_texts(path: str, prompt_column: str, fmt: str | None = None) -> list[str | None]:
