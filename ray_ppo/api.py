@@ -28,12 +28,12 @@ from ray_ppo.config import Config
 from ray_ppo.runtime.coordinator import CoordinatorActor
 from ray_ppo.data import check_prompt_column, read_prompt_dataset
 from ray_ppo.runtime.maker import maker_actor_class
-from ray_ppo.runtime.messages import CoordinatorStatus
+from ray_ppo.runtime.messages import CoordinatorStatus, RunHandles
 from ray_ppo.preflight import check_run
 from ray_ppo.rundir import CheckpointPublisher
 from ray_ppo.samples import split_samples
 from ray_ppo.tasks.toy import make_prompts
-from ray_ppo.runtime.loop import RunHandles, train_loop_per_worker
+from ray_ppo.runtime.loop import train_loop_per_worker
 
 ACTOR_READY_TIMEOUT_S = 300.0
 """How long ``fit()`` waits for the coordinator to register vLLM makers (only they are awaited
@@ -255,8 +255,9 @@ class PPOTrainer(TorchTrainer):
     def _start_actors(self) -> None:
         cfg = self.ppo_config
         dataset, prompt_column = self._dataset()
+        handles = RunHandles(self.namespace)
         self.coordinator = ray.remote(num_cpus=0)(CoordinatorActor).options(
-            name="coordinator", namespace=self.namespace, lifetime=self.lifetime,
+            name=handles.coordinator_name, namespace=self.namespace, lifetime=self.lifetime,
             scheduling_strategy=on_driver_node()).remote(
             num_ranks=cfg.trainer.num_workers, num_makers=cfg.maker.num_makers, buffer_size=cfg.buffer_size,
             max_staleness=cfg.ppo.max_staleness, routing=cfg.topology.routing, prompts=dataset, prompt_column=prompt_column,
@@ -270,7 +271,7 @@ class PPOTrainer(TorchTrainer):
         self.makers = {
             i: maker_cls.options(name=f"maker_{i}", namespace=self.namespace, lifetime=self.lifetime,
                                  scheduling_strategy=OUTSIDE_CALLER_PLACEMENT_GROUP).remote(
-                i, cfg.to_dict(), self.coordinator, self.experience_maker_factory)
+                i, cfg.to_dict(), handles, self.experience_maker_factory)  # not the handle: see RunHandles
             for i in range(cfg.maker.num_makers)}
         self._registered = self.coordinator.register_makers.remote(self.makers)
         self._check_given_prompts()  # while the actors start (it waits on a read task); before vLLM's minutes

@@ -24,6 +24,7 @@ from ray_ppo.core.build import build_actor, build_critic_if_needed, tokenizer_pa
 from ray_ppo.core.checkpoint import CheckpointWriter, restore_point, restored_critic
 from ray_ppo.config import Config
 from ray_ppo.core.models import load_tokenizer
+from ray_ppo.runtime.messages import RunHandles
 from ray_ppo.runtime.publish import WeightPublisher
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.core.sync import fingerprint
@@ -33,14 +34,6 @@ from ray_ppo.core.metrics import experience_metrics
 from ray_ppo.runtime.monitor import MakerMonitor, verify_makers
 from ray_ppo.core.strategies import make_strategy
 from ray_ppo.runtime.transport import resolve
-
-
-@dataclass
-class RunHandles:
-    """What a worker needs to find the run's actors."""
-
-    namespace: str
-    coordinator_name: str = "coordinator"
 
 
 @dataclass
@@ -137,7 +130,7 @@ def _start_worker(loop_config: dict) -> tuple[_Worker, int]:
     torch.set_num_threads(cfg.trainer.torch_threads)
     torch.manual_seed(cfg.seed)
     device = ray.train.torch.get_device() if cfg.trainer.use_gpu else torch.device("cpu")
-    coordinator = ray.get_actor(handles.coordinator_name, namespace=handles.namespace)
+    coordinator = handles.coordinator()
     restored = restore_point(ray.train.get_checkpoint(), loop_config.get("resume_from"))
     learner = _build_learner(cfg, device, rank, restored, loop_config.get("learner_factory"))
     w = _Worker(cfg, rank, world, device, coordinator, learner,

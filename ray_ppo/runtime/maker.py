@@ -31,7 +31,7 @@ import ray
 
 from ray_ppo.config import Config
 from ray_ppo.data import PromptEncoder
-from ray_ppo.runtime.messages import MakerStats, PushHeader
+from ray_ppo.runtime.messages import MakerStats, PushHeader, RunHandles
 from ray_ppo.runtime.transport import ExperienceChunk
 
 if TYPE_CHECKING:
@@ -50,7 +50,9 @@ class MakerWorker:
     the previous weights in place)."""
 
     def __init__(self, maker_id: int, config: dict, coordinator: Any, maker_factory: Any = None):
-        """``maker_factory(cfg, name=, device=)`` builds the ``ExperienceMaker`` (default
+        """``coordinator``: the coordinator's handle, or the ``RunHandles`` to look it up by (what
+        ``PPOTrainer`` passes its restartable makers; see ``RunHandles``), or None outside a run.
+        ``maker_factory(cfg, name=, device=)`` builds the ``ExperienceMaker`` (default
         ``build.build_experience_maker``); benchmarks pass one that simulates generation."""
         import torch
 
@@ -61,6 +63,8 @@ class MakerWorker:
         self.cfg = Config.from_dict(config)
         torch.set_num_threads(self.cfg.maker.torch_threads)
         torch.manual_seed(self.cfg.seed + 1000 * (maker_id + 1))
+        if isinstance(coordinator, RunHandles):
+            coordinator = coordinator.coordinator()
         self.maker_id, self.coordinator = maker_id, coordinator
         self.device = maker_device(self.cfg)  # cuda:0 (the GPU Ray gave this actor) if maker.num_gpus > 0
         self.maker = (maker_factory or build_experience_maker)(self.cfg, name=f"maker_{maker_id}", device=self.device)

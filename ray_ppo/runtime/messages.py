@@ -8,7 +8,8 @@ field fails where it is written instead of silently reading as zero.
   - ``MakerStats``     maker -> coordinator: what making one batch cost and skipped;
   - ``PushHeader``     trainer rank 0 -> coordinator -> maker: what a weight push carries besides
                        its buckets;
-  - ``CoordinatorStatus`` coordinator -> trainer rank 0 and driver: counters, versions, maker states.
+  - ``CoordinatorStatus`` coordinator -> trainer rank 0 and driver: counters, versions, maker states;
+  - ``RunHandles``     driver -> trainer ranks and makers: where to find the run's coordinator.
 
 ``kl_coef`` has one owner: the trainer's KL controller (``ray_ppo.core.algo.make_kl_controller``),
 which ``ppo.kl_coef`` only seeds. Its current value reaches the makers in the ``PushHeader`` of
@@ -21,6 +22,7 @@ pushes, passes the controller's value to ``ExperienceMaker.make_experience`` dir
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -154,3 +156,22 @@ class CoordinatorStatus:
     """Process id of each trainer rank (from its last pull), for diagnostics."""
     node_id: str | None = None
     """The Ray node the coordinator runs on."""
+
+
+@dataclass(frozen=True)
+class RunHandles:
+    """Where a process finds the run's coordinator: its name and namespace, not its handle.
+
+    A maker is a detached actor with ``max_restarts``. Ray keeps an actor's constructor arguments
+    in the object store, owned by the driver, when an actor handle is among them, and cannot
+    restart the actor once they are gone (ray-project/ray#53727), e.g. after the driver exited.
+    Plain strings are inlined in the actor's creation task, so a restart needs nothing the driver
+    owns: the new process looks the coordinator up again."""
+
+    namespace: str
+    coordinator_name: str = "coordinator"
+
+    def coordinator(self) -> Any:
+        import ray  # here: the synchronous loop imports this module and runs without Ray
+
+        return ray.get_actor(self.coordinator_name, namespace=self.namespace)

@@ -1,6 +1,7 @@
 """`ray-ppo train` as a user runs it: a subprocess with its own local Ray cluster."""
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,9 @@ def test_ray_ppo_train_writes_metrics_and_checkpoint(tmp_path):
     assert "step 3/3 | reward" in proc.stdout and "done: 3 steps" in proc.stdout
     # a normal end is quiet: no retry warning from the makers' loops, no traceback (issue 16)
     assert "retries remaining" not in proc.stdout + proc.stderr and "Traceback" not in proc.stdout + proc.stderr
+    # and no error-level line from Ray's core (it printed one for the makers' constructor
+    # arguments while they held the coordinator's handle: see RunHandles)
+    assert not re.findall(r"^\[[^\]]* E \d+ \d+\].*", proc.stderr, re.M), proc.stderr[-3000:]
     assert (out / "config.yaml").exists()
     assert (out / "checkpoint" / "actor" / "model.safetensors").exists()
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 3
