@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ray_processes import cluster_processes, kill_all
 
 from ray_ppo.config import load_config
 
@@ -83,27 +84,8 @@ def test_example_tune_sweep(tmp_path):
 
 
 def stop_cluster(temp_dir: str) -> None:
-    """Stop the processes of one cluster only (those whose command line names its temp dir, or
-    that hold a file open under it: Ray's agents retitle themselves, e.g. `ray::DashboardAgent`,
-    and outlived the cluster when only command lines were matched): `ray stop` would stop every
-    Ray cluster on the machine, a developer's own included."""
-    import psutil
-
-    def of_this_cluster(p) -> bool:
-        if any(temp_dir in arg for arg in (p.info["cmdline"] or [])):
-            return True
-        try:
-            return any(f.path.startswith(temp_dir) for f in p.open_files())
-        except (psutil.AccessDenied, psutil.NoSuchProcess):
-            return False
-
-    mine = [p for p in psutil.process_iter(["pid", "cmdline"]) if p.pid != os.getpid() and of_this_cluster(p)]
-    for process in mine:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(mine, timeout=30)
+    """Stop the processes of one cluster only (``ray_processes``)."""
+    kill_all(cluster_processes(temp_dir))
 
 
 @pytest.fixture(scope="module")
