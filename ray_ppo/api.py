@@ -104,6 +104,7 @@ class PPOTrainer(TorchTrainer):
         self.output_dir = Path(output_dir).resolve() if output_dir is not None else None
         self.resume_state = validate_checkpoint(resume_from) if resume_from else None
         self.namespace = f"ray_ppo.{config.name}.{uuid.uuid4().hex[:8]}"
+        self.handles = RunHandles(self.namespace)  # one name for the coordinator it is created with and looked up by
         self.prompts = prompts
         self.metrics_callbacks = list(metrics_callbacks)
         self.experience_maker_factory = experience_maker_factory
@@ -124,7 +125,7 @@ class PPOTrainer(TorchTrainer):
             checkpoint_config=CheckpointConfig(num_to_keep=max(t.keep_checkpoints, 2)))
         super().__init__(
             train_loop_per_worker,
-            train_loop_config={"config": self.ppo_config.to_dict(), "handles": dataclasses.asdict(RunHandles(self.namespace)),
+            train_loop_config={"config": self.ppo_config.to_dict(), "handles": dataclasses.asdict(self.handles),
                                "resume_from": str(Path(resume_from).resolve()) if resume_from else None,
                                "learner_factory": learner_factory},
             scaling_config=scaling_config, run_config=run_config, **trainer_kwargs)
@@ -255,9 +256,8 @@ class PPOTrainer(TorchTrainer):
     def _start_actors(self) -> None:
         cfg = self.ppo_config
         dataset, prompt_column = self._dataset()
-        handles = RunHandles(self.namespace)
         self.coordinator = ray.remote(num_cpus=0)(CoordinatorActor).options(
-            name=handles.coordinator_name, namespace=self.namespace, lifetime=self.lifetime,
+            name=self.handles.coordinator_name, namespace=self.namespace, lifetime=self.lifetime,
             scheduling_strategy=on_driver_node()).remote(
             num_ranks=cfg.trainer.num_workers, num_makers=cfg.maker.num_makers, buffer_size=cfg.buffer_size,
             max_staleness=cfg.ppo.max_staleness, routing=cfg.topology.routing, prompts=dataset, prompt_column=prompt_column,
@@ -271,7 +271,7 @@ class PPOTrainer(TorchTrainer):
         self.makers = {
             i: maker_cls.options(name=f"maker_{i}", namespace=self.namespace, lifetime=self.lifetime,
                                  scheduling_strategy=OUTSIDE_CALLER_PLACEMENT_GROUP).remote(
-                i, cfg.to_dict(), handles, self.experience_maker_factory)  # not the handle: see RunHandles
+                i, cfg.to_dict(), self.handles, self.experience_maker_factory)  # not the handle: see RunHandles
             for i in range(cfg.maker.num_makers)}
         self._registered = self.coordinator.register_makers.remote(self.makers)
         self._check_given_prompts()  # while the actors start (it waits on a read task); before vLLM's minutes
