@@ -33,7 +33,9 @@ class Strategy(Protocol):
         """Apply and zero the gradients."""
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Collective on every rank: the full, unsharded state dict on CPU on rank 0, ``{}`` elsewhere."""
+        """Collective on every rank: the full, unsharded state dict on CPU on rank 0, ``{}`` elsewhere.
+        Its tensors are copies, never views of the live weights: a push reads them in a background
+        thread while the next step trains (``ray_ppo.runtime.loop._publish``)."""
 
     def full_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """Collective on every rank: the full optimizer state on rank 0, ``{}`` elsewhere."""

@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +35,7 @@ from ray_ppo.core.learner import PPOLearner, drop_absent
 from ray_ppo.core.metrics import experience_metrics
 from ray_ppo.runtime.monitor import MakerMonitor, verify_makers
 from ray_ppo.core.strategies import make_strategy
-from ray_ppo.runtime.transport import resolve
+from ray_ppo.runtime.transport import ExperienceChunk, Fetched, resolve
 
 
 @dataclass
@@ -54,15 +56,18 @@ class _Worker:
     version: int = 0
     run_start: float = 0.0
     ahead: _PullAhead | None = None  # the next step's pull, in flight while this step trains
+    pushing: Future | None = None  # rank 0: the last push, being put and handed over in the background
     group: int | None = None  # this worker group's number at the coordinator (``_rewind_prompts``)
     recorded: Any = None  # rank 0: the ref of the last metrics row sent (``_record``)
 
 
 @dataclass(frozen=True)
 class _PullAhead:
-    """A pull issued one step early (``trainer.prefetch``): its ref, and the step and version it is for."""
+    """A pull issued one step early (``trainer.prefetch``) by a background thread, which then
+    fetches and unpacks its items while this step trains; the step and version it is for."""
 
-    ref: Any
+    sent: Future  # the pull's ref, once the thread has sent it
+    fetched: Future  # (chunks, their items): what ``_fetch`` returned
     step: int
     version: int
 
@@ -191,13 +196,11 @@ def _pull_step(w: _Worker, step: int) -> list[ExperienceItem]:
         raise RuntimeError(f"pulled ahead for step {ahead.step} at version {ahead.version}, "
                            f"but step {step} trains at version {w.version}")
     items = _pull(w.coordinator, w.rank, t.train_batch_size, w.version, t.pull_timeout_s, step,
-                  ahead.ref if ahead else None, w.group)
+                  ahead.fetched if ahead else None, w.group)
     if t.prefetch and step < t.total_steps:
         # The next step trains at the version this step pushes, if it pushes on schedule; a step
         # that pushes off schedule is the run's last (``_plan``), whose pull ahead is cancelled.
-        version = w.version + (step % t.update_steps == 0)
-        w.ahead = _PullAhead(_pull_call(w.coordinator, w.rank, t.train_batch_size, w.version, t.pull_timeout_s,
-                                        step + 1, version, w.group), step + 1, version)
+        w.ahead = _pull_ahead(w, step + 1, w.version + (step % t.update_steps == 0))
     if w.monitor:
         w.monitor.request()
     return items
@@ -225,17 +228,30 @@ def _plan(w: _Worker, step: int) -> _StepPlan:
 
 def _publish(w: _Worker, plan: _StepPlan) -> tuple[dict[str, torch.Tensor], float, int]:
     """Gather the weights when a push or a checkpoint needs them (a collective); on a push step
-    the version goes up and rank 0 publishes. Returns (gathered state, push seconds, push bytes)."""
+    the version goes up and rank 0 hands the push to a background thread, which puts the buckets
+    and hands them to the coordinator while the next step runs (the gathered state is a copy, so
+    training on does not change what is pushed). Returns (gathered state, seconds this step was
+    held by the push, push bytes)."""
     state = w.publisher.gather() if plan.push or plan.checkpoint else {}
     if not plan.push:
         return state, 0.0, 0
     w.version += 1
     if w.rank != 0:
         return state, 0.0, 0
+    start = time.perf_counter()
+    _wait_for_push(w)  # the previous push, handed over a step or more ago; a failure of it is raised here
     lora_only = w.cfg.sync.lora_only
-    push_s, push_bytes = w.publisher.publish(w.publisher.to_push(state, lora_only), w.version,
-                                             w.kl_ctl.value, partial=lora_only)
-    return state, push_s, push_bytes
+    push = w.publisher.to_push(state, lora_only)
+    w.pushing = _in_background(w.publisher.publish, push, w.version, w.kl_ctl.value, lora_only)
+    if plan.last:  # the run's last push is handed over before the makers are checked against it
+        _wait_for_push(w)
+    return state, time.perf_counter() - start, w.publisher.size(push)
+
+
+def _wait_for_push(w: _Worker) -> None:
+    pushing, w.pushing = w.pushing, None
+    if pushing is not None:
+        pushing.result()
 
 
 def _checkpoint(w: _Worker, step: int, state: dict[str, torch.Tensor]) -> ray.train.Checkpoint | None:
@@ -303,29 +319,72 @@ def _pull_call(coordinator: Any, rank: int, n: int, version: int, timeout_s: flo
 
 
 def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, step: int,
-          pending: ray.ObjectRef | None = None, group: int | None = None) -> list[ExperienceItem]:
+          pending: Future | None = None, group: int | None = None) -> list[ExperienceItem]:
     """``n`` items from the coordinator for ``step``, starting with the ``pending`` pull if one was
-    sent ahead. Items lost with a dead maker are reported (their prompts are served again) and
-    replaced. A pull ahead that timed out (its wait included the previous step's training) is
-    sent again with the full timeout.
+    sent ahead (``_pull_ahead``). Items lost with a dead maker are reported (their prompts are
+    served again) and replaced. A pull ahead that timed out (its wait included the previous step's
+    training) is sent again with the full timeout.
     The coordinator's errors (maker failure, stall) are re-raised as themselves, so the run's
     error message is the coordinator's one-line diagnosis."""
     items: list[ExperienceItem] = []
     while len(items) < n:
-        ref = pending or _pull_call(coordinator, rank, n - len(items), version, timeout_s, step, group=group)
         try:
-            chunks = ray.get(ref)
+            if pending is not None:
+                _, fetched = pending.result()
+            else:
+                _, fetched = _fetch(_pull_call(coordinator, rank, n - len(items), version, timeout_s, step, group=group))
         except ray.exceptions.RayTaskError as e:
             if pending is not None and isinstance(e.as_instanceof_cause(), TimeoutError):
                 pending = None
                 continue
             raise e.as_instanceof_cause() from None
         pending = None
-        fetched = resolve(chunks)
+        if fetched is None:
+            raise RuntimeError(f"the coordinator cancelled rank {rank}'s pull for step {step}: "
+                               "this worker group was replaced")
         if fetched.lost:
             ray.get(coordinator.lost_in_transit.remote(rank, fetched.lost, fetched.lost_prompt_ids, version))
         items += fetched.items
     return items
+
+
+def _fetch(ref: ray.ObjectRef) -> tuple[list[ExperienceChunk] | None, Fetched | None]:
+    """The chunks a pull returned and their items (None, None for a cancelled pull)."""
+    chunks = ray.get(ref)
+    return chunks, (resolve(chunks) if chunks is not None else None)
+
+
+def _pull_ahead(w: _Worker, step: int, version: int) -> _PullAhead:
+    """Send the pull for ``step`` (to train at ``version``) from a background thread, which then
+    fetches and unpacks its items: the step being trained waits for none of it."""
+    t, sent = w.cfg.trainer, Future()
+    call = (w.coordinator, w.rank, t.train_batch_size, w.version, t.pull_timeout_s, step, version, w.group)
+
+    def send_and_fetch():
+        try:
+            ref = _pull_call(*call)  # with the version and group of now, not of when the thread runs
+        except BaseException as e:
+            sent.set_exception(e)
+            raise
+        sent.set_result(ref)
+        return _fetch(ref)
+
+    return _PullAhead(sent, _in_background(send_and_fetch), step, version)
+
+
+def _in_background(fn: Any, *args: Any) -> Future:
+    """``fn(*args)`` in a daemon thread (a failed step leaves nothing to join); its result or
+    error comes from the future."""
+    future: Future = Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # handed to whoever waits on the future
+            future.set_exception(e)
+
+    threading.Thread(target=run, name=f"ray_ppo-{getattr(fn, '__name__', 'step')}", daemon=True).start()
+    return future
 
 
 def _cancel_pull_ahead(w: _Worker) -> None:
@@ -334,9 +393,13 @@ def _cancel_pull_ahead(w: _Worker) -> None:
     ahead, w.ahead = w.ahead, None
     if ahead is None:
         return
+    try:
+        ahead.sent.result()
+    except Exception:
+        return  # it was never sent
     ray.get(w.coordinator.cancel_pull.remote(w.rank, os.getpid()))
     try:
-        chunks = ray.get(ahead.ref)
+        chunks, _ = ahead.fetched.result()
     except ray.exceptions.RayTaskError:
         return  # it failed (a maker failure, a stall): it took nothing
     if chunks:

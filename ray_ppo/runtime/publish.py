@@ -45,6 +45,10 @@ class WeightPublisher:
         keep = self.trainable if lora_only else set(state) - self.aliases
         return {k: v for k, v in state.items() if k in keep}
 
+    def size(self, state: dict[str, torch.Tensor]) -> int:
+        """Bytes a push of ``state`` carries."""
+        return push_size(state, self.bucket_mb)[1]
+
     def publish(self, state: dict[str, torch.Tensor], version: int, kl_coef: float,
                 partial: bool = False) -> tuple[float, int]:
         """Put the buckets, each handed on as soon as it is put; returns (seconds, bytes). Rank 0 only.
