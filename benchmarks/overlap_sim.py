@@ -34,8 +34,10 @@ makers beyond S * b batches in flight wait at admission, by design (shown as adm
 trains; default on, as in the config); ``on,off`` runs both in every cell, interleaved.
 
 Where the time went, per measured step: trainer ``wait`` (pull: waiting for experience),
-``train``, ``push`` (rank 0 putting and handing over the weights), ``other`` (the rest of the
-step: gather, batch merge, metrics relay and report); per maker over the measured window (shares
+``train``, ``push`` (how long rank 0's step was held by the push: since the sixteenth session a
+background thread puts and hands over the buckets, so this is the hand-over), ``other`` (the
+rest of the step: gather, metrics over ranks, metrics relay and report; with 2 ranks it includes
+waiting for the slower rank there); per maker over the measured window (shares
 of makers x window; maker totals from the coordinator when the driver sees the window's first
 and last step): ``gen`` busy, ``admission`` (waiting for a prompt batch:
 staleness admission), ``back-pressure`` (waiting for the sender / buffer space), ``pause``
