@@ -30,7 +30,7 @@ from ray_ppo.runtime.messages import RunHandles
 from ray_ppo.runtime.publish import WeightPublisher
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.core.sync import fingerprint
-from ray_ppo.core.collectives import all_reduce_metrics, broadcast_from_rank_0, broadcast_time_up
+from ray_ppo.core.collectives import all_reduce_metrics, broadcast_from_rank_0, broadcast_time_up, mean_over_ranks
 from ray_ppo.core.learner import PPOLearner, drop_absent
 from ray_ppo.core.metrics import experience_metrics
 from ray_ppo.runtime.monitor import MakerMonitor, verify_makers
@@ -207,13 +207,16 @@ def _pull_step(w: _Worker, step: int) -> list[ExperienceItem]:
 
 
 def _train(w: _Worker, items: list[ExperienceItem]) -> dict[str, float]:
-    """PPO epochs on the items; this rank's metrics. The KL controller sees this step's KL."""
+    """PPO epochs on the items; this rank's metrics. The KL controller sees this step's KL, the
+    mean over the ranks when it adapts (a collective): every rank then holds the same coefficient,
+    the one rank 0 pushes to the makers and checkpoints, and the KL loss term is alike on every rank."""
     train_start = time.perf_counter()
     w.learner.kl_coef = w.kl_ctl.value
     metrics = w.learner.train_step(ExperienceBatch.merge(items, w.tokenizer.pad_token_id), version=w.version)
     train_s = time.perf_counter() - train_start
     metrics.update(experience_metrics(items, w.version))
-    w.kl_ctl.update(metrics["kl"], w.cfg.trainer.train_batch_size * w.world)
+    kl = mean_over_ranks(metrics["kl"], w.device) if w.kl_ctl.adapts else metrics["kl"]
+    w.kl_ctl.update(kl, w.cfg.trainer.train_batch_size * w.world)
     metrics.update(train_s=train_s)
     return metrics
 

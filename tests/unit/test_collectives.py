@@ -1,14 +1,17 @@
-"""The step's metrics collective on a real two-process gloo group (``torch.multiprocessing``)."""
+"""The step's collectives on a real two-process gloo group (``torch.multiprocessing``)."""
 
 import math
 import os
 import socket
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ray_ppo.core.collectives import all_reduce_metrics
+from ray_ppo.core.algo import ExperienceItem, make_kl_controller
+from ray_ppo.core.collectives import all_reduce_metrics, mean_over_ranks
+from ray_ppo.runtime.loop import _train
 
 ROWS = [  # what each rank's step measured
     {"loss": 1.0, "staleness_max": 2.0, "behaviour_kl_stale_3": float("nan"), "reward_max": float("nan"),
@@ -18,13 +21,51 @@ ROWS = [  # what each rank's step measured
 ]
 
 
-def _rank(rank: int, port: int, out: dict) -> None:
+def _rank(rank: int, port: int, out: dict, job=None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=len(ROWS))
     try:
-        out[rank] = all_reduce_metrics(ROWS[rank], torch.device("cpu"))
+        out[rank] = (job or _metrics)(rank)
     finally:
         dist.destroy_process_group()
+
+
+def _metrics(rank: int) -> dict:
+    return all_reduce_metrics(ROWS[rank], torch.device("cpu"))
+
+
+KL = [0.5, 3.5]  # each rank's experience KL: one under the target, one over it
+TARGET, HORIZON, BATCH = 1.0, 100, 4
+
+
+class NoUpdate:
+    """A learner whose step changes nothing: ``_train`` around it is what is tested."""
+
+    kl_coef = 0.0
+
+    def train_step(self, batch, version=None):
+        return {"policy_loss": 0.0}
+
+
+def _adaptive_kl_step(rank: int) -> float:
+    """One ``_train`` on this rank's items; the coefficient its KL controller holds after it."""
+    cfg = SimpleNamespace(trainer=SimpleNamespace(train_batch_size=BATCH))
+    w = SimpleNamespace(cfg=cfg, learner=NoUpdate(), world=len(KL), device=torch.device("cpu"), version=1,
+                        kl_ctl=make_kl_controller(0.1, kl_target=TARGET, kl_horizon=HORIZON),
+                        tokenizer=SimpleNamespace(pad_token_id=0))
+    items = [ExperienceItem.filled(torch.tensor([1, 2]), torch.tensor([3, 4, 5]),
+                                   per_token=lambda name: torch.full((3,), KL[rank] if name == "action_log_probs" else 0.0),
+                                   reward=0.0, policy_version=1, uid=f"{rank}-{i}") for i in range(BATCH)]
+    metrics = _train(w, items)
+    assert metrics["kl"] == KL[rank]  # the rank's own KL is what it reports; the row's mean comes later
+    return w.kl_ctl.value
+
+
+def _spawn(job=None) -> dict:
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_rank, args=(_free_port(), out, job), nprocs=len(ROWS))
+        return dict(out)
 
 
 def _free_port() -> int:
@@ -34,10 +75,7 @@ def _free_port() -> int:
 
 
 def test_metrics_are_averaged_or_maxed_over_ranks_leaving_out_nan():
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_rank, args=(_free_port(), out), nprocs=len(ROWS))
-        got = dict(out)
+    got = _spawn()
     assert {k: repr(v) for k, v in got[0].items()} == {k: repr(v) for k, v in got[1].items()}  # one row everywhere
     row = got[0]
     assert row["loss"] == 2.0 and row["staleness_max"] == 5.0
@@ -47,3 +85,22 @@ def test_metrics_are_averaged_or_maxed_over_ranks_leaving_out_nan():
 
 def test_one_process_keeps_its_own_metrics():
     assert all_reduce_metrics({"loss": 1.5}, torch.device("cpu")) == {"loss": 1.5}
+
+
+def _mean(rank: int) -> float:
+    return mean_over_ranks([1.0, 4.0][rank], torch.device("cpu"))
+
+
+def test_mean_over_ranks_is_the_same_float_on_every_rank():
+    assert _spawn(_mean) == {0: 2.5, 1: 2.5}
+    assert mean_over_ranks(1.25, torch.device("cpu")) == 1.25  # one process: its own value
+
+
+def test_an_adaptive_kl_coefficient_moves_alike_on_every_rank():
+    """Each rank's KL alone would move its coefficient apart (rank 0 down, rank 1 up); the
+    controller sees the mean over ranks, so the coefficient rank 0 pushes and checkpoints is the
+    one every rank's KL loss uses."""
+    got = _spawn(_adaptive_kl_step)
+    expected = make_kl_controller(0.1, kl_target=TARGET, kl_horizon=HORIZON)
+    expected.update(sum(KL) / len(KL), BATCH * len(KL))
+    assert got[0] == got[1] == expected.value != 0.1

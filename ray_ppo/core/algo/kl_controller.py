@@ -9,6 +9,7 @@ class KLController(Protocol):
     """Holds the current KL coefficient `value` and updates it from the measured KL."""
 
     value: float
+    adapts: bool  # whether ``update`` can change ``value``
 
     def update(self, current_kl: float, n_steps: int) -> None: ...
 
@@ -19,6 +20,8 @@ class KLController(Protocol):
 
 class FixedKLController:
     """A constant KL coefficient."""
+
+    adapts = False
 
     def __init__(self, kl_coef: float):
         if kl_coef < 0:
@@ -43,6 +46,8 @@ class AdaptiveKLController:
         e_t = clip(KL_t / KL_target - 1, -0.2, 0.2),   beta_{t+1} = beta_t * (1 + K_beta * e_t)
     with K_beta = n_steps / horizon, n_steps the number of samples since the last update.
     """
+
+    adapts = True
 
     def __init__(self, init_kl_coef: float, target: float, horizon: int):
         if init_kl_coef < 0 or target <= 0 or horizon <= 0:
