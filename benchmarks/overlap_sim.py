@@ -26,9 +26,12 @@ The ideal assumes every maker generates all the time. The staleness bound decide
 they may: a batch takes T_gen / b (b = generation batches per step) and the trainer runs a step
 every T_gen / makers when generation-bound, so a batch's items are trained about
 1 + makers / b versions after the weights that made them. ``--staleness auto`` (the default)
-gives each cell ``ppo.max_staleness`` = 1 with one maker, else 1 + ceil(makers / b): the bound
-under which the ideal is reachable at all. With ``--staleness 1`` (the config's default) the
-makers beyond S * b batches in flight wait at admission, by design (shown as admission share).
+gives each cell ``ppo.max_staleness`` = 1 + ceil(makers / b): the bound under which the ideal is
+reachable at all. (Until the seventeenth session one maker got S = 1, which reaches the ideal
+only if a push takes no time: at T_gen = T_train the maker may start the batch after next only
+once the push of the step before lands, so every step paid the push's latency.) With
+``--staleness 1`` (the config's default) the makers beyond S * b batches in flight wait at
+admission, by design (shown as admission share).
 
 ``--prefetch`` sets ``trainer.prefetch`` (each rank pulls its next step's batch while a step
 trains; default on, as in the config); ``on,off`` runs both in every cell, interleaved.
@@ -139,7 +142,7 @@ def cell_staleness(setting: str, makers: int, ranks: int) -> int:
     """``ppo.max_staleness`` for a cell: ``auto`` = the bound the ideal needs (module docstring)."""
     if setting != "auto":
         return int(setting)
-    return 1 if makers == 1 else 1 + math.ceil(makers / batches_per_step(ranks))
+    return 1 + math.ceil(makers / batches_per_step(ranks))
 
 
 def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, skip: int, staleness: int = 1,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import shutil
 import threading
 import time
@@ -55,6 +56,8 @@ class _Worker:
     tokenizer: Any
     version: int = 0
     run_start: float = 0.0
+    puller: _Background | None = None  # sends, fetches and merges the pulls ahead
+    pusher: _Background | None = None  # rank 0: puts the pushes and hands them over
     ahead: _PullAhead | None = None  # the next step's pull, in flight while this step trains
     pushing: Future | None = None  # rank 0: the last push, being put and handed over in the background
     group: int | None = None  # this worker group's number at the coordinator (``_rewind_prompts``)
@@ -64,10 +67,10 @@ class _Worker:
 @dataclass(frozen=True)
 class _PullAhead:
     """A pull issued one step early (``trainer.prefetch``) by a background thread, which then
-    fetches and unpacks its items while this step trains; the step and version it is for."""
+    fetches, unpacks and merges its items while this step trains; the step and version it is for."""
 
     sent: Future  # the pull's ref, once the thread has sent it
-    fetched: Future  # (chunks, their items): what ``_fetch`` returned
+    fetched: Future  # (chunks, their items, the items merged into a batch or None): ``_fetch_and_merge``
     step: int
     version: int
 
@@ -91,17 +94,22 @@ def train_loop_per_worker(loop_config: dict) -> None:
 def _train_loop(loop_config: dict) -> None:
     worker, first_step = _start_worker(loop_config)
     worker.run_start = time.perf_counter()
-    for step in range(first_step, worker.cfg.trainer.total_steps + 1):
-        if _train_step(worker, step):
-            break
+    try:
+        for step in range(first_step, worker.cfg.trainer.total_steps + 1):
+            if _train_step(worker, step):
+                break
+    finally:
+        for thread in (worker.puller, worker.pusher):
+            if thread is not None:
+                thread.close()
 
 
 def _train_step(w: _Worker, step: int) -> bool:
     """One step: pull -> train -> publish -> checkpoint -> report. True after the run's last step."""
     start = time.perf_counter()
-    items = _pull_step(w, step)
+    items, batch = _pull_step(w, step)
     wait_s = time.perf_counter() - start
-    metrics = _train(w, items)
+    metrics = _train(w, items, batch)
     plan = _plan(w, step)
     if plan.last:
         _cancel_pull_ahead(w)
@@ -143,7 +151,9 @@ def _start_worker(loop_config: dict) -> tuple[_Worker, int]:
                 publisher=WeightPublisher(learner, coordinator, cfg.sync.bucket_mb),
                 checkpoints=CheckpointWriter(cfg) if rank == 0 else None,
                 monitor=MakerMonitor(coordinator, cfg.maker.engine == "vllm") if rank == 0 else None,
-                tokenizer=load_tokenizer(tokenizer_path(cfg)))
+                tokenizer=load_tokenizer(tokenizer_path(cfg)),
+                puller=_Background("pull") if cfg.trainer.prefetch else None,
+                pusher=_Background("push") if rank == 0 else None)
     first_step = 1
     if restored:
         optim_state, run_state = restored[2], restored[3]
@@ -186,33 +196,33 @@ def _start_makers(w: _Worker, restored: bool, first_step: int) -> None:
 # -- the phases of a step ---------------------------------------------------------------------------
 
 
-def _pull_step(w: _Worker, step: int) -> list[ExperienceItem]:
-    """This rank's ``trainer.train_batch_size`` items for ``step`` (pulled while the previous step
-    trained, with ``trainer.prefetch``), then the pull for the next step is sent, to be answered
-    while this one trains; rank 0 also asks for the makers' totals."""
+def _pull_step(w: _Worker, step: int) -> tuple[list[ExperienceItem], ExperienceBatch]:
+    """This rank's ``trainer.train_batch_size`` items for ``step`` and their batch (pulled and
+    merged while the previous step trained, with ``trainer.prefetch``), then the pull for the next
+    step is sent, to be answered while this one trains; rank 0 also asks for the makers' totals."""
     t = w.cfg.trainer
     ahead, w.ahead = w.ahead, None
     if ahead is not None and (ahead.step, ahead.version) != (step, w.version):
         raise RuntimeError(f"pulled ahead for step {ahead.step} at version {ahead.version}, "
                            f"but step {step} trains at version {w.version}")
-    items = _pull(w.coordinator, w.rank, t.train_batch_size, w.version, t.pull_timeout_s, step,
-                  ahead.fetched if ahead else None, w.group)
+    items, batch = _pull(w.coordinator, w.rank, t.train_batch_size, w.version, t.pull_timeout_s, step,
+                         ahead.fetched if ahead else None, w.group)
     if t.prefetch and step < t.total_steps:
         # The next step trains at the version this step pushes, if it pushes on schedule; a step
         # that pushes off schedule is the run's last (``_plan``), whose pull ahead is cancelled.
         w.ahead = _pull_ahead(w, step + 1, w.version + (step % t.update_steps == 0))
     if w.monitor:
         w.monitor.request()
-    return items
+    return items, batch if batch is not None else ExperienceBatch.merge(items, w.tokenizer.pad_token_id)
 
 
-def _train(w: _Worker, items: list[ExperienceItem]) -> dict[str, float]:
-    """PPO epochs on the items; this rank's metrics. The KL controller sees this step's KL, the
+def _train(w: _Worker, items: list[ExperienceItem], batch: ExperienceBatch) -> dict[str, float]:
+    """PPO epochs on the items (merged in ``batch``); this rank's metrics. The KL controller sees this step's KL, the
     mean over the ranks when it adapts (a collective): every rank then holds the same coefficient,
     the one rank 0 pushes to the makers and checkpoints, and the KL loss term is alike on every rank."""
     train_start = time.perf_counter()
     w.learner.kl_coef = w.kl_ctl.value
-    metrics = w.learner.train_step(ExperienceBatch.merge(items, w.tokenizer.pad_token_id), version=w.version)
+    metrics = w.learner.train_step(batch, version=w.version)
     train_s = time.perf_counter() - train_start
     metrics.update(experience_metrics(items, w.version))
     kl = mean_over_ranks(metrics["kl"], w.device) if w.kl_ctl.adapts else metrics["kl"]
@@ -245,7 +255,7 @@ def _publish(w: _Worker, plan: _StepPlan) -> tuple[dict[str, torch.Tensor], floa
     _wait_for_push(w)  # the previous push, handed over a step or more ago; a failure of it is raised here
     lora_only = w.cfg.sync.lora_only
     push = w.publisher.to_push(state, lora_only)
-    w.pushing = _in_background(w.publisher.publish, push, w.version, w.kl_ctl.value, lora_only)
+    w.pushing = w.pusher.submit(w.publisher.publish, push, w.version, w.kl_ctl.value, lora_only)
     if plan.last:  # the run's last push is handed over before the makers are checked against it
         _wait_for_push(w)
     return state, time.perf_counter() - start, w.publisher.size(push)
@@ -322,19 +332,22 @@ def _pull_call(coordinator: Any, rank: int, n: int, version: int, timeout_s: flo
 
 
 def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, step: int,
-          pending: Future | None = None, group: int | None = None) -> list[ExperienceItem]:
+          pending: Future | None = None, group: int | None = None) -> tuple[list[ExperienceItem], ExperienceBatch | None]:
     """``n`` items from the coordinator for ``step``, starting with the ``pending`` pull if one was
-    sent ahead (``_pull_ahead``). Items lost with a dead maker are reported (their prompts are
+    sent ahead (``_pull_ahead``), and the batch that pull's thread merged them into when that pull
+    alone brought them all (else None). Items lost with a dead maker are reported (their prompts are
     served again) and replaced. A pull ahead that timed out (its wait included the previous step's
     training) is sent again with the full timeout.
     The coordinator's errors (maker failure, stall) are re-raised as themselves, so the run's
     error message is the coordinator's one-line diagnosis."""
     items: list[ExperienceItem] = []
+    batch = None
     while len(items) < n:
         try:
             if pending is not None:
-                _, fetched = pending.result()
+                _, fetched, batch = pending.result()
             else:
+                batch = None  # the items came from more than one pull: the caller merges them
                 _, fetched = _fetch(_pull_call(coordinator, rank, n - len(items), version, timeout_s, step, group=group))
         except ray.exceptions.RayTaskError as e:
             if pending is not None and isinstance(e.as_instanceof_cause(), TimeoutError):
@@ -348,7 +361,7 @@ def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, s
         if fetched.lost:
             ray.get(coordinator.lost_in_transit.remote(rank, fetched.lost, fetched.lost_prompt_ids, version))
         items += fetched.items
-    return items
+    return items, batch
 
 
 def _fetch(ref: ray.ObjectRef) -> tuple[list[ExperienceChunk] | None, Fetched | None]:
@@ -358,10 +371,11 @@ def _fetch(ref: ray.ObjectRef) -> tuple[list[ExperienceChunk] | None, Fetched | 
 
 
 def _pull_ahead(w: _Worker, step: int, version: int) -> _PullAhead:
-    """Send the pull for ``step`` (to train at ``version``) from a background thread, which then
-    fetches and unpacks its items: the step being trained waits for none of it."""
+    """Send the pull for ``step`` (to train at ``version``) from the pull thread, which then
+    fetches, unpacks and merges its items: the step being trained waits for none of it."""
     t, sent = w.cfg.trainer, Future()
     call = (w.coordinator, w.rank, t.train_batch_size, w.version, t.pull_timeout_s, step, version, w.group)
+    pad_token_id = w.tokenizer.pad_token_id
 
     def send_and_fetch():
         try:
@@ -370,24 +384,40 @@ def _pull_ahead(w: _Worker, step: int, version: int) -> _PullAhead:
             sent.set_exception(e)
             raise
         sent.set_result(ref)
-        return _fetch(ref)
+        chunks, fetched = _fetch(ref)
+        whole = fetched is not None and fetched.items and not fetched.lost
+        return chunks, fetched, ExperienceBatch.merge(fetched.items, pad_token_id) if whole else None
 
-    return _PullAhead(sent, _in_background(send_and_fetch), step, version)
+    return _PullAhead(sent, w.puller.submit(send_and_fetch), step, version)
 
 
-def _in_background(fn: Any, *args: Any) -> Future:
-    """``fn(*args)`` in a daemon thread (a failed step leaves nothing to join); its result or
-    error comes from the future."""
-    future: Future = Future()
+class _Background:
+    """A daemon thread (a failed step leaves nothing to join) that runs the calls handed to it,
+    one after another; each call's result or error comes from its future. One lives as long as
+    the loop: a thread started per call held the step 2-6 ms on a busy machine, since
+    ``Thread.start`` waits for the new thread, which then keeps the GIL through its call's first
+    Python work (up to ``sys.getswitchinterval()``, 5 ms)."""
 
-    def run():
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # handed to whoever waits on the future
-            future.set_exception(e)
+    def __init__(self, name: str):
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=f"ray_ppo-{name}", daemon=True).start()
 
-    threading.Thread(target=run, name=f"ray_ppo-{getattr(fn, '__name__', 'step')}", daemon=True).start()
-    return future
+    def submit(self, fn: Any, *args: Any) -> Future:
+        future: Future = Future()
+        self.calls.put((future, fn, args))
+        return future
+
+    def close(self) -> None:
+        """End the thread once the calls handed to it are done (not waiting for them)."""
+        self.calls.put(None)
+
+    def _serve(self) -> None:
+        while (call := self.calls.get()) is not None:
+            future, fn, args = call
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # handed to whoever waits on the future
+                future.set_exception(e)
 
 
 def _cancel_pull_ahead(w: _Worker) -> None:
@@ -402,7 +432,7 @@ def _cancel_pull_ahead(w: _Worker) -> None:
         return  # it was never sent
     ray.get(w.coordinator.cancel_pull.remote(w.rank, os.getpid()))
     try:
-        chunks, _ = ahead.fetched.result()
+        chunks, _, _ = ahead.fetched.result()
     except ray.exceptions.RayTaskError:
         return  # it failed (a maker failure, a stall): it took nothing
     if chunks:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ray_ppo.core.algo import ExperienceItem, make_kl_controller
+from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, make_kl_controller
 from ray_ppo.core.collectives import all_reduce_metrics, mean_over_ranks
 from ray_ppo.runtime.loop import _train
 
@@ -56,7 +56,7 @@ def _adaptive_kl_step(rank: int) -> float:
     items = [ExperienceItem.filled(torch.tensor([1, 2]), torch.tensor([3, 4, 5]),
                                    per_token=lambda name: torch.full((3,), KL[rank] if name == "action_log_probs" else 0.0),
                                    reward=0.0, policy_version=1, uid=f"{rank}-{i}") for i in range(BATCH)]
-    metrics = _train(w, items)
+    metrics = _train(w, items, ExperienceBatch.merge(items, 0))
     assert metrics["kl"] == KL[rank]  # the rank's own KL is what it reports; the row's mean comes later
     return w.kl_ctl.value
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ray_ppo.runtime.loop import _publish, _StepPlan
+from ray_ppo.runtime.loop import _Background, _publish, _StepPlan
 
 
 class SlowPublisher:
@@ -38,7 +38,7 @@ class SlowPublisher:
 def worker(publisher, rank=0):
     cfg = SimpleNamespace(sync=SimpleNamespace(lora_only=False))
     return SimpleNamespace(cfg=cfg, rank=rank, version=0, publisher=publisher, pushing=None,
-                           kl_ctl=SimpleNamespace(value=0.1))
+                           pusher=_Background("push") if rank == 0 else None, kl_ctl=SimpleNamespace(value=0.1))
 
 
 def plan(step, last=False):
