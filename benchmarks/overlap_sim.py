@@ -24,14 +24,17 @@ ratio / ideal = ideal step / measured step (steps after the first ``--skip``, fr
 
 The ideal assumes every maker generates all the time. The staleness bound decides whether
 they may: a batch takes T_gen / b (b = generation batches per step) and the trainer runs a step
-every T_gen / makers when generation-bound, so a batch's items are trained about
-1 + makers / b versions after the weights that made them. ``--staleness auto`` (the default)
-gives each cell ``ppo.max_staleness`` = 1 + ceil(makers / b): the bound under which the ideal is
-reachable at all. (Until the seventeenth session one maker got S = 1, which reaches the ideal
-only if a push takes no time: at T_gen = T_train the maker may start the batch after next only
-once the push of the step before lands, so every step paid the push's latency.) With
-``--staleness 1`` (the config's default) the makers beyond S * b batches in flight wait at
-admission, by design (shown as admission share).
+every T_gen / makers when generation-bound, so a batch's items are done makers / b versions
+after the maker started it; a rank pulls them a step before it trains them (``trainer.prefetch``),
+one version more; and the maker may still hold the version before the trainer's when it starts
+(a push reaches it after the step that made it), one more. ``--staleness auto`` (the default)
+gives each cell ``ppo.max_staleness`` = 2 + ceil(makers / b): the bound under which the makers
+never wait at admission while the trainer waits for them. Until the seventeenth session it was
+1 + ceil(makers / b) (1 with one maker), which leaves out the push's lag: the makers then waited
+at admission for each push to land, and every step paid its latency (one run of the 1-maker
+2-rank 1:1 cell: S=2 0.90 of the ideal, admission share 11%, trainer wait 22 ms per step; S=3
+0.96, trainer wait 0.6 ms). With ``--staleness 1`` (the config's default) the makers beyond
+S * b batches in flight wait at admission, by design (shown as admission share).
 
 ``--prefetch`` sets ``trainer.prefetch`` (each rank pulls its next step's batch while a step
 trains; default on, as in the config); ``on,off`` runs both in every cell, interleaved.
@@ -142,7 +145,7 @@ def cell_staleness(setting: str, makers: int, ranks: int) -> int:
     """``ppo.max_staleness`` for a cell: ``auto`` = the bound the ideal needs (module docstring)."""
     if setting != "auto":
         return int(setting)
-    return 1 + math.ceil(makers / batches_per_step(ranks))
+    return 2 + math.ceil(makers / batches_per_step(ranks))
 
 
 def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, skip: int, staleness: int = 1,
