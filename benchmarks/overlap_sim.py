@@ -36,6 +36,12 @@ at admission for each push to land, and every step paid its latency (one run of 
 0.96, trainer wait 0.6 ms). With ``--staleness 1`` (the config's default) the makers beyond
 S * b batches in flight wait at admission, by design (shown as admission share).
 
+Makers wait for the trainer's first push before they generate (``maker.wait_for_weights``).
+Otherwise they fill the buffer up to the staleness bound while the worker group starts, and in a
+generation-bound cell the trainer drains that lead inside the measured window, faster than the
+makers' pace: with S=3 the 1-maker 1-rank 2:1 and 4:1 cells measured 1.07 and 1.04 of the ideal
+(seventeenth session, one round, since aborted).
+
 ``--prefetch`` sets ``trainer.prefetch`` (each rank pulls its next step's batch while a step
 trains; default on, as in the config); ``on,off`` runs both in every cell, interleaved.
 
@@ -133,7 +139,10 @@ def cell_config(out: str, makers: int, ranks: int, steps: int, staleness: int, p
     return tiny_config(out, {"maker.num_makers": makers, "maker.num_cpus": 0.25, "maker.batch_size": PROMPTS_PER_BATCH,
                              "trainer.num_workers": ranks, "trainer.train_batch_size": ITEMS_PER_RANK,
                              "trainer.mini_batch_size": ITEMS_PER_RANK, "trainer.total_steps": steps,
-                             "ppo.max_staleness": staleness, "trainer.prefetch": prefetch})
+                             "ppo.max_staleness": staleness, "trainer.prefetch": prefetch,
+                             # makers start with the trainer, so no cell starts with a buffer made
+                             # while the worker group started (module docstring)
+                             "maker.wait_for_weights": True})
 
 
 def batches_per_step(ranks: int) -> float:
