@@ -109,15 +109,19 @@ class MakerWorker:
     # -- compute --------------------------------------------------------------------------------
     @ray.method(concurrency_group="compute")
     def run(self) -> dict:
-        """Make experience until the coordinator has no more prompts; returns a summary."""
+        """Make experience until the coordinator has no more prompts; returns a summary. The next
+        prompt batch is asked for as soon as one arrives, so its round trip to the coordinator
+        (and any wait at admission it can absorb) passes while this one is made."""
         try:
             if self.cfg.maker.wait_for_weights:
                 self._wait_for_first_push()
+            asked = self.coordinator.next_prompts.remote(self.maker_id)
             while True:
                 start = time.perf_counter()
-                batch = ray.get(self.coordinator.next_prompts.remote(self.maker_id))
+                batch = ray.get(asked)
                 if batch is None:
                     break
+                asked = self.coordinator.next_prompts.remote(self.maker_id)
                 self._make_and_queue(batch.texts, batch.ids, waited_s=time.perf_counter() - start)
         except Exception as e:  # reported in one line; the full traceback stays in this actor's log
             where = traceback.extract_tb(e.__traceback__)[-1]

@@ -37,11 +37,11 @@ def actors(ray_session):
         ray.kill(actor)
 
 
-def start(cfg, actors, *, buffer_size=8, items_per_version=10_000, prompts=None):
+def start(cfg, actors, *, buffer_size=8, items_per_version=10_000, prompts=None, maker_factory=None):
     coordinator = ray.remote(num_cpus=0)(Coordinator).remote(
         num_ranks=1, num_makers=1, buffer_size=buffer_size, max_staleness=1, items_per_version=items_per_version,
         prompts=prompts, prompt_batch_size=cfg.maker.batch_size)
-    maker = maker_actor_class(0.5, 0).remote(0, cfg.to_dict(), coordinator)
+    maker = maker_actor_class(0.5, 0).remote(0, cfg.to_dict(), coordinator, maker_factory)
     actors += [coordinator, maker]
     ray.get(coordinator.register_makers.remote({0: maker}))
     ray.get(maker.ping.remote())
@@ -169,6 +169,55 @@ def test_slow_trainer_makes_makers_wait_and_loses_nothing(ray_session, cfg, acto
     assert counters.discarded == 0
     assert summaries[0]["made"] == counters.produced
     assert final.makers[0].idle_s > 1.0  # back-pressure time is reported as maker idle time
+
+
+class SlowFirstBatch:
+    """An ``ExperienceMaker`` (the maker's ``maker_factory``) with the real tiny models, whose first
+    batch takes ``FIRST_BATCH_S`` and whose items have the toy task's shape."""
+
+    FIRST_BATCH_S = 6.0
+
+    def __init__(self, cfg, name, device):
+        from ray_ppo.core.build import build_actor, build_critic, tokenizer_path
+        from ray_ppo.core.models import load_tokenizer
+
+        self.actor, self.critic, self.ref, self.reward_model = build_actor(cfg), build_critic(cfg), None, None
+        self.tokenizer = load_tokenizer(tokenizer_path(cfg))
+        self.kl_coef, self.name, self.batches = cfg.ppo.kl_coef, name, 0
+
+    def make_experience(self, prompt_ids, policy_version, kl_coef=None):
+        from ray_ppo.core.algo import ExperienceItem
+        from ray_ppo.core.experience import MakeStats
+
+        self.batches += 1
+        if self.batches == 1:
+            time.sleep(self.FIRST_BATCH_S)
+        items = [ExperienceItem.filled(torch.tensor(ids), torch.full((4,), 5), reward=0.0, policy_version=policy_version,
+                                       uid=f"{self.name}-{self.batches}-{i}") for i, ids in enumerate(prompt_ids)]
+        return items, MakeStats(num_samples=len(items), num_tokens=4 * len(items))
+
+
+def test_a_maker_asks_for_its_next_prompts_while_it_makes_a_batch(ray_session, cfg, actors):
+    """The round trip for the next prompt batch passes while the current one is made: a maker
+    that made its batches one ask at a time idled for it between every two batches."""
+    prompts = ray.data.from_items([{"prompt": "1 2 3"}] * 64)
+    coordinator, maker = start(cfg, actors, prompts=prompts, maker_factory=SlowFirstBatch)
+    loops = [maker.run.remote(), maker.send_loop.remote()]
+    served, deadline = 0, time.monotonic() + SlowFirstBatch.FIRST_BATCH_S - 1
+    while served < 2 * cfg.maker.batch_size and time.monotonic() < deadline:
+        time.sleep(0.2)
+        counters = ray.get(coordinator.status.remote()).counters
+        served = counters.prompts_served
+    assert counters.produced == 0  # the first batch is still being made ...
+    assert served == 2 * cfg.maker.batch_size  # ... and the second was handed out meanwhile
+    deadline = time.monotonic() + 60
+    while counters.produced < 2 * cfg.maker.batch_size and time.monotonic() < deadline:
+        time.sleep(0.2)
+        counters = ray.get(coordinator.status.remote()).counters
+    assert counters.produced >= 2 * cfg.maker.batch_size  # the batch asked for ahead was made and sent
+    ray.get(coordinator.finish.remote())
+    summaries = ray.get(loops, timeout=60)
+    assert summaries[0]["made"] == ray.get(coordinator.status.remote()).counters.produced
 
 
 @ray.remote(num_cpus=0)
