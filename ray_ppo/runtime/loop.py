@@ -70,7 +70,7 @@ class _PullAhead:
     fetches, unpacks and merges its items while this step trains; the step and version it is for."""
 
     sent: Future  # the pull's ref, once the thread has sent it
-    fetched: Future  # (chunks, their items, the items merged into a batch or None): ``_fetch_and_merge``
+    fetched: Future  # (chunks, their items, the items merged into a batch or None)
     step: int
     version: int
 
@@ -217,9 +217,10 @@ def _pull_step(w: _Worker, step: int) -> tuple[list[ExperienceItem], ExperienceB
 
 
 def _train(w: _Worker, items: list[ExperienceItem], batch: ExperienceBatch) -> dict[str, float]:
-    """PPO epochs on the items (merged in ``batch``); this rank's metrics. The KL controller sees this step's KL, the
-    mean over the ranks when it adapts (a collective): every rank then holds the same coefficient,
-    the one rank 0 pushes to the makers and checkpoints, and the KL loss term is alike on every rank."""
+    """PPO epochs on the items (merged in ``batch``); this rank's metrics. The KL controller sees
+    this step's KL, the mean over the ranks when it adapts (a collective): every rank then holds
+    the same coefficient, the one rank 0 pushes to the makers and checkpoints, and the KL loss
+    term is alike on every rank."""
     train_start = time.perf_counter()
     w.learner.kl_coef = w.kl_ctl.value
     metrics = w.learner.train_step(batch, version=w.version)
@@ -385,8 +386,13 @@ def _pull_ahead(w: _Worker, step: int, version: int) -> _PullAhead:
             raise
         sent.set_result(ref)
         chunks, fetched = _fetch(ref)
-        whole = fetched is not None and fetched.items and not fetched.lost
-        return chunks, fetched, ExperienceBatch.merge(fetched.items, pad_token_id) if whole else None
+        batch = None
+        if fetched is not None and fetched.items and not fetched.lost:
+            try:
+                batch = ExperienceBatch.merge(fetched.items, pad_token_id)
+            except ValueError:
+                pass  # an item that cannot be merged: the step's own merge raises it, if the step runs
+        return chunks, fetched, batch
 
     return _PullAhead(sent, w.puller.submit(send_and_fetch), step, version)
 
