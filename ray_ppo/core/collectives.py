@@ -34,15 +34,6 @@ def all_reduce_metrics(metrics: dict[str, float], device: torch.device) -> dict[
     return {k: float(maxes[i] if k.endswith("_max") else means[i]) for i, k in enumerate(keys)}
 
 
-def mean_over_ranks(value: float, device: torch.device) -> float:
-    """The mean of ``value`` over the ranks, the same float on every rank."""
-    if not multi_rank():
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t)
-    return float(t.item() / torch.distributed.get_world_size())
-
-
 def broadcast_time_up(budget_s: float, run_start: float, device: torch.device) -> bool:
     """Broadcast of rank 0's clock: whether the loop has run ``budget_s`` seconds (0 = no budget),
     decided alike on every rank (no collective without a budget)."""

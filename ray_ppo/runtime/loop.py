@@ -31,7 +31,7 @@ from ray_ppo.runtime.messages import RunHandles
 from ray_ppo.runtime.publish import WeightPublisher
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.core.sync import fingerprint
-from ray_ppo.core.collectives import all_reduce_metrics, broadcast_from_rank_0, broadcast_time_up, mean_over_ranks
+from ray_ppo.core.collectives import all_reduce_metrics, broadcast_from_rank_0, broadcast_time_up
 from ray_ppo.core.learner import PPOLearner, drop_absent
 from ray_ppo.core.metrics import experience_metrics
 from ray_ppo.runtime.monitor import MakerMonitor, verify_makers
@@ -226,7 +226,7 @@ def _train(w: _Worker, items: list[ExperienceItem], batch: ExperienceBatch) -> d
     metrics = w.learner.train_step(batch, version=w.version)
     train_s = time.perf_counter() - train_start
     metrics.update(experience_metrics(items, w.version))
-    kl = mean_over_ranks(metrics["kl"], w.device) if w.kl_ctl.adapts else metrics["kl"]
+    kl = all_reduce_metrics({"kl": metrics["kl"]}, w.device)["kl"] if w.kl_ctl.adapts else metrics["kl"]
     w.kl_ctl.update(kl, w.cfg.trainer.train_batch_size * w.world)
     metrics.update(train_s=train_s)
     return metrics

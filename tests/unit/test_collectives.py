@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, make_kl_controller
-from ray_ppo.core.collectives import all_reduce_metrics, mean_over_ranks
+from ray_ppo.core.collectives import all_reduce_metrics
 from ray_ppo.runtime.loop import _train
 
 ROWS = [  # what each rank's step measured
@@ -85,15 +85,6 @@ def test_metrics_are_averaged_or_maxed_over_ranks_leaving_out_nan():
 
 def test_one_process_keeps_its_own_metrics():
     assert all_reduce_metrics({"loss": 1.5}, torch.device("cpu")) == {"loss": 1.5}
-
-
-def _mean(rank: int) -> float:
-    return mean_over_ranks([1.0, 4.0][rank], torch.device("cpu"))
-
-
-def test_mean_over_ranks_is_the_same_float_on_every_rank():
-    assert _spawn(_mean) == {0: 2.5, 1: 2.5}
-    assert mean_over_ranks(1.25, torch.device("cpu")) == 1.25  # one process: its own value
 
 
 def test_an_adaptive_kl_coefficient_moves_alike_on_every_rank():
