@@ -402,7 +402,9 @@ class _Background:
     one after another; each call's result or error comes from its future. One lives as long as
     the loop: a thread started per call held the step 2-6 ms on a busy machine, since
     ``Thread.start`` waits for the new thread, which then keeps the GIL through its call's first
-    Python work (up to ``sys.getswitchinterval()``, 5 ms)."""
+    Python work (up to ``sys.getswitchinterval()``, 5 ms). Not a ``ThreadPoolExecutor``: its
+    threads are joined at interpreter exit, so a pull blocked until its timeout would hold a
+    failed worker's exit."""
 
     def __init__(self, name: str):
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
