@@ -7,6 +7,7 @@ each one at the same point of the step, or the group hangs.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -19,19 +20,32 @@ def multi_rank() -> bool:
 def all_reduce_metrics(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
     """A step's metrics over the ranks: the mean (the max for ``*_max`` keys). A nan (a statistic
     a rank has no data for, e.g. ``behaviour_kl_stale_<s>``) is left out: nan only when every
-    rank has nan. One all-gather, the means and maxes taken locally: a collective costs
-    milliseconds on a gloo group whatever its size, and it is on every step's path."""
+    rank has nan."""
+    return start_all_reduce_metrics(metrics, device)()
+
+
+def start_all_reduce_metrics(metrics: dict[str, float], device: torch.device) -> Callable[[], dict[str, float]]:
+    """``all_reduce_metrics`` started, not waited for: returns the call that waits for it and gives
+    the reduced metrics. One all-gather (asynchronous), the means and maxes taken locally: a
+    collective costs milliseconds on a gloo group whatever its size, and waiting for it would also
+    hold each rank until the slowest one reached it. Every rank must start it at the same point of
+    the step, and finish it (from any thread)."""
     if not multi_rank():
-        return metrics
+        return lambda: dict(metrics)
     keys = sorted(metrics)  # every rank reports the same keys
     mine = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(every, mine)
-    values = torch.stack(every).cpu()  # (ranks, keys)
-    missing = torch.isnan(values)
-    means = torch.nanmean(values, dim=0)  # nan where every rank has nan
-    maxes = values.masked_fill(missing, float("-inf")).amax(dim=0).masked_fill(missing.all(dim=0), float("nan"))
-    return {k: float(maxes[i] if k.endswith("_max") else means[i]) for i, k in enumerate(keys)}
+    work = torch.distributed.all_gather(every, mine, async_op=True)
+
+    def finish() -> dict[str, float]:
+        work.wait()
+        values = torch.stack(every).cpu()  # (ranks, keys)
+        missing = torch.isnan(values)
+        means = torch.nanmean(values, dim=0)  # nan where every rank has nan
+        maxes = values.masked_fill(missing, float("-inf")).amax(dim=0).masked_fill(missing.all(dim=0), float("nan"))
+        return {k: float(maxes[i] if k.endswith("_max") else means[i]) for i, k in enumerate(keys)}
+
+    return finish
 
 
 def broadcast_time_up(budget_s: float, run_start: float, device: torch.device) -> bool:

@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import ray
 import ray.train
@@ -31,7 +31,8 @@ from ray_ppo.runtime.messages import RunHandles
 from ray_ppo.runtime.publish import WeightPublisher
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.core.sync import fingerprint
-from ray_ppo.core.collectives import all_reduce_metrics, broadcast_from_rank_0, broadcast_time_up
+from ray_ppo.core.collectives import (all_reduce_metrics, broadcast_from_rank_0, broadcast_time_up,
+                                      start_all_reduce_metrics)
 from ray_ppo.core.learner import PPOLearner, drop_absent
 from ray_ppo.core.metrics import experience_metrics
 from ray_ppo.runtime.monitor import MakerMonitor, verify_makers
@@ -58,8 +59,10 @@ class _Worker:
     run_start: float = 0.0
     puller: _Background | None = None  # sends, fetches and merges the pulls ahead
     pusher: _Background | None = None  # rank 0: puts the pushes and hands them over
+    reporter: _Background | None = None  # completes (and on rank 0 records) each step's metrics row
     ahead: _PullAhead | None = None  # the next step's pull, in flight while this step trains
     pushing: Future | None = None  # rank 0: the last push, being put and handed over in the background
+    reporting: Future | None = None  # the last step's metrics row, being completed in the background
     group: int | None = None  # this worker group's number at the coordinator (``_rewind_prompts``)
     recorded: Any = None  # rank 0: the ref of the last metrics row sent (``_record``)
 
@@ -99,7 +102,7 @@ def _train_loop(loop_config: dict) -> None:
             if _train_step(worker, step):
                 break
     finally:
-        for thread in (worker.puller, worker.pusher):
+        for thread in (worker.puller, worker.pusher, worker.reporter):
             if thread is not None:
                 thread.close()
 
@@ -118,12 +121,12 @@ def _train_step(w: _Worker, step: int) -> bool:
     metrics.update(trainer_idle_ratio=wait_s / step_s)
     checkpoint = _checkpoint(w, step, state) if plan.checkpoint else None
     try:
-        metrics = drop_absent(all_reduce_metrics(metrics, w.device))
+        over_ranks = start_all_reduce_metrics(metrics, w.device)
         # Only rank 0 pushes, and only rank 0's row is kept: its own time and bytes, never a mean over ranks.
-        metrics.update(push_s=push_s, push_bytes=float(push_bytes))
-        metrics.update(step=step, policy_version=w.version, kl_coef=w.kl_ctl.value,
-                       samples_per_s=w.cfg.trainer.train_batch_size * w.world / step_s, elapsed_s=elapsed_s)
-        _report(w, plan, metrics, step_s, items, state, checkpoint)
+        own = dict(push_s=push_s, push_bytes=float(push_bytes), step=step, policy_version=w.version,
+                   kl_coef=w.kl_ctl.value, samples_per_s=w.cfg.trainer.train_batch_size * w.world / step_s,
+                   elapsed_s=elapsed_s)
+        _report(w, plan, over_ranks, own, step_s, items, state, checkpoint)
     finally:  # Ray Train has its copy (the report uploads in SYNC mode), or the step failed: the staged one is spent
         if checkpoint is not None:
             shutil.rmtree(checkpoint.path, ignore_errors=True)
@@ -153,7 +156,7 @@ def _start_worker(loop_config: dict) -> tuple[_Worker, int]:
                 monitor=MakerMonitor(coordinator, cfg.maker.engine == "vllm") if rank == 0 else None,
                 tokenizer=load_tokenizer(tokenizer_path(cfg)),
                 puller=_Background("pull") if cfg.trainer.prefetch else None,
-                pusher=_Background("push") if rank == 0 else None)
+                pusher=_Background("push") if rank == 0 else None, reporter=_Background("report"))
     first_step = 1
     if restored:
         optim_state, run_state = restored[2], restored[3]
@@ -199,7 +202,7 @@ def _start_makers(w: _Worker, restored: bool, first_step: int) -> None:
 def _pull_step(w: _Worker, step: int) -> tuple[list[ExperienceItem], ExperienceBatch]:
     """This rank's ``trainer.train_batch_size`` items for ``step`` and their batch (pulled and
     merged while the previous step trained, with ``trainer.prefetch``), then the pull for the next
-    step is sent, to be answered while this one trains; rank 0 also asks for the makers' totals."""
+    step is sent, to be answered while this one trains."""
     t = w.cfg.trainer
     ahead, w.ahead = w.ahead, None
     if ahead is not None and (ahead.step, ahead.version) != (step, w.version):
@@ -211,8 +214,6 @@ def _pull_step(w: _Worker, step: int) -> tuple[list[ExperienceItem], ExperienceB
         # The next step trains at the version this step pushes, if it pushes on schedule; a step
         # that pushes off schedule is the run's last (``_plan``), whose pull ahead is cancelled.
         w.ahead = _pull_ahead(w, step + 1, w.version + (step % t.update_steps == 0))
-    if w.monitor:
-        w.monitor.request()
     return items, batch if batch is not None else ExperienceBatch.merge(items, w.tokenizer.pad_token_id)
 
 
@@ -278,21 +279,43 @@ def _checkpoint(w: _Worker, step: int, state: dict[str, torch.Tensor]) -> ray.tr
     return ray.train.Checkpoint.from_directory(str(w.checkpoints.write(state, optim_state, run_state)))
 
 
-def _report(w: _Worker, plan: _StepPlan, metrics: dict[str, float], step_s: float, items: list[ExperienceItem],
-            state: dict[str, torch.Tensor], checkpoint: ray.train.Checkpoint | None) -> None:
-    """Rank 0 adds the makers' view (and, at the end, whether they hold the final weights) and
-    records the row; every rank reports to Ray Train when due."""
+def _report(w: _Worker, plan: _StepPlan, over_ranks: Callable[[], dict[str, float]], own: dict[str, float],
+            step_s: float, items: list[ExperienceItem], state: dict[str, torch.Tensor],
+            checkpoint: ray.train.Checkpoint | None) -> None:
+    """Hand the step's metrics row to the report thread, which completes it while the next step
+    runs (``_complete_row``); every rank reports it to Ray Train when due, waiting for it then.
+    Off the step's path: the metrics all-gather (started by every rank, so no rank waits there for
+    the slowest one) and rank 0's calls to the coordinator, which made its steps ~10 ms longer
+    than the other ranks' (status read, metrics row), and with them every rank's at the next
+    collective."""
+    _wait_for_report(w)  # the previous step's row, done a step ago; a failure of it is raised here
+    w.reporting = w.reporter.submit(_complete_row, w, plan, over_ranks, own, step_s, items, state)
+    if plan.last or plan.checkpoint or plan.step % w.cfg.logging.report_every == 0:
+        ray.train.report(w.reporting.result(), checkpoint=checkpoint)
+        if checkpoint is not None:
+            _announce_checkpoint(w.coordinator, plan.step)
+
+
+def _complete_row(w: _Worker, plan: _StepPlan, over_ranks: Callable[[], dict[str, float]], own: dict[str, float],
+                  step_s: float, items: list[ExperienceItem], state: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The step's metrics over the ranks with this rank's own figures. Rank 0 adds the makers' view
+    (and, at the end, whether they hold the final weights) and records the row. In the report
+    thread: reads only what this step handed it (the version in ``own``, not ``w.version``)."""
+    metrics = {**drop_absent(over_ranks()), **own}
     if w.rank == 0:
         metrics.update(w.monitor.metrics(step_s))
         if plan.last:
-            metrics["weights_in_sync"] = verify_makers(w.coordinator, w.version, fingerprint(state))
+            metrics["weights_in_sync"] = verify_makers(w.coordinator, int(own["policy_version"]), fingerprint(state))
         due = samples_due(plan.step, w.cfg.logging.samples_every)
         samples = pick_samples(items, w.tokenizer, plan.step) if due else []
         _record(w, {**metrics, SAMPLES_KEY: samples} if samples else metrics)
-    if plan.last or plan.checkpoint or plan.step % w.cfg.logging.report_every == 0:
-        ray.train.report(metrics, checkpoint=checkpoint)
-        if checkpoint is not None:
-            _announce_checkpoint(w.coordinator, plan.step)
+    return metrics
+
+
+def _wait_for_report(w: _Worker) -> None:
+    reporting, w.reporting = w.reporting, None
+    if reporting is not None:
+        reporting.result()
 
 
 # -- calls to the coordinator -----------------------------------------------------------------------
@@ -302,7 +325,7 @@ def _record(w: _Worker, row: dict) -> None:
     """Send a metrics row to the coordinator, not waiting for it, but only once the previous row
     is in: the coordinator is an async actor, and Ray does not promise to run one caller's calls
     to it in the order they were sent, so two rows sent back to back could land swapped. The
-    previous row went a step ago, so the wait is for a call long done."""
+    previous row went a step ago, so the wait is for a call long done. Report thread only."""
     if w.recorded is not None:
         ray.get(w.recorded)
     w.recorded = w.coordinator.record_metrics.remote(row)

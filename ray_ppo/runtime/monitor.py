@@ -20,17 +20,13 @@ class MakerMonitor:
     def __init__(self, coordinator: Any, engine_gaps: bool = False):
         self.coordinator = coordinator
         self.last = {"tokens": 0.0, "generate_s": 0.0, "idle_s": 0.0}
-        self.pending = None
         self.gaps_seen = 0
         self.engine_gaps = engine_gaps  # vLLM makers: relay their log-prob gap (engine_logprob_gap_*)
 
-    def request(self) -> None:
-        """Ask for the coordinator's totals now; ``metrics`` reads the answer (no wait on the step's path)."""
-        self.pending = self.coordinator.status.remote()
-
     def metrics(self, step_s: float) -> dict[str, float]:
-        status = ray.get(self.pending if self.pending is not None else self.coordinator.status.remote())
-        self.pending = None
+        """The makers' figures since the previous call (``step_s`` ago), read from the coordinator
+        now (rank 0's report thread: not on the step's path)."""
+        status = ray.get(self.coordinator.status.remote())
         makers = status.makers.values()
         totals = {key: sum(getattr(m, key) for m in makers) for key in self.last}
         delta = {key: totals[key] - self.last[key] for key in totals}

@@ -3,6 +3,7 @@
 import math
 import os
 import socket
+import time
 from types import SimpleNamespace
 
 import torch
@@ -10,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, make_kl_controller
-from ray_ppo.core.collectives import all_reduce_metrics
+from ray_ppo.core.collectives import all_reduce_metrics, start_all_reduce_metrics
 from ray_ppo.runtime.loop import _train
 
 ROWS = [  # what each rank's step measured
@@ -81,6 +82,26 @@ def test_metrics_are_averaged_or_maxed_over_ranks_leaving_out_nan():
     assert row["loss"] == 2.0 and row["staleness_max"] == 5.0
     assert row["behaviour_kl_stale_3"] == 0.25 and row["reward_max"] == 0.5  # a rank's nan is left out
     assert math.isnan(row["only_nan"])  # nan only when no rank had a value
+
+
+LATE_S = 1.0  # how late rank 0 reaches the metrics all-gather
+
+
+def _started_metrics(rank: int) -> tuple[float, dict]:
+    """Rank 0 starts the all-gather ``LATE_S`` late; how long starting it held this rank, and its row."""
+    if rank == 0:
+        time.sleep(LATE_S)
+    start = time.perf_counter()
+    finish = start_all_reduce_metrics(ROWS[rank], torch.device("cpu"))
+    held_s = time.perf_counter() - start
+    return held_s, finish()
+
+
+def test_a_rank_that_starts_the_metrics_all_gather_goes_on_without_waiting_for_the_slower_rank():
+    got = _spawn(_started_metrics)
+    (_, row0), (held_s, row1) = got[0], got[1]
+    assert held_s < LATE_S / 2  # rank 1 was not held until rank 0 came
+    assert row1["loss"] == row0["loss"] == 2.0 and row1["staleness_max"] == 5.0  # and got the same row
 
 
 def test_one_process_keeps_its_own_metrics():

@@ -1,14 +1,19 @@
-"""The loop's background threads: one per kind of work (pulls ahead, pushes), living as long as
-the loop, running what they are handed in order; a pull sent ahead comes back merged."""
+"""The loop's background threads: one per kind of work (pulls ahead, pushes, metrics rows),
+living as long as the loop, running what they are handed in order; a pull sent ahead comes back
+merged; a step's metrics row is completed and recorded off the step's path."""
 
 import threading
+import time
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from ray_ppo.core.algo import ExperienceBatch, ExperienceItem
-from ray_ppo.runtime.loop import _Background, _pull
+from ray_ppo.core.learner import STALE_KL_PREFIX
+from ray_ppo.runtime import loop
+from ray_ppo.runtime.loop import _Background, _pull, _StepPlan
 from ray_ppo.runtime.transport import Fetched
 
 
@@ -48,3 +53,47 @@ def test_a_pull_sent_ahead_that_brought_every_item_hands_on_its_thread_s_batch()
     pending.set_result(([], Fetched(items, lost=0), merged))
     got, batch = _pull(None, rank=0, n=4, version=0, timeout_s=1, step=1, pending=pending)  # no coordinator call
     assert got == items and batch is merged
+
+
+class SlowMonitor:
+    """The makers' view, read from the coordinator: each read blocks until ``release`` is set."""
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def metrics(self, step_s):
+        assert self.release.wait(10)
+        return {"maker_idle_ratio": 0.5}
+
+
+class Rows:
+    """The coordinator's ``record_metrics`` and Ray Train's ``report``, as the loop calls them."""
+
+    def __init__(self):
+        self.recorded, self.reported = [], []
+        self.record_metrics = SimpleNamespace(remote=self.recorded.append)
+        self.get = lambda ref: ref  # ray.get of what record_metrics.remote returned
+        self.train = SimpleNamespace(report=lambda metrics, checkpoint=None: self.reported.append(metrics))
+
+
+def test_rank_0_completes_and_records_each_row_in_the_background_and_reports_when_due(monkeypatch):
+    rows, monitor = Rows(), SlowMonitor()
+    monkeypatch.setattr(loop, "ray", rows)  # the loop's view of Ray: no cluster in a unit test
+    cfg = SimpleNamespace(logging=SimpleNamespace(report_every=2, samples_every=0))
+    w = SimpleNamespace(cfg=cfg, rank=0, coordinator=rows, monitor=monitor, recorded=None,
+                        reporter=_Background("report"), reporting=None)
+
+    def report(step):
+        plan = _StepPlan(step, last=False, push=False, checkpoint=False)
+        over_ranks = lambda: {"loss": float(step), f"{STALE_KL_PREFIX}3": float("nan")}  # noqa: E731
+        start = time.perf_counter()
+        loop._report(w, plan, over_ranks, {"step": step, "policy_version": 0}, 1.0, [], {}, None)
+        return time.perf_counter() - start
+
+    assert report(1) < 1.0 and rows.recorded == []  # not due: the step went on while its row waits for the makers' view
+    threading.Timer(0.3, monitor.release.set).start()
+    assert report(2) >= 0.2  # due: Ray Train gets the completed row, so the step waited for it
+    assert rows.reported == [{"loss": 2.0, "step": 2, "policy_version": 0, "maker_idle_ratio": 0.5}]
+    assert [r["step"] for r in rows.recorded] == [1, 2]  # every row recorded, in order, nan left out
+    assert all(f"{STALE_KL_PREFIX}3" not in r for r in rows.recorded)
+    w.reporter.close()
