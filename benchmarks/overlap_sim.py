@@ -48,8 +48,10 @@ trains; default on, as in the config); ``on,off`` runs both in every cell, inter
 Where the time went, per measured step: trainer ``wait`` (pull: waiting for experience),
 ``train``, ``push`` (how long rank 0's step was held by the push: since the sixteenth session a
 background thread puts and hands over the buckets, so this is the hand-over), ``other`` (the
-rest of the step: gather, metrics over ranks, metrics relay and report; with 2 ranks it includes
-waiting for the slower rank there); per maker over the measured window (shares
+rest of the step: gather, starting the metrics all-gather, handing the row to the report thread
+(since the eighteenth session the row is completed and recorded there, off the step's path), and
+on the steps due the report to Ray Train; with 2 ranks it includes waiting for the slower rank at
+the step's collectives); per maker over the measured window (shares
 of makers x window; maker totals from the coordinator when the driver sees the window's first
 and last step): ``gen`` busy, ``admission`` (waiting for a prompt batch:
 staleness admission), ``back-pressure`` (waiting for the sender / buffer space), ``pause``
