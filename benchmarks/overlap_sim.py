@@ -9,9 +9,9 @@ prompt fetch, admission, send loop and weight swaps, the ``TorchTrainer`` worker
 pull, merge, metrics, report and weight pushes of the tiny model), except two things injected
 through ``PPOTrainer``'s extension points (no config flag):
 
-- ``experience_maker_factory``: ``SimExperienceMaker`` holds the real tiny actor and critic
-  (they receive the pushes) and makes each generation batch by sleeping ``gen_s`` with the
-  model lock held, as a GPU kernel would hold the device while the CPU is free, then returning
+- ``experience_maker_factory``: ``ray_ppo.testing.WaitingExperienceMaker`` holds the real tiny
+  actor and critic (they receive the pushes) and makes each generation batch by sleeping
+  ``gen_s`` with the model lock held, as a GPU kernel would hold the device while the CPU is free, then returning
   items of the toy task's shape;
 - ``learner_factory``: ``SimLearner`` is ``PPOLearner`` whose ``train_step`` sleeps ``train_s``.
 
@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -74,47 +75,13 @@ import _common  # noqa: F401
 from _common import init_ray, median, table, tiny_config
 
 import ray
-import torch
 
-from ray_ppo.core.algo import ExperienceItem
-from ray_ppo.core.experience import MakeStats
 from ray_ppo.core.learner import PPOLearner
+from ray_ppo.testing import WaitingExperienceMaker
 
 PROMPTS_PER_BATCH = 16   # maker.batch_size
 ITEMS_PER_RANK = 32      # trainer.train_batch_size
 RESPONSE_LEN = 8
-
-
-class SimExperienceMaker:
-    """An ``ExperienceMaker`` whose rollout is a wait of ``gen_s`` per call (the CPU is free
-    meanwhile); its actor and critic are the real tiny models, so weight pushes are real."""
-
-    def __init__(self, cfg, name: str, device, gen_s: float):
-        from ray_ppo.core.build import build_actor, build_critic, tokenizer_path
-        from ray_ppo.core.models import load_tokenizer
-
-        self.actor, self.critic, self.ref, self.reward_model = build_actor(cfg), build_critic(cfg), None, None
-        self.tokenizer = load_tokenizer(tokenizer_path(cfg))
-        self.kl_coef = cfg.ppo.kl_coef  # set by weight pushes, as on a real maker
-        self.name, self.gen_s, self._counter = name, gen_s, 0
-
-    def make_experience(self, prompt_ids: list[list[int]], policy_version: int, kl_coef: float | None = None):
-        start = time.perf_counter()
-        time.sleep(self.gen_s)
-        waited = time.perf_counter() - start
-        self._counter += 1
-        items = [ExperienceItem.filled(torch.tensor(ids), torch.full((RESPONSE_LEN,), 5), reward=0.0,
-                                       policy_version=policy_version, uid=f"{self.name}-{self._counter}-{i}")
-                 for i, ids in enumerate(prompt_ids)]
-        return items, MakeStats(num_samples=len(items), num_tokens=RESPONSE_LEN * len(items), generate_s=waited)
-
-
-class SimMakerFactory:
-    def __init__(self, gen_s: float):
-        self.gen_s = gen_s
-
-    def __call__(self, cfg, name: str, device):
-        return SimExperienceMaker(cfg, name, device, self.gen_s)
 
 
 class SimLearner(PPOLearner):
@@ -174,7 +141,8 @@ def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, 
             snapshots[metrics["step"]] = (time.perf_counter(), {i: dataclasses.asdict(m) for i, m in makers.items()})
 
     with tempfile.TemporaryDirectory() as out:
-        trainer = PPOTrainer(cell_config(out, makers, ranks, steps, staleness, prefetch), experience_maker_factory=SimMakerFactory(gen_s),
+        maker_factory = functools.partial(WaitingExperienceMaker, waits=(gen_s,), response_len=RESPONSE_LEN)
+        trainer = PPOTrainer(cell_config(out, makers, ranks, steps, staleness, prefetch), experience_maker_factory=maker_factory,
                              learner_factory=SimLearnerFactory(train_s), metrics_callbacks=[snapshot])
         trainer.fit()
     h = sorted(trainer.history, key=lambda m: m["step"])

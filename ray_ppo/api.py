@@ -87,7 +87,8 @@ class PPOTrainer(TorchTrainer):
             ``factory(cfg, name=, device=)`` (default ``build.build_experience_maker``).
         learner_factory: builds each trainer rank's learner as ``factory(actor, critic, strategy,
             params, seed=)`` (default ``PPOLearner``). Both are extension points for simulations
-            and benchmarks (``benchmarks/overlap_sim.py``): they must be picklable.
+            and benchmarks (``benchmarks/overlap_sim.py``; ``ray_ppo.testing.WaitingExperienceMaker``
+            is a maker whose rollout is a wait): they must be picklable.
         detached: True (default): the coordinator and makers are detached actors, independent of
             the calling process; ``fit()`` removes them itself when the run ends, fails or is
             interrupted. False: they are owned by the process that calls ``fit()``, and Ray also

@@ -1,5 +1,6 @@
 """Maker and coordinator actors wired by hand: weight pushes and back-pressure."""
 
+import functools
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from ray_ppo.core.models import Critic, load_actor
 from ray_ppo.core.sync import fingerprint, make_buckets
 from ray_ppo.runtime.loop import _pull
 from ray_ppo.runtime.transport import ExperienceChunk, resolve
+from ray_ppo.testing import WaitingExperienceMaker
 
 pytestmark = pytest.mark.ray
 REPO = Path(__file__).parents[2]
@@ -171,30 +173,8 @@ def test_slow_trainer_makes_makers_wait_and_loses_nothing(ray_session, cfg, acto
     assert final.makers[0].idle_s > 1.0  # back-pressure time is reported as maker idle time
 
 
-class SlowFirstBatch:
-    """An ``ExperienceMaker`` (the maker's ``maker_factory``) with the real tiny models, whose first
-    batch takes ``FIRST_BATCH_S`` and whose items have the toy task's shape."""
-
-    FIRST_BATCH_S = 6.0
-
-    def __init__(self, cfg, name, device):
-        from ray_ppo.core.build import build_actor, build_critic, tokenizer_path
-        from ray_ppo.core.models import load_tokenizer
-
-        self.actor, self.critic, self.ref, self.reward_model = build_actor(cfg), build_critic(cfg), None, None
-        self.tokenizer = load_tokenizer(tokenizer_path(cfg))
-        self.kl_coef, self.name, self.batches = cfg.ppo.kl_coef, name, 0
-
-    def make_experience(self, prompt_ids, policy_version, kl_coef=None):
-        from ray_ppo.core.algo import ExperienceItem
-        from ray_ppo.core.experience import MakeStats
-
-        self.batches += 1
-        if self.batches == 1:
-            time.sleep(self.FIRST_BATCH_S)
-        items = [ExperienceItem.filled(torch.tensor(ids), torch.full((4,), 5), reward=0.0, policy_version=policy_version,
-                                       uid=f"{self.name}-{self.batches}-{i}") for i, ids in enumerate(prompt_ids)]
-        return items, MakeStats(num_samples=len(items), num_tokens=4 * len(items))
+FIRST_BATCH_S = 6.0
+SlowFirstBatch = functools.partial(WaitingExperienceMaker, waits=(FIRST_BATCH_S, 0.0), response_len=4)
 
 
 def test_a_maker_asks_for_its_next_prompts_while_it_makes_a_batch(ray_session, cfg, actors):
@@ -203,7 +183,7 @@ def test_a_maker_asks_for_its_next_prompts_while_it_makes_a_batch(ray_session, c
     prompts = ray.data.from_items([{"prompt": "1 2 3"}] * 64)
     coordinator, maker = start(cfg, actors, prompts=prompts, maker_factory=SlowFirstBatch)
     loops = [maker.run.remote(), maker.send_loop.remote()]
-    served, deadline = 0, time.monotonic() + SlowFirstBatch.FIRST_BATCH_S - 1
+    served, deadline = 0, time.monotonic() + FIRST_BATCH_S - 1
     while served < 2 * cfg.maker.batch_size and time.monotonic() < deadline:
         time.sleep(0.2)
         counters = ray.get(coordinator.status.remote()).counters

@@ -1,0 +1,45 @@
+"""Stand-ins for the parts of a run that tests and benchmarks replace through ``PPOTrainer``'s
+extension points (``experience_maker_factory``), never through a config flag."""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from ray_ppo.core.algo import ExperienceItem
+from ray_ppo.core.experience import MakeStats
+
+
+class WaitingExperienceMaker:
+    """An ``ExperienceMaker`` whose rollout is a wait: the i-th batch (from 0) takes ``waits[i]``
+    seconds, the last entry repeated for every batch after it, with the CPU free meanwhile (as a
+    GPU kernel leaves it). Its actor and critic are the real models of ``cfg``, so weight pushes
+    into it are real; its items have the toy task's shape (each prompt, ``response_len`` tokens
+    of id 5, reward 0) and carry the version they were made at.
+
+    Pass it as a factory with its waits bound: ``functools.partial(WaitingExperienceMaker,
+    waits=(6.0, 0.0))`` makes a maker whose first batch takes 6 s and the rest none.
+    """
+
+    def __init__(self, cfg, name: str, device, waits: Sequence[float] = (0.0,), response_len: int = 8):
+        from ray_ppo.core.build import build_actor, build_critic, tokenizer_path
+        from ray_ppo.core.models import load_tokenizer
+
+        if not waits or any(w < 0 for w in waits):
+            raise ValueError(f"waits={tuple(waits)!r}: give at least one wait, none negative (seconds per batch)")
+        self.actor, self.critic, self.ref, self.reward_model = build_actor(cfg), build_critic(cfg), None, None
+        self.tokenizer = load_tokenizer(tokenizer_path(cfg))
+        self.kl_coef = cfg.ppo.kl_coef  # set by weight pushes, as on a real maker
+        self.name, self.waits, self.response_len, self.batches = name, tuple(waits), response_len, 0
+
+    def make_experience(self, prompt_ids: list[list[int]], policy_version: int, kl_coef: float | None = None):
+        start = time.perf_counter()
+        time.sleep(self.waits[min(self.batches, len(self.waits) - 1)])
+        waited = time.perf_counter() - start
+        self.batches += 1
+        items = [ExperienceItem.filled(torch.tensor(ids), torch.full((self.response_len,), 5), reward=0.0,
+                                       policy_version=policy_version, uid=f"{self.name}-{self.batches}-{i}")
+                 for i, ids in enumerate(prompt_ids)]
+        return items, MakeStats(num_samples=len(items), num_tokens=self.response_len * len(items), generate_s=waited)
