@@ -11,8 +11,8 @@ through ``PPOTrainer``'s extension points (no config flag):
 
 - ``experience_maker_factory``: ``ray_ppo.testing.WaitingExperienceMaker`` holds the real tiny
   actor and critic (they receive the pushes) and makes each generation batch by sleeping
-  ``gen_s`` with the model lock held, as a GPU kernel would hold the device while the CPU is free, then returning
-  items of the toy task's shape;
+  ``gen_s`` with the model lock held, as a GPU kernel would hold the device while the CPU is
+  free, then returning items of the toy task's shape;
 - ``learner_factory``: ``SimLearner`` is ``PPOLearner`` whose ``train_step`` sleeps ``train_s``.
 
 T_gen = one maker's time to make one step's samples for all ranks (``train_batch_size x ranks``);
