@@ -6,8 +6,9 @@ In one process with one torch thread, the steps ``MakerWorker`` takes around eac
 batch in ``overlap_sim.py``'s cells, timed one by one: encoding the prompts (``PromptEncoder``),
 the ``ExperienceMaker``'s items (``ray_ppo.testing.WaitingExperienceMaker`` with no wait: the
 items of the toy task's shape), tagging them with prompt ids, packing them for the send
-(``ExperienceChunk.of``, inline); and the swap of a push into the tiny actor and critic
-(``assign_state`` of staged copies, as ``MakerWorker.weights_end`` does under the model lock).
+(``ExperienceChunk.of``, inline); and the swap of a push into the tiny actor and critic, as
+``MakerWorker.weights_end`` does it: prepared while generation goes on (``prepare_swap`` of
+staged copies), then applied under the model lock (``PreparedSwap.apply``: what pauses generation).
 Medians over ``--repeats``. Compare with the maker shares of ``overlap_sim.py`` (section 1b):
 what a step there spends beyond these is contention, not work.
 """
@@ -32,7 +33,7 @@ def main() -> None:
 
     from ray_ppo.api import resolve_config
     from ray_ppo.config import load_config
-    from ray_ppo.core.sync import assign_state
+    from ray_ppo.core.sync import prepare_swap
     from ray_ppo.data import PromptEncoder
     from ray_ppo.runtime.maker import tag_prompt_ids
     from ray_ppo.runtime.transport import ExperienceChunk
@@ -44,7 +45,8 @@ def main() -> None:
     encoder = PromptEncoder(maker.tokenizer, cfg.data.max_prompt_len, cfg.data.chat_template)
     texts = ["3 1 4 1 5"] * args.prompts
     times: dict[str, list[float]] = {k: [] for k in ("encode prompts", "make items", "tag prompt ids",
-                                                     "pack for send", "swap actor", "swap critic")}
+                                                     "pack for send", "prepare swap, actor", "prepare swap, critic",
+                                                     "swap under the lock, actor", "swap under the lock, critic")}
 
     def timed(name, fn, *a):
         start = time.perf_counter()
@@ -59,13 +61,15 @@ def main() -> None:
         timed("pack for send", ExperienceChunk.of, items, "inline")
         actor_state = {k: v.clone() for k, v in maker.actor.state_dict().items()}
         critic_state = {k: v.clone() for k, v in maker.critic.state_dict().items()}
-        timed("swap actor", assign_state, maker.actor, actor_state)
-        timed("swap critic", assign_state, maker.critic, critic_state)
+        for what, model, state in (("actor", maker.actor, actor_state), ("critic", maker.critic, critic_state)):
+            swap = timed(f"prepare swap, {what}", prepare_swap, model, state)
+            timed(f"swap under the lock, {what}", swap.apply)
 
     per_batch = sum(median(times[k]) for k in ("encode prompts", "make items", "tag prompt ids", "pack for send"))
     rows = [[k, median(v) * 1e3] for k, v in times.items()]
     rows += [["per batch (sum of the first four)", per_batch * 1e3],
-             ["per swap (actor + critic)", (median(times["swap actor"]) + median(times["swap critic"])) * 1e3]]
+             *[[f"per swap, {part} (actor + critic)", sum(median(times[f"{part}, {w}"]) for w in ("actor", "critic")) * 1e3]
+               for part in ("prepare swap", "swap under the lock")]]
     print(f"\nMaker work outside generation: {args.prompts} prompts per batch, {args.response_len} response tokens, "
           f"one thread, median of {args.repeats}\n")
     print(table(["step", "ms"], rows))

@@ -186,16 +186,74 @@ def tied_groups(model: torch.nn.Module) -> list[list[str]]:
     return [names for names in by_tensor.values() if len(names) > 1]
 
 
-def assign_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Swap ``state``'s tensors in as the model's parameters and buffers (no copy), then re-tie
-    tied parameters to their canonical tensor. Tensors whose dtype or device differ from the
-    model's are converted first, so the model keeps its own dtype and device.
+@dataclass
+class PreparedSwap:
+    """``assign_state`` made ready: each name's owner module, attribute and new tensor (a
+    ``Parameter`` where the model holds one, tied aliases bound to their canonical's). ``apply``
+    only rebinds attributes, so a caller that pauses the model's users for a swap can prepare it
+    first, while they run (``prepare_swap``)."""
 
-    Keys are not checked here (``strict=False``): callers check them before swapping."""
+    binds: list[tuple[torch.nn.Module, str, torch.Tensor]]
+    load: tuple[torch.nn.Module, dict[str, torch.Tensor], list[list[str]]] | None = None
+    """For a model with its own state-dict loading (a ``_load_from_state_dict`` override or a
+    load hook): ``load_state_dict(assign=True)`` and re-tying, in ``apply``, instead of ``binds``."""
+
+    def apply(self) -> None:
+        if self.load is not None:
+            model, state, groups = self.load
+            model.load_state_dict(state, strict=False, assign=True)
+            _retie(model, groups)
+        for owner, attr, tensor in self.binds:
+            setattr(owner, attr, tensor)
+
+
+def prepare_swap(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> PreparedSwap:
+    """Prepare swapping ``state``'s tensors in as the model's parameters and buffers (no copy;
+    tied parameters stay tied to their canonical tensor). Tensors whose dtype or device differ
+    from the model's are converted here, so the model keeps its own dtype and device.
+
+    Keys are not checked here (unknown names are ignored): callers check them before swapping.
+    Shapes are, for every name before anything is bound, so a bad push leaves the model whole.
+    Raises ValueError naming the first tensor whose shape differs from the model's."""
+    current = model.state_dict(keep_vars=True)
+    for name, tensor in state.items():
+        if name in current and tensor.shape != current[name].shape:
+            raise ValueError(f"pushed {name} has shape {tuple(tensor.shape)}, the model's is "
+                             f"{tuple(current[name].shape)}: the push is not of this model")
+    own = {k: v.to(dtype=current[k].dtype, device=current[k].device) for k, v in state.items() if k in current}
     groups = tied_groups(model)
-    current = model.state_dict()
-    own = {k: v.to(dtype=current[k].dtype, device=current[k].device) if k in current else v for k, v in state.items()}
-    model.load_state_dict(own, strict=False, assign=True)
+    if _loads_its_own_way(model):
+        return PreparedSwap(binds=[], load=(model, own, groups))
+    new: dict[str, torch.Tensor] = {}
+    for name, tensor in own.items():
+        old = current[name]
+        is_param = isinstance(old, torch.nn.Parameter)
+        new[name] = torch.nn.Parameter(tensor, requires_grad=old.requires_grad) if is_param else tensor
+    for canonical, *aliases in groups:  # an alias is bound to its canonical's tensor, pushed or not
+        for alias in aliases:
+            new[alias] = new.get(canonical, current[canonical])
+    binds = []
+    for name, tensor in new.items():
+        owner, _, attr = name.rpartition(".")
+        binds.append((model.get_submodule(owner), attr, tensor))
+    return PreparedSwap(binds)
+
+
+def assign_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Swap ``state``'s tensors in as the model's parameters and buffers at once: ``prepare_swap``
+    then ``apply``."""
+    prepare_swap(model, state).apply()
+
+
+def _loads_its_own_way(model: torch.nn.Module) -> bool:
+    """Whether a module of ``model`` changes how a state dict loads (then rebinding attributes
+    would skip what it does)."""
+    base = torch.nn.Module._load_from_state_dict
+    return any(type(m)._load_from_state_dict is not base or m._load_state_dict_pre_hooks
+               or m._load_state_dict_post_hooks for m in model.modules())
+
+
+def _retie(model: torch.nn.Module, groups: list[list[str]]) -> None:
     for canonical, *aliases in groups:
         param = model.get_parameter(canonical)
         for alias in aliases:

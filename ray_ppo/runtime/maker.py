@@ -203,7 +203,7 @@ class MakerWorker:
         """chunk_end: swap the staged weights in under the model lock. False if the push is
         incomplete, or another relay or push is staging."""
         from ray_ppo.core.models.quantize import quantize_for_generation
-        from ray_ppo.core.sync import assign_state, split_state
+        from ray_ppo.core.sync import prepare_swap, split_state
         from ray_ppo.core.vllm_engine import hf_weights
 
         received = self.receiver.end(version, relay)
@@ -217,15 +217,16 @@ class MakerWorker:
             _check_keys(self.maker.critic, critic_state, partial, "critic")
         elif critic_state:
             raise ValueError(f"critic push to a critic-free maker (algo.advantage={self.cfg.algo.advantage})")
+        # The staged tensors are the maker's own copies, already on its device and in its dtype
+        # (or shared read-only with the object store): the swap rebinds parameters (and re-ties
+        # tied ones), it copies nothing. What it binds where is worked out while generation goes on.
+        swaps = [prepare_swap(self.float_actor, actor_state)]
+        if self.maker.critic is not None:
+            swaps.append(prepare_swap(self.maker.critic, critic_state))
         with self.model_lock:  # generation is paused from here (a batch being made finishes first)
             start = time.perf_counter()
-            # The staged tensors are the maker's own copies, already on its device and in its
-            # dtype: the swap rebinds parameters (and re-ties tied ones), it copies nothing.
-            assign_state(self.float_actor, actor_state)  # keys were checked above
-            if self.maker.critic is not None:
-                assign_state(self.maker.critic, critic_state)
-            if self.device.type == "cpu":  # on a GPU the caching allocator reuses the memory anyway
-                self.receiver.recycle(staged)
+            for swap in swaps:
+                swap.apply()
             if self.cfg.maker.quantization:
                 self.maker.actor = quantize_for_generation(self.float_actor, self.cfg.maker.quantization)
             if self.engine is not None:  # after the HF copy swapped in the push, load it into the engine
@@ -233,6 +234,8 @@ class MakerWorker:
             self.version, self.kl_coef = version, header.kl_coef
             self.pushes_loaded += 1
             paused = time.perf_counter() - start
+        if self.device.type == "cpu":  # on a GPU the caching allocator reuses the memory anyway
+            self.receiver.recycle(staged)
         self.pause_s += paused
         self._unreported_pause_s += paused
         return True

@@ -238,6 +238,66 @@ def test_assign_state_keeps_the_models_dtype():
     assert model.weight.requires_grad
 
 
+def test_a_prepared_swap_binds_nothing_until_applied_and_then_matches_load_state_dict(tiny_path):
+    """The maker prepares a swap while it generates and applies it under the model lock: the
+    model must be untouched until ``apply``, and then as ``load_state_dict(assign=True)`` with
+    re-tying leaves it (same tensors, ``Parameter`` types and ``requires_grad``)."""
+    from ray_ppo.core.models import load_actor
+    from ray_ppo.core.sync import prepare_swap, tied_groups
+
+    actor, donor, reference = load_actor(tiny_path), load_actor(tiny_path), load_actor(tiny_path)
+    with torch.no_grad():
+        for p in donor.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    actor.transformer.wpe.weight.requires_grad_(False)  # a frozen parameter stays frozen
+    reference.transformer.wpe.weight.requires_grad_(False)
+    pushed = {k: v.clone() for k, v in donor.state_dict().items() if k != "lm_head.weight"}
+    before = fingerprint(actor.state_dict())
+    swap = prepare_swap(actor, pushed)
+    assert swap.load is None  # plain rebinding: GPT-2 has no load hooks
+    assert fingerprint(actor.state_dict()) == before
+    swap.apply()
+    (canonical, alias), = tied_groups(reference)
+    reference.load_state_dict(pushed, strict=False, assign=True)
+    reference.lm_head.weight = reference.get_parameter(canonical)
+    got, want = actor.state_dict(keep_vars=True), reference.state_dict(keep_vars=True)
+    assert got.keys() == want.keys()
+    for name in got:
+        assert type(got[name]) is type(want[name]) and got[name].requires_grad == want[name].requires_grad, name
+        assert got[name].data_ptr() == want[name].data_ptr() == pushed["transformer.wte.weight" if name == alias
+                                                                        else name].data_ptr(), name
+    assert actor.lm_head.weight is actor.transformer.wte.weight
+    assert not actor.transformer.wpe.weight.requires_grad
+
+
+def test_a_push_of_another_shape_is_refused_before_any_tensor_is_bound(tiny_path):
+    from ray_ppo.core.models import load_actor
+    from ray_ppo.core.sync import prepare_swap
+
+    actor = load_actor(tiny_path)
+    pushed = {k: v.clone() + 1 for k, v in actor.state_dict().items() if k != "lm_head.weight"}
+    last = list(pushed)[-1]
+    pushed[last] = torch.zeros(3, *pushed[last].shape)
+    before = fingerprint(actor.state_dict())
+    with pytest.raises(ValueError, match=rf"pushed {last} has shape \(3, .*the push is not of this model"):
+        prepare_swap(actor, pushed)
+    assert fingerprint(actor.state_dict()) == before
+
+
+def test_a_model_that_loads_its_own_way_is_swapped_through_load_state_dict():
+    """BatchNorm overrides ``_load_from_state_dict``: such a model keeps going through it."""
+    from ray_ppo.core.sync import prepare_swap
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    pushed = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+    swap = prepare_swap(model, pushed)
+    assert swap.load is not None and model[0].weight.data_ptr() != pushed["0.weight"].data_ptr()
+    swap.apply()
+    state = model.state_dict(keep_vars=True)
+    assert all(state[k].data_ptr() == pushed[k].data_ptr() for k in pushed)
+    assert isinstance(model[1].weight, torch.nn.Parameter) and int(model[1].num_batches_tracked) == 1
+
+
 def test_staging_reuses_matching_spares_and_a_swap_frees_only_untied_replaced_tensors(tiny_path):
     from ray_ppo.core.models import load_actor
     from ray_ppo.core.sync import StagedPush, assign_state, replaced_tensors
