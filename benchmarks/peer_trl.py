@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import subprocess
@@ -355,6 +356,33 @@ def report(runs: dict[str, list[dict]], args, wall_s: float) -> None:
                  "run wall s", "of which untimed s (start-up, first updates, shutdown)"], rows))
 
 
+def paired_reward_difference(base: list[float], other: list[float]) -> dict:
+    """``other - base`` reward, paired by round (one seed per round): mean, median, how many rounds
+    ``other`` is higher, and the exact two-sided p-value of a sign-flip permutation test of the
+    mean difference (under "no difference" each round's sign is a coin flip; all 2^n flips)."""
+    diffs = [o - b for b, o in zip(base, other, strict=True)]
+    observed = abs(sum(diffs))
+    flips = itertools.product((1, -1), repeat=len(diffs))
+    extreme = sum(abs(sum(sign * d for sign, d in zip(signs, diffs))) >= observed - 1e-12 for signs in flips)
+    return {"mean": sum(diffs) / len(diffs), "median": median(diffs), "higher": sum(d > 0 for d in diffs),
+            "rounds": len(diffs), "p": extreme / 2 ** len(diffs)}
+
+
+def report_rewards(runs: dict[str, list[dict]], args) -> None:
+    """Each variant's reward after the run against the first variant's, paired by round."""
+    base_variant, *others = runs
+    if not others or args.repeats > 16:  # 2^n sign flips: exact up to 16 rounds
+        return
+    base = [r["reward_end"] for r in runs[base_variant]]
+    rows = []
+    for variant in others:
+        d = paired_reward_difference(base, [r["reward_end"] for r in runs[variant]])
+        rows.append([variant, d["mean"], d["median"], f"{d['higher']} of {d['rounds']}", d["p"]])
+    print(f"\nReward after {args.samples} samples, each variant minus {base_variant}, paired by round (same seed)\n")
+    print(table(["variant", "mean difference", "median difference", f"rounds above {base_variant}",
+                 "p (two-sided sign-flip test of the mean)"], rows))
+
+
 def main():
     global RESPONSE_LEN
     args = parse_args()
@@ -374,6 +402,7 @@ def main():
             for w in workers.values():
                 w.close()
     report(runs, args, time.perf_counter() - start)
+    report_rewards(runs, args)
 
 
 if __name__ == "__main__":
