@@ -11,8 +11,9 @@ A push is pipelined: rank 0 hands each bucket on as soon as it is put, and a mak
 bucket k (``StagedPush.add``) while rank 0 puts bucket k+1. A CPU maker with ``sync.zero_copy``
 keeps the tensors where the object store holds them (no copy at all: the makers of a node share
 one copy of the weights); otherwise it copies them into tensors of its own, on its device and in
-its dtype, while it generates. The swap (``assign_state``) then only rebinds the model's
-parameters to the staged tensors, so a maker pauses for pointer swaps, not a copy.
+its dtype, while it generates. The swap is prepared while it generates too (``prepare_swap``:
+shapes checked, conversions, each tensor's owner found), and ``PreparedSwap.apply`` then only
+rebinds the model's parameters to the staged tensors, so a maker pauses for pointer swaps, not a copy.
 """
 
 from __future__ import annotations
