@@ -371,7 +371,11 @@ def paired_reward_difference(base: list[float], other: list[float]) -> dict:
 def report_rewards(runs: dict[str, list[dict]], args) -> None:
     """Each variant's reward after the run against the first variant's, paired by round."""
     base_variant, *others = runs
-    if not others or args.repeats > 16:  # 2^n sign flips: exact up to 16 rounds
+    if not others:
+        return
+    if args.repeats > 16:
+        print(f"\nNo paired reward comparison: its exact sign-flip test enumerates 2^n sign patterns, "
+              f"which this script does up to 16 rounds (asked: --repeats {args.repeats})")
         return
     base = [r["reward_end"] for r in runs[base_variant]]
     rows = []
