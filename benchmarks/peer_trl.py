@@ -15,6 +15,14 @@ interpreter), driven one at a time and interleaved (every variant once per round
   trl+gc.freeze  the same, with ``gc.freeze()`` right before ``train()`` (``gc.unfreeze()`` after)
   ours sync      ``ray_ppo.local.run_local``: one process, generate -> score -> update
   ours detached  ``ray_ppo.api.PPOTrainer.fit`` on a local Ray cluster: 1 maker, 1 trainer worker
+and one diagnostic variant, only when named in ``--variants``:
+  ours sync+trl mask  ``run_local`` training, as TRL's loop does, only on the response tokens before
+                 the first ``<pad>`` (``trl_loss_mask``); the reward still scores the whole response
+
+TRL's loop takes the first pad token of a response as its end (``sequence_lengths`` in
+``PPOTrainer.train``), also a pad the policy sampled itself: the tiny tokenizer's ``<pad>`` is one
+of its 13 tokens (and not its EOS), so TRL's loss, value loss and whitening stop at it while ours
+go on to the first EOS. ``ours sync+trl mask`` is ours with that one difference removed.
 
 TRL needs a reward *model*: its ``get_reward`` runs ``getattr(model, model.base_model_prefix)``
 on the padded query+response and reads ``model.score(hidden_states[-1])`` at the last non-pad
@@ -36,6 +44,7 @@ policy's own samples, temperature 1).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import json
@@ -51,6 +60,7 @@ from _common import median, table, tiny_config
 
 VARIANTS = ("trl", "trl+gc.freeze", "ours sync", "ours detached")
 TRL_VARIANTS = ("trl", "trl+gc.freeze")
+DIAGNOSTIC_VARIANTS = ("ours sync+trl mask",)
 BATCH = 64
 """Prompts per generation batch = samples per PPO update = minibatch size, on every side."""
 RESPONSE_LEN = 8
@@ -221,12 +231,39 @@ def our_config(seed: int, samples: int, out: str):
         "ppo.kl_coef": KL_COEF, "ppo.eps_clip": CLIP, "ppo.value_clip": CLIP, "ppo.gamma": 1.0, "ppo.lam": 1.0})
 
 
-def sync_run(seed: int, samples: int, skip: int, reward_updates: int, gc_clock: GcClock) -> dict:
+@contextlib.contextmanager
+def trl_loss_mask():
+    """Inside: our makers train only on response tokens before the first pad token, as TRL's loop
+    does (its ``sequence_lengths``: the first pad of the EOS-truncated response, minus one), pads
+    the policy sampled included. Sequences, attention and the reward are left whole (TRL's reward
+    model reads the whole response too). One simplification: a response whose first token is a
+    pad keeps that token (TRL's loss has none of it; ours needs one token per response)."""
+    from ray_ppo.core import experience
+    from ray_ppo.core.models import Rollout
+
+    sample = experience.generate
+
+    def cut_at_first_pad(model, prompts, params, pad_token_id, eos_token_id):
+        rollout = sample(model, prompts, params, pad_token_id, eos_token_id)
+        after_pad = (rollout.sequences[:, rollout.prompt_len:] == pad_token_id).long().cumsum(dim=1) > 0
+        mask = rollout.action_mask & ~after_pad
+        mask[:, 0] = True
+        return Rollout(rollout.sequences, rollout.attention_mask, mask, rollout.prompt_len)
+
+    experience.generate = cut_at_first_pad
+    try:
+        yield
+    finally:
+        experience.generate = sample
+
+
+def sync_run(seed: int, samples: int, skip: int, reward_updates: int, gc_clock: GcClock,
+             trl_mask: bool = False) -> dict:
     from ray_ppo.local import run_local
 
     step_ends: list[float] = []
     gc.collect()
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as out, trl_loss_mask() if trl_mask else contextlib.nullcontext():
         history = run_local(our_config(seed, samples, out), on_metrics=lambda m: step_ends.append(time.perf_counter()))
     gc_s = gc_clock.seconds_between(step_ends[skip - 1], step_ends[-1])
     return summarize(step_ends, [m["reward_mean"] for m in history], skip, reward_updates, gc_s)
@@ -262,8 +299,8 @@ def worker(variant: str) -> None:
         start = time.perf_counter()
         if variant in TRL_VARIANTS:
             result = trl_run(*args, freeze=variant == "trl+gc.freeze", gc_clock=gc_clock)
-        elif variant == "ours sync":
-            result = sync_run(*args, gc_clock=gc_clock)
+        elif variant in ("ours sync", "ours sync+trl mask"):
+            result = sync_run(*args, gc_clock=gc_clock, trl_mask=variant == "ours sync+trl mask")
         else:
             result = detached_run(*args)
         result["run_s"] = time.perf_counter() - start
@@ -319,6 +356,9 @@ def parse_args():
                     help="response tokens per sample (maker.max_new_tokens; TRL's response_length)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS + DIAGNOSTIC_VARIANTS]
+    if unknown:
+        ap.error(f"unknown --variants {', '.join(map(repr, unknown))}; known: {', '.join(VARIANTS + DIAGNOSTIC_VARIANTS)}")
     if args.samples % BATCH or args.samples // BATCH <= max(args.skip, args.reward_updates):
         ap.error(f"--samples must be a multiple of {BATCH} with more updates than --skip and --reward-updates")
     return args
