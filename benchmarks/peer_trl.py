@@ -409,21 +409,20 @@ def paired_reward_difference(base: list[float], other: list[float]) -> dict:
 
 
 def report_rewards(runs: dict[str, list[dict]], args) -> None:
-    """Each variant's reward after the run against the first variant's, paired by round."""
-    base_variant, *others = runs
-    if not others:
+    """Each variant's reward after the run against every variant before it, paired by round."""
+    if len(runs) < 2:
         return
     if args.repeats > 16:
         print(f"\nNo paired reward comparison: its exact sign-flip test enumerates 2^n sign patterns, "
               f"which this script does up to 16 rounds (asked: --repeats {args.repeats})")
         return
-    base = [r["reward_end"] for r in runs[base_variant]]
+    rewards = {variant: [r["reward_end"] for r in rs] for variant, rs in runs.items()}
     rows = []
-    for variant in others:
-        d = paired_reward_difference(base, [r["reward_end"] for r in runs[variant]])
-        rows.append([variant, d["mean"], d["median"], f"{d['higher']} of {d['rounds']}", d["p"]])
-    print(f"\nReward after {args.samples} samples, each variant minus {base_variant}, paired by round (same seed)\n")
-    print(table(["variant", "mean difference", "median difference", f"rounds above {base_variant}",
+    for base, variant in itertools.combinations(rewards, 2):
+        d = paired_reward_difference(rewards[base], rewards[variant])
+        rows.append([variant, base, d["mean"], d["median"], f"{d['higher']} of {d['rounds']}", d["p"]])
+    print(f"\nReward after {args.samples} samples, paired by round (same seed)\n")
+    print(table(["variant", "minus", "mean difference", "median difference", "rounds above",
                  "p (two-sided sign-flip test of the mean)"], rows))
 
 
