@@ -140,46 +140,43 @@ class ExperienceBatch:
         return dataclasses.replace(self, **tensors, uids=[self.uids[i] for i in idx.tolist()])
 
     def split(self) -> list[ExperienceItem]:
-        """The B unpadded items: inverse of `merge`."""
-        return [self._item(i) for i in range(self.batch_size)]
-
-    def _item(self, i: int) -> ExperienceItem:
-        P = self.prompt_len
-        prompt_mask = self.attention_mask[i, :P].bool()
-        action_mask = self.action_mask[i].bool()
-        return ExperienceItem(
-            prompt_ids=self.sequences[i, :P][prompt_mask],
-            response_ids=self.sequences[i, P:][action_mask],
-            **{name: getattr(self, name)[i][action_mask] for name in PER_TOKEN_FIELDS},
-            reward=float(self.reward[i]),
-            policy_version=int(self.policy_version[i]),
-            uid=self.uids[i],
-        )
+        """The B unpadded items: inverse of `merge`. Each field is masked once for the whole batch
+        and cut into rows (row-major order), so the items view one tensor per field."""
+        P, B = self.prompt_len, self.batch_size
+        prompt_mask, action_mask = self.attention_mask[:, :P].bool(), self.action_mask.bool()
+        prompt_lens, response_lens = prompt_mask.sum(dim=1).tolist(), action_mask.sum(dim=1).tolist()
+        prompts = self.sequences[:, :P][prompt_mask].split(prompt_lens)
+        per_token = {"response_ids": self.sequences[:, P:][action_mask].split(response_lens)}
+        per_token.update((name, getattr(self, name)[action_mask].split(response_lens)) for name in PER_TOKEN_FIELDS)
+        rewards, versions = self.reward.tolist(), self.policy_version.tolist()
+        return [ExperienceItem(prompt_ids=prompts[i], **{name: rows[i] for name, rows in per_token.items()},
+                               reward=rewards[i], policy_version=versions[i], uid=self.uids[i]) for i in range(B)]
 
     @classmethod
     def merge(cls, items: Sequence[ExperienceItem], pad_token_id: int) -> ExperienceBatch:
-        """Pad `items` into one batch: prompts left-padded to P, responses right-padded to R."""
+        """Pad `items` into one batch: prompts left-padded to P, responses right-padded to R. Each
+        field is written with one masked assignment of the items' concatenated values."""
         if len(items) == 0:
             raise ValueError("cannot merge an empty list of ExperienceItem")
         for i, item in enumerate(items):
             _check_item(i, item)
         B, device = len(items), items[0].response_ids.device
-        P = max(item.prompt_ids.numel() for item in items)
-        R = max(item.response_length for item in items)
+        prompt_lens = torch.tensor([item.prompt_ids.numel() for item in items], device=device)
+        response_lens = torch.tensor([item.response_length for item in items], device=device)
+        P, R = int(prompt_lens.max()), int(response_lens.max())
+        prompt_mask = torch.arange(P, device=device) >= P - prompt_lens.unsqueeze(1)  # left padding
+        action_mask = torch.arange(R, device=device) < response_lens.unsqueeze(1)  # right padding
         sequences = torch.full((B, P + R), pad_token_id, dtype=torch.long, device=device)
-        attention_mask = torch.zeros(B, P + R, dtype=torch.long, device=device)
-        per_token = {name: torch.zeros(B, R, dtype=torch.float32, device=device) for name in PER_TOKEN_FIELDS}
-        for i, item in enumerate(items):
-            p, r = item.prompt_ids.numel(), item.response_length
-            sequences[i, P - p : P] = item.prompt_ids
-            sequences[i, P : P + r] = item.response_ids
-            attention_mask[i, P - p : P + r] = 1
-            for name in PER_TOKEN_FIELDS:
-                per_token[name][i, :r] = getattr(item, name)
+        sequences[:, :P][prompt_mask] = torch.cat([item.prompt_ids for item in items]).long()
+        sequences[:, P:][action_mask] = torch.cat([item.response_ids for item in items]).long()
+        per_token = {}
+        for name in PER_TOKEN_FIELDS:
+            per_token[name] = torch.zeros(B, R, dtype=torch.float32, device=device)
+            per_token[name][action_mask] = torch.cat([getattr(item, name) for item in items]).float()
         return cls(
             sequences=sequences,
-            attention_mask=attention_mask,
-            action_mask=attention_mask[:, P:].bool(),
+            attention_mask=torch.cat([prompt_mask, action_mask], dim=1).long(),
+            action_mask=action_mask,
             **per_token,
             reward=torch.tensor([item.reward for item in items], dtype=torch.float32, device=device),
             policy_version=torch.tensor([item.policy_version for item in items], dtype=torch.long, device=device),
