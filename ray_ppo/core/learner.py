@@ -69,6 +69,25 @@ def lr_lambda(schedule: str, warmup_steps: int, total_updates: int):
     return factor
 
 
+class Proximal:
+    """A step's proximal log-probs (B, R), the anchor of the clipped ratio. Rows ``pending`` (the
+    first minibatch's) are filled from that minibatch's own update: its forward pass runs on the
+    weights of the step's start, so they equal a separate no-grad pass, which is saved."""
+
+    def __init__(self, anchor: torch.Tensor, mask: torch.Tensor, pending: torch.Tensor | None = None):
+        self.anchor, self.mask, self.pending = anchor, mask, pending
+
+    def rows(self, idx: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+        """The anchor of rows ``idx``, whose log-probs under the updating actor are ``log_probs``."""
+        if self.pending is not None:
+            if not torch.equal(idx, self.pending):
+                raise RuntimeError("the proximal log-probs of the step's first minibatch must come from its own "
+                                   "update, the step's first")
+            self.anchor[idx] = torch.where(self.mask[idx].bool(), log_probs.detach(), 0.0)
+            self.pending = None
+        return self.anchor[idx]
+
+
 class PPOLearner:
     """Owns the actor and critic being trained, their optimizers and schedules.
 
@@ -118,20 +137,22 @@ class PPOLearner:
         batch = batch.to(self.device)
         if self._whitens():
             batch.advantages = masked_whiten(batch.advantages, batch.action_mask)
-        anchor, weights, metrics = self._off_policy(batch, version, behaviour_is_policy)
+        size = self.trainer.mini_batch_size
+        orders = [torch.randperm(batch.batch_size, generator=self.generator) for _ in range(self.trainer.ppo_epochs)]
+        proximal = self._proximal(batch, behaviour_is_policy, first=orders[0][:size].to(self.device))
         sums: dict[str, float] = {}
         updates, skipped_before = 0, self.nonfinite_updates
-        for _ in range(self.trainer.ppo_epochs):
-            order = torch.randperm(batch.batch_size, generator=self.generator)
-            for start in range(0, batch.batch_size, self.trainer.mini_batch_size):
-                idx = order[start:start + self.trainer.mini_batch_size].to(self.device)
+        for order in orders:
+            for start in range(0, batch.batch_size, size):
+                idx = order[start:start + size].to(self.device)
                 minibatch = batch.select(idx)
-                stats = self._actor_update(minibatch, anchor[idx], None if weights is None else weights[idx])
+                stats = self._actor_update(minibatch, proximal, idx)
                 if self.critic is not None:
                     stats.update(self._critic_update(minibatch))
                 for key, value in stats.items():
                     sums[key] = sums.get(key, 0.0) + value
                 updates += 1
+        metrics = self._off_policy_metrics(batch, proximal.anchor, version)
         metrics.update({key: value / updates for key, value in sums.items()})
         metrics["actor_lr"] = self.actor_sched.get_last_lr()[0]
         if self.critic is not None:
@@ -157,19 +178,31 @@ class PPOLearner:
             out.append(log_probs_from_logits(logits, mb.sequences[:, -mb.num_actions:]))
         return torch.where(batch.action_mask.bool(), torch.cat(out), 0.0)
 
-    def _off_policy(self, batch: ExperienceBatch, version: int | None,
-                    behaviour_is_policy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
-        """(log-probs the ratio is clipped around, importance weights or None, metrics).
+    def _proximal(self, batch: ExperienceBatch, behaviour_is_policy: bool, first: torch.Tensor) -> Proximal:
+        """The log-probs the ratio is clipped around, for the step.
 
-        ``none``: the maker's behaviour log-probs, no weights. ``tis`` / ``decoupled``: the
-        trainer's own log-probs at the start of the step (one no-grad forward pass) and the
-        weights pi_old / pi_behaviour, truncated or dropped above the cap. With
-        ``behaviour_is_policy`` the trainer's log-probs are the behaviour log-probs (no forward pass)."""
+        ``none``: the maker's behaviour log-probs. ``tis`` / ``decoupled``: the trainer's own
+        log-probs at the start of the step. The rows of the step's first minibatch (``first``)
+        come from that minibatch's own update, whose forward pass runs before any weight of the
+        step changes; the other rows from one no-grad forward pass now (none with a single
+        minibatch). With ``behaviour_is_policy`` they are the behaviour log-probs (no forward)."""
+        behaviour = batch.action_log_probs
+        if self.ppo.off_policy == "none" or behaviour_is_policy:
+            return Proximal(behaviour, batch.action_mask)
+        anchor = torch.zeros_like(behaviour)
+        rest = torch.ones(batch.batch_size, dtype=torch.bool, device=behaviour.device)
+        rest[first] = False
+        if bool(rest.any()):
+            rows = rest.nonzero().flatten()
+            anchor[rows] = self._log_probs(batch.select(rows))
+        return Proximal(anchor, batch.action_mask, pending=first)
+
+    def _off_policy_metrics(self, batch: ExperienceBatch, old: torch.Tensor, version: int | None) -> dict[str, float]:
+        """Importance-weight statistics and the behaviour KL (``tis`` / ``decoupled``), overall and
+        by staleness (given ``version``), from the step's proximal log-probs ``old``."""
         p, behaviour, mask = self.ppo, batch.action_log_probs, batch.action_mask
         if p.off_policy == "none":
-            return behaviour, None, {}
-        old = behaviour if behaviour_is_policy else self._log_probs(batch)
-        weights = importance_weights(p.off_policy, old, behaviour, p.importance_cap)
+            return {}
         metrics = weight_stats(raw_weights(old, behaviour), p.importance_cap, mask)
         kl = behaviour_kl(old, behaviour)
         metrics["behaviour_kl"] = float(masked_mean(kl, mask))
@@ -177,12 +210,21 @@ class PPOLearner:
             staleness = version - batch.policy_version
             for s, value in kl_by_staleness(kl, mask, staleness, p.max_staleness).items():
                 metrics[f"{STALE_KL_PREFIX}{s}"] = value
-        return old, weights, metrics
+        return metrics
 
-    def _actor_update(self, mb: ExperienceBatch, anchor: torch.Tensor, weights: torch.Tensor | None) -> dict[str, float]:
+    def _weights(self, anchor: torch.Tensor, behaviour: torch.Tensor) -> torch.Tensor | None:
+        """Importance weights pi_proximal / pi_behaviour of ``ppo.off_policy`` (None for ``none``)."""
+        if self.ppo.off_policy == "none":
+            return None
+        return importance_weights(self.ppo.off_policy, anchor, behaviour, self.ppo.importance_cap)
+
+    def _actor_update(self, mb: ExperienceBatch, proximal: Proximal, idx: torch.Tensor) -> dict[str, float]:
+        """One clipped policy update on minibatch ``mb`` (rows ``idx`` of the step's batch)."""
         p = self.ppo
         logits = action_logits(self.actor, mb.sequences, mb.attention_mask, mb.num_actions, self.temperature)
         log_probs = log_probs_from_logits(logits, mb.sequences[:, -mb.num_actions:])
+        anchor = proximal.rows(idx, log_probs)
+        weights = self._weights(anchor, mb.action_log_probs)
         pg_loss, stats = policy_loss(log_probs, anchor, mb.advantages, mb.action_mask, p.eps_clip, p.dual_clip,
                                      eps_clip_high=p.eps_clip_high, is_weights=weights, loss_agg=p.loss_agg)
         entropy = masked_mean(entropy_from_logits(logits), mb.action_mask)
