@@ -23,6 +23,9 @@ TRL's loop takes the first pad token of a response as its end (``sequence_length
 ``PPOTrainer.train``), also a pad the policy sampled itself: the tiny tokenizer's ``<pad>`` is one
 of its 13 tokens (and not its EOS), so TRL's loss, value loss and whitening stop at it while ours
 go on to the first EOS. ``ours sync+trl mask`` is ours with that one difference removed.
+``--pad-is-eos`` removes it on both sides instead: every variant loads a copy of the tiny model
+whose tokenizer pads with its EOS (the usual set-up of GPT-2-style tokenizers), so a sampled pad
+is an EOS, where TRL's loop and ours both end the response.
 
 TRL needs a reward *model*: its ``get_reward`` runs ``getattr(model, model.base_model_prefix)``
 on the padded query+response and reads ``model.score(hidden_states[-1])`` at the last non-pad
@@ -68,6 +71,41 @@ LR = 1e-3
 KL_COEF = 0.001
 CLIP = 0.2
 PROMPTS = _common.ROOT / "data" / "toy_prompts.csv"
+PAD_IS_EOS = False
+"""``--pad-is-eos``: every variant loads ``tiny_model_path()``'s copy whose tokenizer pads with EOS."""
+
+
+def tiny_model_path() -> str:
+    """The tiny model every variant loads: ``ensure_tiny_model("lm")``, or with ``PAD_IS_EOS`` a
+    copy of it (built once, next to it) whose tokenizer and config take EOS as the pad token."""
+    import json
+    import shutil
+
+    from ray_ppo.core.models import ensure_tiny_model, load_tokenizer
+
+    source = ensure_tiny_model("lm")
+    if not PAD_IS_EOS:
+        return str(source)
+    target = source.parent / "tiny-lm-pad-is-eos"
+    if (target / "config.json").exists():
+        return str(target)
+    staging = Path(tempfile.mkdtemp(prefix=".tiny-lm-pad-is-eos-", dir=source.parent))
+    try:
+        shutil.copytree(source, staging, dirs_exist_ok=True)
+        tokenizer = load_tokenizer(str(source))
+        tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.save_pretrained(str(staging))
+        config = json.loads((staging / "config.json").read_text())
+        config["pad_token_id"] = tokenizer.eos_token_id
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        try:
+            staging.rename(target)
+        except OSError:  # the other variant's process built it first
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(target)
 RESULT_PREFIX = "RESULT "
 
 
@@ -182,9 +220,9 @@ def trl_run(seed: int, samples: int, skip: int, reward_updates: int, freeze: boo
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
-    from ray_ppo.core.models import ensure_tiny_model, load_tokenizer
+    from ray_ppo.core.models import load_tokenizer
 
-    path = str(ensure_tiny_model("lm"))
+    path = tiny_model_path()
     tokenizer = load_tokenizer(path)
     dataset, width = trl_dataset(tokenizer)
     step_ends: list[float] = []
@@ -224,7 +262,7 @@ def trl_run(seed: int, samples: int, skip: int, reward_updates: int, freeze: boo
 
 def our_config(seed: int, samples: int, out: str):
     return tiny_config(out, {
-        "seed": seed, "data.path": str(PROMPTS), "maker.batch_size": BATCH, "maker.max_new_tokens": RESPONSE_LEN,
+        "seed": seed, "data.path": str(PROMPTS), "model.pretrained": tiny_model_path(), "maker.batch_size": BATCH, "maker.max_new_tokens": RESPONSE_LEN,
         "maker.temperature": 1.0,
         "trainer.total_steps": samples // BATCH, "trainer.train_batch_size": BATCH, "trainer.mini_batch_size": BATCH,
         "trainer.ppo_epochs": 1, "trainer.actor_lr": LR, "trainer.critic_lr": LR, "trainer.lr_schedule": "constant",
@@ -311,11 +349,12 @@ def worker(variant: str) -> None:
 class Worker:
     """Driver side of one variant's process; its logs go to ``log_path``."""
 
-    def __init__(self, variant: str, python: str, log_dir: str, response_length: int):
+    def __init__(self, variant: str, python: str, log_dir: str, response_length: int, pad_is_eos: bool = False):
         self.variant, self.log_path = variant, Path(log_dir) / f"{variant.replace(' ', '_')}.log"
         env = {**os.environ, "PYTHONPATH": str(_common.ROOT), "TRL_EXPERIMENTAL_SILENCE": "1"}
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([python, __file__, "--worker", variant, "--response-length", str(response_length)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([python, __file__, "--worker", variant, "--response-length", str(response_length)]
+                                     + (["--pad-is-eos"] if pad_is_eos else []), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
 
     def run(self, **request) -> dict:
@@ -354,6 +393,8 @@ def parse_args():
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--response-length", type=int, default=RESPONSE_LEN,
                     help="response tokens per sample (maker.max_new_tokens; TRL's response_length)")
+    ap.add_argument("--pad-is-eos", action="store_true",
+                    help="every variant loads a copy of the tiny model whose tokenizer pads with EOS (no sampleable pad)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS + DIAGNOSTIC_VARIANTS]
@@ -387,7 +428,8 @@ def report(runs: dict[str, list[dict]], args, wall_s: float) -> None:
         rows.append([variant, 1000 / sps, sps, sps / base, median([r["reward_first"] for r in rs]),
                      median([r["reward_end"] for r in rs]), median([r["gc_share"] for r in rs]),
                      median([r["run_s"] for r in rs]), median([r["untimed_s"] for r in rs])])
-    print(f"Peer: TRL 1.12.0 PPO vs ray_ppo, tiny GPT-2, toy task, batch {BATCH}, {RESPONSE_LEN} response tokens, "
+    print(f"Peer: TRL 1.12.0 PPO vs ray_ppo, tiny GPT-2{' (pad = EOS)' if PAD_IS_EOS else ''}, toy task, batch {BATCH}, "
+          f"{RESPONSE_LEN} response tokens, "
           f"{args.samples} samples per run ({args.samples // BATCH} updates, first {args.skip} untimed), median of "
           f"{args.repeats} interleaved runs after a warm-up; script wall time {wall_s / 60:.1f} min\n")
     print(table(["variant", "wall s per 1,000 samples", "samples/s", f"speed vs {base_variant}",
@@ -427,9 +469,10 @@ def report_rewards(runs: dict[str, list[dict]], args) -> None:
 
 
 def main():
-    global RESPONSE_LEN
+    global RESPONSE_LEN, PAD_IS_EOS
     args = parse_args()
     RESPONSE_LEN = args.response_length  # read at run time by the worker's TRL config and ours
+    PAD_IS_EOS = args.pad_is_eos
     if args.worker:
         return worker(args.worker)
     variants = args.variants.split(",")
@@ -438,7 +481,7 @@ def main():
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="peer_trl-") as log_dir:
         workers = {v: Worker(v, args.trl_python if v in TRL_VARIANTS else sys.executable, log_dir,
-                                 args.response_length) for v in variants}
+                                 args.response_length, args.pad_is_eos) for v in variants}
         try:
             runs = run_rounds(workers, args)
         finally:
