@@ -82,30 +82,24 @@ def tiny_model_path() -> str:
     import shutil
 
     from ray_ppo.core.models import ensure_tiny_model, load_tokenizer
+    from ray_ppo.core.models.tiny import build_once
 
     source = ensure_tiny_model("lm")
     if not PAD_IS_EOS:
         return str(source)
-    target = source.parent / "tiny-lm-pad-is-eos"
-    if (target / "config.json").exists():
-        return str(target)
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-lm-pad-is-eos-", dir=source.parent))
-    try:
-        shutil.copytree(source, staging, dirs_exist_ok=True)
+
+    def copy_with_eos_pad(directory: Path) -> None:
+        shutil.copytree(source, directory, dirs_exist_ok=True)
         tokenizer = load_tokenizer(str(source))
         tokenizer.pad_token = tokenizer.eos_token
-        tokenizer.save_pretrained(str(staging))
-        config = json.loads((staging / "config.json").read_text())
+        tokenizer.save_pretrained(str(directory))
+        config = json.loads((directory / "config.json").read_text())
         config["pad_token_id"] = tokenizer.eos_token_id
-        (staging / "config.json").write_text(json.dumps(config, indent=2))
-        try:
-            staging.rename(target)
-        except OSError:  # the other variant's process built it first
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return str(target)
+        (directory / "config.json").write_text(json.dumps(config, indent=2))
+
+    return str(build_once(source.parent / "tiny-lm-pad-is-eos", copy_with_eos_pad))
+
+
 RESULT_PREFIX = "RESULT "
 
 
@@ -262,8 +256,8 @@ def trl_run(seed: int, samples: int, skip: int, reward_updates: int, freeze: boo
 
 def our_config(seed: int, samples: int, out: str):
     return tiny_config(out, {
-        "seed": seed, "data.path": str(PROMPTS), "model.pretrained": tiny_model_path(), "maker.batch_size": BATCH, "maker.max_new_tokens": RESPONSE_LEN,
-        "maker.temperature": 1.0,
+        "seed": seed, "data.path": str(PROMPTS), "model.pretrained": tiny_model_path(), "maker.batch_size": BATCH,
+        "maker.max_new_tokens": RESPONSE_LEN, "maker.temperature": 1.0,
         "trainer.total_steps": samples // BATCH, "trainer.train_batch_size": BATCH, "trainer.mini_batch_size": BATCH,
         "trainer.ppo_epochs": 1, "trainer.actor_lr": LR, "trainer.critic_lr": LR, "trainer.lr_schedule": "constant",
         "ppo.kl_coef": KL_COEF, "ppo.eps_clip": CLIP, "ppo.value_clip": CLIP, "ppo.gamma": 1.0, "ppo.lam": 1.0})

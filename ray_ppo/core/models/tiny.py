@@ -101,13 +101,18 @@ def ensure_tiny_model(kind: str = "lm", root: str | Path | None = None) -> Path:
     if kind not in builders:
         raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {sorted(builders)}")
     root = Path(root) if root is not None else cache_root()
-    target = root / f"tiny-{kind}"
+    return build_once(root / f"tiny-{kind}", builders[kind])
+
+
+def build_once(target: Path, build) -> Path:
+    """``target``, a model directory, written by ``build(directory)`` on first use: into a temporary
+    sibling that is renamed into place, so concurrent processes never see a half-written model."""
     if (target / "config.json").exists():
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".tiny-{kind}-", dir=root))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        builders[kind](staging)
+        build(staging)
         try:
             staging.rename(target)
         except OSError:  # another process won the race; its copy is complete
