@@ -111,24 +111,40 @@ class MakerWorker:
     def run(self) -> dict:
         """Make experience until the coordinator has no more prompts; returns a summary. The next
         prompt batch is asked for as soon as one arrives, so its round trip to the coordinator
-        (and any wait at admission it can absorb) passes while this one is made."""
+        (and any wait at admission it can absorb) passes while this one is made. A made batch goes
+        to the sender once the next one is encoded (when its prompts are already here), so the
+        sender packs it while the next batch generates: this thread and the sender's would
+        otherwise take turns on the GIL between two batches, when generation waits for both."""
+        made = None  # (items, stats) of the last batch, until the sender has it
         try:
             if self.cfg.maker.wait_for_weights:
                 self._wait_for_first_push()
             asked = self.coordinator.next_prompts.remote(self.maker_id)
             while True:
+                if made is not None and not ray.wait([asked], timeout=0)[0]:
+                    # Admission may be waiting for these very items (the staleness bound): send first.
+                    self._queue(made)
+                    made = None
                 start = time.perf_counter()
                 batch = ray.get(asked)
+                waited_s = time.perf_counter() - start
+                if batch is not None:
+                    asked = self.coordinator.next_prompts.remote(self.maker_id)
+                    encoded = self.encoder.encode(batch.texts)
+                if made is not None:
+                    self._queue(made)
+                    made = None
                 if batch is None:
                     break
-                asked = self.coordinator.next_prompts.remote(self.maker_id)
-                self._make_and_queue(batch.texts, batch.ids, waited_s=time.perf_counter() - start)
+                made = self._make(batch.texts, batch.ids, encoded, waited_s)
         except Exception as e:  # reported in one line; the full traceback stays in this actor's log
             where = traceback.extract_tb(e.__traceback__)[-1]
             summary = f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})"
             ray.get(self.coordinator.maker_failed.remote(self.maker_id, summary))
             raise
         finally:
+            if made is not None:
+                self._queue(made)
             self.outbox.put(None)
         return {"made": self.made, "version": self.version}
 
@@ -140,11 +156,11 @@ class MakerWorker:
                                    f"{self.cfg.trainer.pull_timeout_s:.0f} s (maker.wait_for_weights=true)")
             time.sleep(poll_s)
 
-    def _make_and_queue(self, texts: list[str], prompt_ids: list[int], waited_s: float) -> None:
-        """Make one batch and queue it for the sender; ``idle_s`` counts the wait for prompts
-        (admission) and for the sender (back-pressure). Items carry their prompt's id, and the
-        stats every id of the batch (the coordinator counts the ones without items as blank)."""
-        encoded = self.encoder.encode(texts)
+    def _make(self, texts: list[str], prompt_ids: list[int], encoded, waited_s: float) -> tuple[list, MakerStats]:
+        """Make one batch of ``encoded`` prompts; returns its items (each carrying its prompt's id)
+        and stats, which cover every id of the batch (the coordinator counts the ones without
+        items as blank) and the waits since the previous batch: for prompts (admission) and for
+        the sender (back-pressure, counted by ``_queue``)."""
         items, made = [], {}
         if encoded.ids:
             with self.model_lock:
@@ -153,14 +169,18 @@ class MakerWorker:
                 tag_prompt_ids(items, [prompt_ids[i] for i in encoded.kept])
             self.made += len(items)
             made = dict(generate_s=run.generate_s + run.score_s, num_tokens=run.num_tokens, logprob_gap=run.logprob_gap)
-        start = time.perf_counter()
         idle_s, self._unreported_idle_s = waited_s + self._unreported_idle_s, 0.0
         pause_s, self._unreported_pause_s = self._unreported_pause_s, 0.0
         stats = MakerStats(num_prompts=len(texts), prompt_ids=tuple(prompt_ids), blank=encoded.blank,
                            truncated=encoded.truncated, idle_s=idle_s, pause_s=pause_s,
                            admission_s=waited_s, **made)  # admission_s: of idle_s, the wait for this batch
-        self.outbox.put((items, stats))
-        self._unreported_idle_s += time.perf_counter() - start  # reported with the next batch
+        return items, stats
+
+    def _queue(self, made: tuple[list, MakerStats]) -> None:
+        """Hand a made batch to the sender; a wait for room (back-pressure) is reported with the next batch."""
+        start = time.perf_counter()
+        self.outbox.put(made)
+        self._unreported_idle_s += time.perf_counter() - start
 
     # -- experience_io --------------------------------------------------------------------------
     @ray.method(concurrency_group="experience_io")

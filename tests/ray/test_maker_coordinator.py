@@ -1,6 +1,7 @@
 """Maker and coordinator actors wired by hand: weight pushes and back-pressure."""
 
 import functools
+import queue
 import time
 from pathlib import Path
 
@@ -11,8 +12,8 @@ import torch
 from ray_ppo.api import resolve_config
 from ray_ppo.config import load_config
 from ray_ppo.runtime.coordinator import Coordinator
-from ray_ppo.runtime.maker import maker_actor_class
-from ray_ppo.runtime.messages import MakerStats, PushHeader
+from ray_ppo.runtime.maker import MakerWorker, maker_actor_class
+from ray_ppo.runtime.messages import MakerStats, PromptBatch, PushHeader
 from ray_ppo.core.models import Critic, load_actor
 from ray_ppo.core.sync import fingerprint, make_buckets
 from ray_ppo.runtime.loop import _pull
@@ -198,6 +199,53 @@ def test_a_maker_asks_for_its_next_prompts_while_it_makes_a_batch(ray_session, c
     ray.get(coordinator.finish.remote())
     summaries = ray.get(loops, timeout=60)
     assert summaries[0]["made"] == ray.get(coordinator.status.remote()).counters.produced
+
+
+@ray.remote(num_cpus=0)
+def _later(value, delay_s: float):
+    time.sleep(delay_s)
+    return value
+
+
+class ScriptedPrompts:
+    """A coordinator stand-in for ``MakerWorker.run``: ``next_prompts`` serves the given batches in
+    order (a batch with a delay arrives that much after it is asked for), then None."""
+
+    def __init__(self, batches: list[tuple[PromptBatch, float]]):
+        self.batches = list(batches)
+        self.next_prompts, self.maker_failed = self, None
+
+    def remote(self, maker_id: int):
+        batch, delay_s = self.batches.pop(0) if self.batches else (None, 0.0)
+        return _later.remote(batch, delay_s) if delay_s else ray.put(batch)
+
+
+class RecordingQueue(queue.Queue):
+    def __init__(self, events: list):
+        super().__init__()
+        self.events = events
+
+    def put(self, entry, *args, **kwargs):
+        self.events.append(("queued", None if entry is None else entry[1].prompt_ids[0]))
+        super().put(entry, *args, **kwargs)
+
+
+def test_a_made_batch_goes_to_the_sender_after_the_next_is_encoded_unless_its_prompts_are_late(ray_session, cfg):
+    """The sender packs a made batch while the next one generates, not between the two (where the
+    maker's thread and the sender's would take turns on the GIL); but a maker whose next prompts
+    are not there yet hands its batch over first: admission may be waiting for those very items."""
+    worker = MakerWorker(0, cfg.to_dict(), None, functools.partial(WaitingExperienceMaker, response_len=4))
+    events = []
+    encode = worker.encoder.encode
+    worker.encoder.encode = lambda texts: events.append(("encoded", int(texts[0].split()[0]))) or encode(texts)
+    worker.outbox = RecordingQueue(events)
+    worker.coordinator = ScriptedPrompts([(PromptBatch(["0 1", "0 2"], [0, 1]), 0.0),
+                                          (PromptBatch(["2 1", "2 2"], [2, 3]), 0.0),
+                                          (PromptBatch(["4 1", "4 2"], [4, 5]), 1.0)])  # late
+    assert worker.run() == {"made": 6, "version": 0}
+    assert events == [("encoded", 0), ("encoded", 2), ("queued", 0),  # 0 handed over after 2 is encoded
+                      ("queued", 2), ("encoded", 4),  # 4's prompts were late: 2 handed over first
+                      ("queued", 4), ("queued", None)]
 
 
 @ray.remote(num_cpus=0)
