@@ -166,6 +166,54 @@ def test_generate_without_eos_keeps_every_token(actor):
     assert rollout.action_mask.all()
 
 
+@pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 5)])
+def test_generate_gives_the_log_probs_a_forward_pass_gives(actor, temperature, top_k):
+    """The behaviour log-probs a maker reads from generation: log_softmax(logits / T) of each sampled
+    token, as a forward pass over the finished sequences computes them (top-k cuts the sampling, not
+    the log-probs, in both), and 0 past each response's EOS."""
+    prompts = [[digit(d) for d in range(n)] for n in (1, 3, 5, 2)] * 8
+    torch.manual_seed(0)
+    rollout = generate(actor, prompts, SamplingParams(max_new_tokens=6, temperature=temperature, top_k=top_k),
+                       PAD, EOS, log_probs=True)
+    mask = rollout.action_mask
+    assert (mask.sum(1) < rollout.num_actions).any()  # rows that stopped early: the positions past EOS are 0
+    forward = action_log_probs(actor, rollout.sequences, rollout.attention_mask, rollout.num_actions, temperature)
+    assert rollout.log_probs.shape == mask.shape and rollout.log_probs.dtype == torch.float32
+    torch.testing.assert_close(rollout.log_probs, forward * mask, atol=1e-5, rtol=0)
+    assert (rollout.log_probs[~mask] == 0).all() and (rollout.log_probs[mask] < 0).all()
+    assert generate(actor, prompts, SamplingParams(max_new_tokens=6), PAD, EOS).log_probs is None
+
+
+def test_generate_samples_with_the_sampling_params_alone(actor, tmp_path, caplog):
+    """A checkpoint whose generation_config.json bans a token (or sets a repetition penalty) would
+    have transformers apply it to every ``generate`` call; the maker's samples and PPO's log-probs
+    are the policy's alone, so ``generate`` leaves it out, says so once, and leaves the model's
+    config as it was."""
+    import copy
+    import logging
+
+    banned = digit(7)
+    actor = copy.deepcopy(actor)
+    actor.generation_config.bad_words_ids = [[banned]]
+    actor.save_pretrained(tmp_path / "banned")
+    actor = load_actor(str(tmp_path / "banned"))  # the setting comes from the checkpoint's file
+    assert actor.generation_config.bad_words_ids == [[banned]]
+    prompts, params = [[digit(1), digit(2)]] * 64, SamplingParams(max_new_tokens=6)
+    torch.manual_seed(0)
+    plain = actor.generate(input_ids=torch.tensor(prompts), do_sample=True, max_new_tokens=6, pad_token_id=PAD,
+                           eos_token_id=EOS, top_k=0)
+    assert not (plain[:, 2:] == banned).any()  # transformers applies it
+    with caplog.at_level(logging.WARNING, logger="ray_ppo.core.models.generation"):
+        for _ in range(2):
+            rollout = generate(actor, prompts, params, PAD, EOS)
+            assert (rollout.sequences[:, 2:][rollout.action_mask] == banned).any()
+    told = [r.getMessage() for r in caplog.records if "bad_words_ids" in r.getMessage()]
+    assert told == [f"the checkpoint's generation settings bad_words_ids=[[{banned}]] are not applied: responses "
+                    f"are sampled with maker.temperature, maker.top_k and maker.top_p only, the distribution "
+                    f"PPO's log-probs describe"]
+    assert actor.generation_config.bad_words_ids == [[banned]]
+
+
 # -- log-probs, values, reward model on padded batches -------------------------------------------
 
 
