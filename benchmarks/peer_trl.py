@@ -275,12 +275,12 @@ def trl_loss_mask():
 
     sample = experience.generate
 
-    def cut_at_first_pad(model, prompts, params, pad_token_id, eos_token_id):
-        rollout = sample(model, prompts, params, pad_token_id, eos_token_id)
+    def cut_at_first_pad(model, prompts, params, pad_token_id, eos_token_id, **kwargs):
+        rollout = sample(model, prompts, params, pad_token_id, eos_token_id, **kwargs)
         after_pad = (rollout.sequences[:, rollout.prompt_len:] == pad_token_id).long().cumsum(dim=1) > 0
         mask = rollout.action_mask & ~after_pad
         mask[:, 0] = True
-        return Rollout(rollout.sequences, rollout.attention_mask, mask, rollout.prompt_len)
+        return Rollout(rollout.sequences, rollout.attention_mask, mask, rollout.prompt_len, rollout.log_probs)
 
     experience.generate = cut_at_first_pad
     try:

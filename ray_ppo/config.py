@@ -223,8 +223,9 @@ class MakerConfig(SamplingParams):
     """Times Ray restarts a maker whose process died; it then resyncs weights and resumes (0 = a dead maker ends the run)."""
     engine: Engine = "hf"
     """What generates: hf (Hugging Face generate) or vllm (a vLLM engine in each maker; the vllm extra)."""
-    engine_logprobs: bool = False
-    """maker.engine=vllm: use the engine's log-probs of the sampled tokens as behaviour log-probs (false = recompute them with the maker's HF actor)."""
+    engine_logprobs: Optional[bool] = Field(None, examples=[False], json_schema_extra=_null(
+        "for true with maker.engine=hf, false with vllm"))
+    """Behaviour log-probs from the sampler itself: HF generate's own logits (the same numbers as a forward pass, up to float rounding) or vLLM's log-probs; false = recompute them with a forward pass of the maker's HF actor."""
     vllm: VllmConfig = Field(default_factory=VllmConfig)
     """Options of the vLLM engine."""
     samples_per_prompt: int = Field(1, gt=0)
@@ -240,12 +241,15 @@ class MakerConfig(SamplingParams):
             )
         return self
 
+    @property
+    def sampler_logprobs(self) -> bool:
+        """``engine_logprobs`` resolved: null means true with hf, false with vllm (whose log-probs differ
+        from HF's: README, "Generating with vLLM")."""
+        return self.engine == "hf" if self.engine_logprobs is None else self.engine_logprobs
+
     @model_validator(mode="after")
     def _engine_settings(self) -> MakerConfig:
         if self.engine != "vllm":
-            if self.engine_logprobs:
-                raise ConfigError(f"maker.engine_logprobs=true needs an engine with its own log-probs, but "
-                                  f"maker.engine={self.engine!r}; set maker.engine=vllm or maker.engine_logprobs=false")
             return self
         if self.quantization:
             raise ConfigError(

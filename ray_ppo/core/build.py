@@ -95,4 +95,4 @@ def build_experience_maker(cfg: Config, actor=None, critic=None, name: str = "ma
         if cfg.model.reward_pretrained else None
     reward_fn = load_reward_fn(cfg.model.reward_fn) if reward_model is None else None
     return ExperienceMaker(actor, ref, critic, load_tokenizer(tokenizer_path(cfg)), cfg, reward_fn=reward_fn,
-                           reward_model=reward_model, name=name)
+                           reward_model=reward_model, name=name, engine_logprobs=cfg.maker.sampler_logprobs)

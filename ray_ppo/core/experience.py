@@ -92,6 +92,8 @@ class ExperienceMaker:
     ``generate``: ``engine.generate(prompts, sampling, pad_token_id, eos_token_id) -> Rollout``
     with the engine's own ``log_probs``. The behaviour log-probs are still recomputed with
     ``actor`` unless ``engine_logprobs``; either way ``MakeStats.logprob_gap`` compares the two.
+    Without an engine, ``engine_logprobs`` reads the behaviour log-probs from HF ``generate``'s own
+    logits (the same numbers as a forward pass, up to float rounding) and skips that pass.
     """
 
     def __init__(self, actor: nn.Module, ref: nn.Module | None, critic: nn.Module | None, tokenizer,
@@ -122,7 +124,8 @@ class ExperienceMaker:
         prompts = [p for p in prompts for _ in range(n)]
         stats = MakeStats(num_samples=len(prompts))
         start = time.perf_counter()
-        sampler = self.engine.generate if self.engine is not None else functools.partial(generate, self.actor)
+        sampler = self.engine.generate if self.engine is not None else \
+            functools.partial(generate, self.actor, log_probs=self.engine_logprobs)
         rollout = sampler(prompts, self.sampling, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
         if rollout.sequences.device != self.device:
             rollout = Rollout(*(t.to(self.device) if isinstance(t, torch.Tensor) else t
@@ -181,16 +184,25 @@ class ExperienceMaker:
         with model.disable_adapter():
             return action_log_probs(model, *args)
 
-    def _to_batch(self, rollout: Rollout, reward: torch.Tensor, policy_version: int, kl_coef: float,
-                  stats: MakeStats) -> ExperienceBatch:
-        mask = rollout.action_mask
+    def _behaviour_log_probs(self, rollout: Rollout, stats: MakeStats) -> torch.Tensor:
+        """(B, R) log-probs of the sampled tokens under the policy that sampled them: HF ``generate``'s
+        own with ``engine_logprobs``, else a forward pass of the actor (an engine's own are then
+        compared with it in ``stats.logprob_gap``, and used with ``engine_logprobs``)."""
+        if self.engine is None and self.engine_logprobs:
+            return rollout.log_probs
         log_probs = action_log_probs(self.actor, rollout.sequences, rollout.attention_mask, rollout.num_actions,
                                      self.sampling.temperature)
         if rollout.log_probs is not None:
-            gap = (rollout.log_probs - log_probs).abs()[mask]
+            gap = (rollout.log_probs - log_probs).abs()[rollout.action_mask]
             stats.logprob_gap = (float(gap.sum()), float(gap.max()) if gap.numel() else 0.0, int(gap.numel()))
             if self.engine_logprobs:
                 log_probs = rollout.log_probs
+        return log_probs
+
+    def _to_batch(self, rollout: Rollout, reward: torch.Tensor, policy_version: int, kl_coef: float,
+                  stats: MakeStats) -> ExperienceBatch:
+        mask = rollout.action_mask
+        log_probs = self._behaviour_log_probs(rollout, stats)
         ref_log_probs = self._ref_log_probs(rollout)
         values = torch.zeros_like(log_probs) if self.critic is None else \
             action_values(self.critic, rollout.sequences, rollout.attention_mask, rollout.num_actions) * mask

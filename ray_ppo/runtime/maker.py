@@ -103,7 +103,7 @@ class MakerWorker:
 
         engine = build_engine(self.cfg, self.cfg.model.pretrained, self.cfg.seed + 1000 * (self.maker_id + 1),
                               on_gpu=self.device.type == "cuda")
-        self.maker.engine, self.maker.engine_logprobs = engine, self.cfg.maker.engine_logprobs
+        self.maker.engine, self.maker.engine_logprobs = engine, self.cfg.maker.sampler_logprobs
         return engine
 
     # -- compute --------------------------------------------------------------------------------

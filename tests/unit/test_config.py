@@ -81,7 +81,7 @@ def test_tree_names_and_defaults_are_the_public_contract():
         "maker": {"num_makers": 1, "batch_size": 16, "max_new_tokens": 8, "temperature": 1.0, "top_k": 0,
                   "top_p": 1.0, "quantization": None, "num_cpus": 0.5, "num_gpus": 0.0, "torch_threads": 1,
                   "wait_for_weights": False, "max_restarts": 3, "node_resource": None,
-                  "engine": "hf", "engine_logprobs": False,
+                  "engine": "hf", "engine_logprobs": None,
                   "vllm": {"gpu_memory_utilization": 0.3, "kv_cache_gib": 1.0, "enforce_eager": True, "dtype": None}, "samples_per_prompt": 1},
         "trainer": {"strategy": "ddp", "num_workers": 1, "use_gpu": False, "cpus_per_worker": 1.0, "node_resource": None,
                     "total_steps": 50, "time_budget_s": 0.0, "update_steps": 1, "train_batch_size": 32, "mini_batch_size": 16,

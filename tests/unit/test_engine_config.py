@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ray_ppo.core.build import build_actor
-from ray_ppo.config import Config, ConfigError, load_config
+from ray_ppo.config import Config, ConfigError, MakerConfig, load_config
 from ray_ppo.core.vllm_engine import hf_weights
 from ray_ppo.core.models import load_actor, resolve_pretrained
 
@@ -20,9 +20,11 @@ def test_quantization_with_vllm_names_both_fields():
         load_config(None, ["maker.engine=vllm", "maker.quantization=int8"])
 
 
-def test_engine_logprobs_need_an_engine():
-    with pytest.raises(ConfigError, match=r"maker\.engine_logprobs=true.*maker\.engine='hf'"):
-        load_config(None, ["maker.engine_logprobs=true"])
+def test_behaviour_log_probs_come_from_generate_with_hf_and_from_a_forward_pass_with_vllm_by_default():
+    assert load_config(None, []).maker.sampler_logprobs is True
+    assert load_config(None, ["maker.engine_logprobs=false"]).maker.sampler_logprobs is False
+    assert MakerConfig.model_construct(engine="vllm", engine_logprobs=None).sampler_logprobs is False
+    assert MakerConfig.model_construct(engine="vllm", engine_logprobs=True).sampler_logprobs is True
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here, so maker.engine=vllm is valid")

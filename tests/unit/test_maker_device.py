@@ -77,6 +77,28 @@ def test_cpu_maker_items_are_on_cpu_and_finite(cfg, tiny_reward_path):
     assert all(item.policy_version == 3 for item in items)
 
 
+def test_behaviour_log_probs_are_generations_own_with_no_forward_pass_of_the_actor(cfg):
+    """By default (maker.engine_logprobs null, engine hf) the maker reads the behaviour log-probs from
+    generation's logits; with maker.engine_logprobs=false it runs the forward pass it used to. Same
+    seed, same samples, the same log-probs to float rounding."""
+    def make(overrides: dict):
+        maker = build_experience_maker(cfg.with_overrides(overrides))
+        passes = []  # use_cache of each actor call: generation steps use the cache, a full pass does not
+        maker.actor.register_forward_pre_hook(lambda _, args, kwargs: passes.append(kwargs.get("use_cache")),
+                                              with_kwargs=True)
+        torch.manual_seed(0)
+        items, _ = maker.make_experience(PROMPTS * 4, policy_version=0)
+        return items, passes.count(False)
+
+    read, read_passes = make({})
+    recomputed, recomputed_passes = make({"maker.engine_logprobs": False})
+    assert (read_passes, recomputed_passes) == (0, 1)
+    for a, b in zip(read, recomputed, strict=True):
+        assert torch.equal(a.response_ids, b.response_ids)
+        torch.testing.assert_close(a.action_log_probs, b.action_log_probs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.rewards, b.rewards, atol=1e-5, rtol=0)  # shaped with the KL to the reference
+
+
 @pytest.mark.parametrize("zero_copy", [True, False])
 def test_read_only_push_loads_and_fingerprints_match(cfg, zero_copy):
     worker = MakerWorker(0, cfg.with_overrides({"sync.zero_copy": zero_copy}).to_dict(), coordinator=None)  # no Ray needed
