@@ -1,7 +1,7 @@
 """Scaling model: project a 7B and a 70B detached PPO run on 8, 64 and 512 GPUs (docs/scaling.md).
 
     python benchmarks/scaling_model.py [--call-ms 2.0] [--items-per-call 32] [--put-gbs 6] [--stage-gbs 5]
-                                       [--nic-gbs 12.5] [--nccl-gbs 25] [--startup-s 27]
+                                       [--nic-gbs 12.5] [--nccl-gbs 25] [--startup-s 17.7]
 
 No measurement here: arithmetic over inputs. The inputs measured on this machine (defaults;
 benchmarks/README.md) are the coordinator's cost per call, rank 0's ``ray.put`` rate, a maker's
@@ -60,7 +60,7 @@ def main():
     ap.add_argument("--stage-gbs", type=float, default=5.0, help="a maker's staging copy rate (measured)")
     ap.add_argument("--nic-gbs", type=float, default=12.5, help="object transfer out of rank 0's node (assumed 100 Gb/s)")
     ap.add_argument("--nccl-gbs", type=float, default=25.0, help="NCCL/RDT broadcast bus bandwidth (assumed)")
-    ap.add_argument("--startup-s", type=float, default=27.0, help="fixed start-up of fit() to the first trained step (benchmarks/startup.py: 26.8 s, tiny model, 2 cores)")
+    ap.add_argument("--startup-s", type=float, default=17.7, help="fixed start-up of fit() to the first trained step (benchmarks/startup.py: 17.7 s, tiny model, 2 cores, 2026-12-03)")
     a = ap.parse_args()
     rows = [project(model, gpus, a) for model in MODELS for gpus in (8, 64, 512)]
     print(f"Projection: {GLOBAL_BATCH} samples of {PROMPT}+{RESPONSE} tokens per step, push every step, "
