@@ -9,7 +9,8 @@
 
 1. **Search**: ``num_samples`` random settings of ``ASYNC_SPACE`` (makers, staleness bound,
    push interval, generation batch), every trial limited to ``budget_s`` seconds of training
-   (``trainer.time_budget_s``; start-up is not counted), with ASHA stopping weak trials early
+   (``trainer.time_budget_s``; start-up is not counted; ``trainer.total_steps`` still caps it, so
+   raise it where trials finish their steps inside the budget), with ASHA stopping weak trials early
    on ``elapsed_s`` (rungs at budget/4, budget/2), ranked by ``reward_mean`` at the budget.
 2. **Confirm**: the recommended setting and the config's own (the default) run again, side by
    side, ``repeats`` times each, to the full budget: the gain printed is measured there, not
@@ -40,6 +41,7 @@ class AsyncPick:
     """The outcome: the recommended setting, the default, and their confirmed rewards."""
 
     budget_s: float
+    total_steps: int  # trainer.total_steps: a trial also ends there, if it comes before the budget
     recommended: dict[str, Any]
     default: dict[str, Any]
     recommended_rewards: list[float]
@@ -55,7 +57,7 @@ class AsyncPick:
         rec, dflt = _median(self.recommended_rewards), _median(self.default_rewards)
         same = self.recommended == self.default
         return (f"recommended: {_fmt(self.recommended)}{' (the default)' if same else ''}\n"
-                f"  {METRIC} at {self.budget_s:g} s of training: {rec:.4f} (runs: {_rounded(self.recommended_rewards)}) "
+                f"  {METRIC} at {self.budget_s:g} s of training or {self.total_steps} steps, whichever came first: {rec:.4f} (runs: {_rounded(self.recommended_rewards)}) "
                 f"vs default {_fmt(self.default)}: {dflt:.4f} (runs: {_rounded(self.default_rewards)})\n"
                 f"  measured gain over the default: {self.gain:+.4f}")
 
@@ -91,7 +93,8 @@ def async_search(base: Config, budget_s: float, space: Mapping[str, Sequence] | 
     search = sweep(cfg, {k: tune.choice(list(v)) for k, v in space.items()}, metric=METRIC, mode="max",
                    num_samples=num_samples, scheduler=asha, max_concurrent_trials=max_concurrent_trials,
                    output_dir=str(root / "search"),
-                   **phase(f"search: {num_samples} setting{'s' * (num_samples != 1)}, {budget_s:g} s of training each",
+                   **phase(f"search: {num_samples} setting{'s' * (num_samples != 1)}, {budget_s:g} s of training each "
+                           f"(at most trainer.total_steps={base.trainer.total_steps} steps)",
                            list(space), num_samples))
     default = {k: base.get(k) for k in space}
     recommended = {k: search.best_config[k] for k in space}
@@ -102,7 +105,7 @@ def async_search(base: Config, budget_s: float, space: Mapping[str, Sequence] | 
                             f"(first: the default)", [PRESET_KEY], len(presets) * repeats))
     rewards = {i: [t[METRIC] for t in confirm.trials if t[PRESET_KEY] == p and t[METRIC] is not None]
                for i, p in enumerate(presets)}
-    return AsyncPick(budget_s, recommended, default, rewards[len(presets) - 1], rewards[0], search.trials)
+    return AsyncPick(budget_s, base.trainer.total_steps, recommended, default, rewards[len(presets) - 1], rewards[0], search.trials)
 
 
 def _median(xs: list[float]) -> float:
