@@ -14,7 +14,6 @@ untimed; the largest absolute difference of the two makers' behaviour log-probs 
 from __future__ import annotations
 
 import argparse
-import csv
 import time
 
 import _common  # noqa: F401
@@ -33,11 +32,10 @@ def main() -> None:
     from ray_ppo.api import resolve_config
     from ray_ppo.config import load_config
     from ray_ppo.core.build import build_experience_maker
-    from ray_ppo.data import PromptEncoder
+    from ray_ppo.data import PromptEncoder, read_prompt_texts
 
     torch.set_num_threads(1)
-    with open(ROOT / "data" / "toy_prompts.csv") as f:
-        texts = [row["prompt"] for row in csv.DictReader(f)][:args.batch]
+    texts = read_prompt_texts(str(ROOT / "data" / "toy_prompts.csv"), "prompt")[:args.batch]
     variants = {"forward pass": {"maker.engine_logprobs": False}, "generate's own (default)": {}}
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
