@@ -21,11 +21,14 @@ and one diagnostic variant, only when named in ``--variants``:
 
 TRL's loop takes the first pad token of a response as its end (``sequence_lengths`` in
 ``PPOTrainer.train``), also a pad the policy sampled itself: the tiny tokenizer's ``<pad>`` is one
-of its 13 tokens (and not its EOS), so TRL's loss, value loss and whitening stop at it while ours
-go on to the first EOS. ``ours sync+trl mask`` is ours with that one difference removed.
-``--pad-is-eos`` removes it on both sides instead: every variant loads a copy of the tiny model
-whose tokenizer pads with its EOS (the usual set-up of GPT-2-style tokenizers), so a sampled pad
-is an EOS, where TRL's loop and ours both end the response.
+of its 13 tokens (and not its EOS), so TRL's loss, value loss and whitening stop at it, while its
+generation goes on to the first EOS and its reward scores the whole response. Ours ends the
+response at a sampled pad (the pad is one of a maker's end tokens, ``stop_token_ids``), so its
+reward scores the response up to the pad. ``ours sync+trl mask`` is ours with TRL's loss mask
+(which now only leaves a final sampled pad out of the loss). ``--pad-is-eos`` makes both sides
+alike instead: every variant loads a copy of the tiny model whose tokenizer pads with its EOS
+(the usual set-up of GPT-2-style tokenizers), so a sampled pad is an EOS, where TRL's loop and
+ours both end the response.
 
 TRL needs a reward *model*: its ``get_reward`` runs ``getattr(model, model.base_model_prefix)``
 on the padded query+response and reads ``model.score(hidden_states[-1])`` at the last non-pad

@@ -23,7 +23,7 @@ from torch import nn
 
 from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, compute_advantages, compute_kl
 from ray_ppo.config import Config
-from ray_ppo.core.models import RewardFn, Rollout, action_log_probs, action_values, generate, model_device
+from ray_ppo.core.models import RewardFn, Rollout, action_log_probs, action_values, generate, model_device, stop_token_ids
 
 
 class RewardError(ValueError):
@@ -88,8 +88,11 @@ class ExperienceMaker:
     moved there, generated, scored and shaped there, and the items come back on the CPU, ready
     for the wire.
 
+    A response ends at its first end token (``stop_token_ids``: the tokenizer's EOS, the actor's
+    generation-config end ids, the pad) or at ``maker.max_new_tokens``.
+
     ``engine`` (optional, e.g. ``ray_ppo.core.vllm_engine.VllmEngine``) samples instead of HF
-    ``generate``: ``engine.generate(prompts, sampling, pad_token_id, eos_token_id) -> Rollout``
+    ``generate``: ``engine.generate(prompts, sampling, pad_token_id, stop_ids) -> Rollout``
     with the engine's own ``log_probs``. The behaviour log-probs are still recomputed with
     ``actor`` unless ``engine_logprobs``; either way ``MakeStats.logprob_gap`` compares the two.
     Without an engine, ``engine_logprobs`` reads the behaviour log-probs from HF ``generate``'s own
@@ -111,6 +114,7 @@ class ExperienceMaker:
         self.name = name
         self.ref_disable_adapters = ref is None
         self.engine, self.engine_logprobs = engine, engine_logprobs
+        self.stop_ids = stop_token_ids(tokenizer, actor)
         self._counter = 0
 
     @torch.no_grad()
@@ -126,7 +130,7 @@ class ExperienceMaker:
         start = time.perf_counter()
         sampler = self.engine.generate if self.engine is not None else \
             functools.partial(generate, self.actor, log_probs=self.engine_logprobs)
-        rollout = sampler(prompts, self.sampling, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
+        rollout = sampler(prompts, self.sampling, self.tokenizer.pad_token_id, self.stop_ids)
         if rollout.sequences.device != self.device:
             rollout = Rollout(*(t.to(self.device) if isinstance(t, torch.Tensor) else t
                                 for t in dataclasses.astuple(rollout)))

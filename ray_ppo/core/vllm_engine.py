@@ -113,13 +113,15 @@ class VllmEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, pad_token_id: int,
-                 eos_token_id: int | None) -> Rollout:
+                 eos_token_id: int | Sequence[int] | None) -> Rollout:
         """One response per prompt, as ``ray_ppo.core.models.generate`` returns it (on the CPU), plus
-        ``log_probs``: vLLM's log-prob of each sampled token (0 on padding)."""
+        ``log_probs``: vLLM's log-prob of each sampled token (0 on padding). A response ends at its
+        first token in ``eos_token_id`` (one id or several), or at ``params.max_new_tokens``."""
+        ends = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         sampling = self._sampling_cls(
             n=1, max_tokens=params.max_new_tokens, temperature=params.temperature,
             top_k=params.top_k if params.top_k > 0 else -1, top_p=params.top_p, logprobs=0,
-            stop_token_ids=[eos_token_id] if eos_token_id is not None else None, ignore_eos=eos_token_id is None,
+            stop_token_ids=ends or None, ignore_eos=not ends,
             detokenize=False)
         outputs = self._on_thread(self.llm.generate, [{"prompt_token_ids": list(p)} for p in prompts], sampling,
                                   use_tqdm=False)
@@ -133,7 +135,7 @@ class VllmEngine:
             ids = list(response.token_ids)
             tokens[row, :len(ids)] = torch.as_tensor(ids, dtype=torch.long)
             log_probs[row, :len(ids)] = torch.tensor([response.logprobs[t][tok].logprob for t, tok in enumerate(ids)])
-            action_mask[row, :len(ids)] = True  # a response ends at its first EOS or at max_new_tokens
+            action_mask[row, :len(ids)] = True  # a response ends at its first end token or at max_new_tokens
         sequences = torch.cat([input_ids, tokens], dim=1)
         attention_mask = torch.cat([prompt_mask, action_mask.long()], dim=1)
         return Rollout(sequences, attention_mask, action_mask, input_ids.shape[1], log_probs=log_probs)

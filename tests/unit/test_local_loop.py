@@ -102,6 +102,26 @@ def experience(tiny_path):
     return ExperienceBatch.merge(items, tokenizer.pad_token_id)
 
 
+def test_a_makers_responses_end_at_the_first_eos_or_pad(tiny_path):
+    """The maker's items never hold an end token (EOS or pad) before their last token; the tiny
+    model samples both, so some items end with each; the reward reads the response up to there."""
+    tokenizer = load_tokenizer(tiny_path)
+    maker = ExperienceMaker(load_actor(tiny_path), load_actor(tiny_path), Critic.from_pretrained(tiny_path), tokenizer,
+                            Config().with_overrides({"maker.max_new_tokens": 8}), reward_fn=toy.reward)
+    ends = (tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert maker.stop_ids == ends
+    torch.manual_seed(0)
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in toy.make_prompts(64, 4)]
+    items, _ = maker.make_experience(prompts, policy_version=0)
+    last = [int(item.response_ids[-1]) for item in items]
+    assert {tokenizer.eos_token_id, tokenizer.pad_token_id} <= set(last)
+    for item in items:
+        assert not set(item.response_ids[:-1].tolist()) & set(ends), item.response_ids
+    scores = toy.reward(tokenizer.batch_decode([item.prompt_ids for item in items], skip_special_tokens=True),
+                        tokenizer.batch_decode([item.response_ids for item in items], skip_special_tokens=True))
+    assert [item.reward for item in items] == pytest.approx(scores)
+
+
 def learner(tiny_path, **trainer) -> PPOLearner:
     """A learner of the 8-item batch; ``trainer`` overrides trainer.* settings. Its schedule spans
     trainer.total_steps x ppo_epochs x (8 / mini_batch_size) updates."""

@@ -21,6 +21,7 @@ from ray_ppo.core.models import (
     load_reward_fn,
     position_ids_from_mask,
     response_mask,
+    stop_token_ids,
     torch_dtype,
 )
 from ray_ppo.core.models.tiny import TINY_NAME, resolve_pretrained, tiny_gpt2_config
@@ -124,6 +125,54 @@ def test_response_mask_includes_the_first_eos_and_masks_what_follows():
     ]
     assert response_mask(responses, None).all()
     assert response_mask(responses, None).dtype == torch.bool
+
+
+def test_response_mask_ends_at_the_first_of_several_end_tokens():
+    responses = torch.tensor([
+        [7, PAD, 8, EOS],  # a pad first: it ends the response
+        [7, EOS, PAD, 8],  # an EOS first
+        [4, 5, 6, 7],      # neither: everything counts
+    ])
+    assert response_mask(responses, (EOS, PAD)).tolist() == [
+        [True, True, False, False],
+        [True, True, False, False],
+        [True, True, True, True],
+    ]
+    assert torch.equal(response_mask(responses, [EOS]), response_mask(responses, EOS))
+    assert response_mask(responses, ()).all()
+
+
+def test_stop_token_ids_are_the_eos_the_checkpoints_end_ids_and_the_pad(tiny_path):
+    from ray_ppo.core.models import load_tokenizer
+
+    tokenizer, model = load_tokenizer(tiny_path), load_actor(tiny_path)
+    assert stop_token_ids(tokenizer, model) == stop_token_ids(tokenizer) == (EOS, PAD)
+    # a checkpoint whose generation_config.json lists two end ids (as Llama-3-Instruct's does)
+    model.generation_config.eos_token_id = [digit(9), EOS]
+    try:
+        assert stop_token_ids(tokenizer, model) == (EOS, digit(9), PAD)
+    finally:
+        model.generation_config.eos_token_id = EOS
+
+
+def test_a_sampled_pad_ends_its_response(actor):
+    """The random tiny model samples ``<pad>`` ~1 token in 13: such a response ends there, as at an
+    EOS, and no response holds an end token before its last."""
+    prompts = [[digit(d % 10)] for d in range(64)]
+    torch.manual_seed(0)
+    rollout = generate(actor, prompts, SamplingParams(max_new_tokens=8), PAD, (EOS, PAD))
+    responses, lengths = rollout.sequences[:, rollout.prompt_len:], rollout.action_mask.sum(1)
+    last = responses[torch.arange(len(prompts)), lengths - 1]
+    ended = lengths < rollout.num_actions
+    assert (last[ended] == PAD).any() and (last[ended] == EOS).any()  # both ends happen
+    assert torch.isin(last[ended], torch.tensor([EOS, PAD])).all()
+    inside = rollout.action_mask & (torch.arange(rollout.num_actions) < (lengths - 1).unsqueeze(1))
+    assert not torch.isin(responses[inside], torch.tensor([EOS, PAD])).any()
+    assert (responses[~rollout.action_mask] == PAD).all()
+    # HF generate itself stopped those rows: the same seed without the pad as an end token samples on
+    torch.manual_seed(0)
+    through = generate(actor, prompts, SamplingParams(max_new_tokens=8), PAD, EOS)
+    assert through.action_mask.sum() > rollout.action_mask.sum()
 
 
 def test_position_ids_skip_left_padding():

@@ -114,6 +114,29 @@ def test_greedy_generation_equals_the_hf_makers(worker):
     assert torch.equal(engine.sequences, hf.sequences) and torch.equal(engine.action_mask, hf.action_mask)
 
 
+def test_several_end_tokens_end_the_engines_responses_as_hf_s(worker):
+    """``stop_token_ids`` gives a maker several end ids (EOS, a checkpoint's other end ids, the
+    pad): greedy, with a token some response reaches as one of them, vLLM ends every response where
+    HF does, that token included."""
+    from ray_ppo.core.models.generation import SamplingParams, generate
+
+    tokenizer = worker.maker.tokenizer
+    plain = hf_greedy(worker.float_actor, PROMPTS, tokenizer)
+    responses = plain.sequences[:, plain.prompt_len:]
+    reached = responses[plain.action_mask & (torch.arange(plain.num_actions) > 0)].tolist()
+    assert reached, "greedy responses of at least 2 tokens"
+    stop = max(set(reached), key=reached.count)  # a token some response reaches after its first
+    ends = (tokenizer.eos_token_id, stop, tokenizer.pad_token_id)
+    params = SamplingParams(max_new_tokens=8, top_k=1)
+    hf = generate(worker.float_actor, PROMPTS, params, tokenizer.pad_token_id, ends)
+    engine = worker.engine.generate(PROMPTS, params, tokenizer.pad_token_id, ends)
+    assert torch.equal(engine.sequences, hf.sequences) and torch.equal(engine.action_mask, hf.action_mask)
+    assert engine.action_mask.sum() < plain.action_mask.sum()  # some response ended at ``stop``
+    lengths = engine.action_mask.sum(1)
+    last = engine.sequences[:, engine.prompt_len:][torch.arange(len(PROMPTS)), lengths - 1]
+    assert (last == stop).any()
+
+
 def test_generation_compiles_nothing(worker):
     """vLLM's sampler torch.compiles small ops (the sampled token's rank for log-probs); on a CPU
     inductor builds them in C++ at the first call of each shape, 20-60 s on 2 cores inside a

@@ -35,7 +35,8 @@ class Rollout:
     """Generated sequences. P = prompt width (left-padded), R = response width (right-padded).
 
     sequences: (B, P+R) int64; attention_mask: (B, P+R); action_mask: (B, R) bool, True on
-    response tokens up to and including the first EOS. All on the device of the model that sampled.
+    response tokens up to and including the first end token (``stop_token_ids``). All on the
+    device of the model that sampled.
     log_probs: (B, R) float32, the sampler's own log-probs of the response tokens (0 past the
     action mask), when asked for (``generate(..., log_probs=True)``) or reported (a vLLM engine).
     """
@@ -64,13 +65,32 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch
     return input_ids, attention_mask
 
 
-def response_mask(responses: torch.Tensor, eos_token_id: int | None) -> torch.Tensor:
-    """True on tokens up to and including the first EOS of each row (B, R)."""
-    if eos_token_id is None:
+def stop_token_ids(tokenizer, model: nn.Module | None = None) -> tuple[int, ...]:
+    """The token ids that end a response: the tokenizer's EOS, every end id of ``model``'s
+    generation config (a checkpoint's generation_config.json may list several: Llama-3-Instruct's
+    ``<|eot_id|>`` beside ``<|end_of_text|>``), and the pad.
+
+    Plain HF ``generate`` and vLLM stop at the generation config's ids too, so a maker's responses
+    end where the checkpoint's would. A pad the policy samples ends its response, as TRL and
+    OpenRLHF read one: otherwise the tokens after it would be trained and scored although any
+    decoder drops the pad (with ``skip_special_tokens``) and any mask built as ``ids != pad`` hides it.
+    """
+    ids = [tokenizer.eos_token_id]
+    end = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += list(end) if isinstance(end, (list, tuple)) else [end]
+    ids.append(tokenizer.pad_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def response_mask(responses: torch.Tensor, eos_token_id: int | Sequence[int] | None) -> torch.Tensor:
+    """True on tokens up to and including the first end token of each row (B, R); ``eos_token_id``
+    is one id or several (any of them ends a response), None for none."""
+    ends = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if not ends:
         return torch.ones_like(responses, dtype=torch.bool)
-    is_eos = (responses == eos_token_id).long()
-    eos_before = is_eos.cumsum(dim=1) - is_eos  # EOS tokens strictly before t
-    return eos_before == 0
+    is_end = torch.isin(responses, torch.tensor(ends, device=responses.device)).long()
+    ends_before = is_end.cumsum(dim=1) - is_end  # end tokens strictly before t
+    return ends_before == 0
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -80,8 +100,10 @@ def model_device(model: nn.Module) -> torch.device:
 
 @torch.no_grad()
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams,
-             pad_token_id: int, eos_token_id: int | None, log_probs: bool = False) -> Rollout:
+             pad_token_id: int, eos_token_id: int | Sequence[int] | None, log_probs: bool = False) -> Rollout:
     """Sample one response per prompt with ``model.generate``; the rollout is on ``model``'s device.
+    A response ends at its first token in ``eos_token_id`` (one id or several: ``stop_token_ids``
+    gives a maker's) or at ``params.max_new_tokens``.
 
     Only ``params`` shape the sampling distribution: the checkpoint's own generation settings
     (a repetition penalty in its generation_config.json, say) are left out, so the tokens are drawn
@@ -99,7 +121,8 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], params: Samplin
         out = model.generate(
             input_ids=input_ids, attention_mask=prompt_mask, do_sample=True,
             max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
-            top_p=params.top_p, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+            top_p=params.top_p, pad_token_id=pad_token_id,
+            eos_token_id=eos_token_id if isinstance(eos_token_id, int) or eos_token_id is None else list(eos_token_id),
             logits_processor=LogitsProcessorList([recorder] if recorder else []),
         )
     prompt_len = input_ids.shape[1]
