@@ -23,7 +23,15 @@ from torch import nn
 
 from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, compute_advantages, compute_kl
 from ray_ppo.config import Config
-from ray_ppo.core.models import RewardFn, Rollout, action_log_probs, action_values, generate, model_device, stop_token_ids
+from ray_ppo.core.models import (
+    RewardFn,
+    Rollout,
+    action_log_probs,
+    action_values,
+    generate,
+    model_device,
+    stop_token_ids,
+)
 
 
 class RewardError(ValueError):

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from ray_ppo.config import VLLM_INSTALL_HINT, Config
-from ray_ppo.core.models.generation import Rollout, SamplingParams, left_pad
+from ray_ppo.core.models.generation import Rollout, SamplingParams, end_ids, left_pad
+
 
 def logprobs_mode_for(temperature: float) -> str:
     """Which of vLLM's log-probs match what ``ray_ppo.core.models.action_log_probs`` computes (log-softmax
@@ -117,7 +118,7 @@ class VllmEngine:
         """One response per prompt, as ``ray_ppo.core.models.generate`` returns it (on the CPU), plus
         ``log_probs``: vLLM's log-prob of each sampled token (0 on padding). A response ends at its
         first token in ``eos_token_id`` (one id or several), or at ``params.max_new_tokens``."""
-        ends = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        ends = end_ids(eos_token_id)
         sampling = self._sampling_cls(
             n=1, max_tokens=params.max_new_tokens, temperature=params.temperature,
             top_k=params.top_k if params.top_k > 0 else -1, top_p=params.top_p, logprobs=0,

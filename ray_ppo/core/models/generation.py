@@ -82,10 +82,15 @@ def stop_token_ids(tokenizer, model: nn.Module | None = None) -> tuple[int, ...]
     return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
+def end_ids(eos_token_id: int | Sequence[int] | None) -> list[int]:
+    """``eos_token_id`` (one id, several, or None for none) as a list of ids."""
+    return [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+
+
 def response_mask(responses: torch.Tensor, eos_token_id: int | Sequence[int] | None) -> torch.Tensor:
     """True on tokens up to and including the first end token of each row (B, R); ``eos_token_id``
     is one id or several (any of them ends a response), None for none."""
-    ends = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    ends = end_ids(eos_token_id)
     if not ends:
         return torch.ones_like(responses, dtype=torch.bool)
     is_end = torch.isin(responses, torch.tensor(ends, device=responses.device)).long()
@@ -121,8 +126,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], params: Samplin
         out = model.generate(
             input_ids=input_ids, attention_mask=prompt_mask, do_sample=True,
             max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
-            top_p=params.top_p, pad_token_id=pad_token_id,
-            eos_token_id=eos_token_id if isinstance(eos_token_id, int) or eos_token_id is None else list(eos_token_id),
+            top_p=params.top_p, pad_token_id=pad_token_id, eos_token_id=end_ids(eos_token_id) or None,
             logits_processor=LogitsProcessorList([recorder] if recorder else []),
         )
     prompt_len = input_ids.shape[1]
