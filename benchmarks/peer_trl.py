@@ -1,7 +1,8 @@
 """Peer: TRL's PPOTrainer (trl 1.12.0, the last release with PPO) vs ours, synchronous and detached.
 
     make bench-peer          # creates .venv-trl, then runs this script
-    python benchmarks/peer_trl.py [--repeats 3] [--samples 2048] [--skip 4] [--trl-python .venv-trl/bin/python]
+    python benchmarks/peer_trl.py [--repeats 3] [--first-seed 1] [--samples 2048] [--skip 4]
+                                  [--trl-python .venv-trl/bin/python]
 
 Same tiny model (``ensure_tiny_model("lm")``: policy, reference, and the backbone of the value
 model), same toy reward (``ray_ppo.tasks.toy.reward``), same prompts (``data/toy_prompts.csv``),
@@ -383,6 +384,8 @@ class Worker:
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=1,
+                    help="round k runs seed first-seed + k - 1 (another set of seeds for more rounds)")
     ap.add_argument("--samples", type=int, default=2048, help="samples per run (a multiple of 64)")
     ap.add_argument("--skip", type=int, default=4, help="updates excluded from the timing (start-up)")
     ap.add_argument("--reward-updates", type=int, default=4, help="last updates whose samples give the reward")
@@ -410,9 +413,10 @@ def run_rounds(workers: dict[str, Worker], args) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {v: [] for v in workers}
     for rep in range(args.repeats):  # interleaved: every variant once per round, same seed in a round
         for variant, w in workers.items():
-            runs[variant].append(w.run(seed=rep + 1, samples=args.samples, skip=args.skip,
+            runs[variant].append(w.run(seed=args.first_seed + rep, samples=args.samples, skip=args.skip,
                                        reward_updates=args.reward_updates))
-            print(f"round {rep + 1} {variant}: {runs[variant][-1]}", file=sys.stderr, flush=True)
+            print(f"round {rep + 1} (seed {args.first_seed + rep}) {variant}: {runs[variant][-1]}", file=sys.stderr,
+                  flush=True)
     return runs
 
 
