@@ -75,10 +75,8 @@ def stop_token_ids(tokenizer, model: nn.Module | None = None) -> tuple[int, ...]
     OpenRLHF read one: otherwise the tokens after it would be trained and scored although any
     decoder drops the pad (with ``skip_special_tokens``) and any mask built as ``ids != pad`` hides it.
     """
-    ids = [tokenizer.eos_token_id]
-    end = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids += list(end) if isinstance(end, (list, tuple)) else [end]
-    ids.append(tokenizer.pad_token_id)
+    config_ends = end_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+    ids = [tokenizer.eos_token_id, *config_ends, tokenizer.pad_token_id]
     return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
