@@ -57,7 +57,8 @@ class AsyncPick:
         rec, dflt = _median(self.recommended_rewards), _median(self.default_rewards)
         same = self.recommended == self.default
         return (f"recommended: {_fmt(self.recommended)}{' (the default)' if same else ''}\n"
-                f"  {METRIC} at {self.budget_s:g} s of training or {self.total_steps} steps, whichever came first: {rec:.4f} (runs: {_rounded(self.recommended_rewards)}) "
+                f"  {METRIC} at {self.budget_s:g} s of training or {self.total_steps} steps, whichever came first: "
+                f"{rec:.4f} (runs: {_rounded(self.recommended_rewards)}) "
                 f"vs default {_fmt(self.default)}: {dflt:.4f} (runs: {_rounded(self.default_rewards)})\n"
                 f"  measured gain over the default: {self.gain:+.4f}")
 
@@ -105,7 +106,8 @@ def async_search(base: Config, budget_s: float, space: Mapping[str, Sequence] | 
                             f"(first: the default)", [PRESET_KEY], len(presets) * repeats))
     rewards = {i: [t[METRIC] for t in confirm.trials if t[PRESET_KEY] == p and t[METRIC] is not None]
                for i, p in enumerate(presets)}
-    return AsyncPick(budget_s, base.trainer.total_steps, recommended, default, rewards[len(presets) - 1], rewards[0], search.trials)
+    return AsyncPick(budget_s, base.trainer.total_steps, recommended, default, rewards[len(presets) - 1], rewards[0],
+                     search.trials)
 
 
 def _median(xs: list[float]) -> float:
