@@ -16,9 +16,11 @@ interpreter), driven one at a time and interleaved (every variant once per round
   trl+gc.freeze  the same, with ``gc.freeze()`` right before ``train()`` (``gc.unfreeze()`` after)
   ours sync      ``ray_ppo.local.run_local``: one process, generate -> score -> update
   ours detached  ``ray_ppo.api.PPOTrainer.fit`` on a local Ray cluster: 1 maker, 1 trainer worker
-and one diagnostic variant, only when named in ``--variants``:
+and two diagnostic variants, only when named in ``--variants``:
   ours sync+trl mask  ``run_local`` training, as TRL's loop does, only on the response tokens before
                  the first ``<pad>`` (``trl_loss_mask``); the reward still scores the whole response
+  trl+gc.freeze+pad ends  ``trl+gc.freeze`` whose reward reads each response only up to its first
+                 ``<pad>`` (``toy_reward_model(pad_ends=True)``): ours' episode, in TRL's loop
 
 TRL's loop takes the first pad token of a response as its end (``sequence_lengths`` in
 ``PPOTrainer.train``), also a pad the policy sampled itself: the tiny tokenizer's ``<pad>`` is one
@@ -26,7 +28,8 @@ of its 13 tokens (and not its EOS), so TRL's loss, value loss and whitening stop
 generation goes on to the first EOS and its reward scores the whole response. Ours ends the
 response at a sampled pad (the pad is one of a maker's end tokens, ``stop_token_ids``), so its
 reward scores the response up to the pad. ``ours sync+trl mask`` is ours with TRL's loss mask
-(which now only leaves a final sampled pad out of the loss). ``--pad-is-eos`` makes both sides
+(which now only leaves a final sampled pad out of the loss); ``trl+gc.freeze+pad ends`` is TRL with
+ours' episode (its loss already stops at the first pad; now its reward does too). ``--pad-is-eos`` makes both sides
 alike instead: every variant loads a copy of the tiny model whose tokenizer pads with its EOS
 (the usual set-up of GPT-2-style tokenizers), so a sampled pad is an EOS, where TRL's loop and
 ours both end the response.
@@ -66,8 +69,8 @@ import _common
 from _common import median, table, tiny_config
 
 VARIANTS = ("trl", "trl+gc.freeze", "ours sync", "ours detached")
-TRL_VARIANTS = ("trl", "trl+gc.freeze")
-DIAGNOSTIC_VARIANTS = ("ours sync+trl mask",)
+TRL_VARIANTS = ("trl", "trl+gc.freeze", "trl+gc.freeze+pad ends")
+DIAGNOSTIC_VARIANTS = ("ours sync+trl mask", "trl+gc.freeze+pad ends")
 BATCH = 64
 """Prompts per generation batch = samples per PPO update = minibatch size, on every side."""
 RESPONSE_LEN = 8
@@ -141,10 +144,12 @@ def summarize(step_ends: list[float], rewards: list[float], skip: int, reward_up
 
 # -- TRL -----------------------------------------------------------------------------------------
 
-def toy_reward_model(tokenizer, prompt_width: int):
+def toy_reward_model(tokenizer, prompt_width: int, pad_ends: bool = False):
     """TRL reward model that scores with the toy rule (see the module docstring).
 
-    Its ``batch_means`` list gets the mean toy reward of every batch it scores.
+    Its ``batch_means`` list gets the mean toy reward of every batch it scores. With ``pad_ends`` a
+    response ends at its first pad token (a sampled one too, as ours' makers end it): the tokens
+    after it are not scored.
     """
     import torch
     from torch import nn
@@ -162,7 +167,10 @@ def toy_reward_model(tokenizer, prompt_width: int):
         def forward(self, input_ids, attention_mask, **_):
             ids = input_ids.masked_fill(attention_mask == 0, tokenizer.pad_token_id)
             prompts = tokenizer.batch_decode(ids[:, :prompt_width], skip_special_tokens=True)
-            responses = tokenizer.batch_decode(ids[:, prompt_width:], skip_special_tokens=True)
+            response = ids[:, prompt_width:]
+            if pad_ends:
+                response = cut_at_first_pad(response, tokenizer.pad_token_id)
+            responses = tokenizer.batch_decode(response, skip_special_tokens=True)
             scores = torch.tensor(reward(prompts, responses), dtype=torch.float32)
             self.batch_means.append(float(scores.mean()))
             return ModelOutput(hidden_states=(scores[:, None, None].expand(-1, ids.shape[1], 1),))
@@ -178,6 +186,11 @@ def toy_reward_model(tokenizer, prompt_width: int):
     return ToyRewardModel()
 
 
+def cut_at_first_pad(response, pad_token_id: int):
+    """``response`` (B, T) with every token from the first pad token on set to the pad."""
+    return response.masked_fill((response == pad_token_id).cumsum(dim=1) > 0, pad_token_id)
+
+
 def trl_dataset(tokenizer):
     """The toy prompts tokenized for TRL, and their common token width (every toy prompt has one)."""
     from datasets import Dataset
@@ -191,9 +204,10 @@ def trl_dataset(tokenizer):
     return Dataset.from_dict({"input_ids": ids}), widths.pop()
 
 
-def check_reward_model(reward_model, tokenizer, queries: list[list[int]], width: int) -> None:
+def check_reward_model(reward_model, tokenizer, queries: list[list[int]], width: int, pad_ends: bool) -> None:
     """TRL's own ``get_reward`` on ``reward_model`` returns exactly ``toy.reward``, also for responses
-    that TRL truncated after an EOS and for perfect answers."""
+    that TRL truncated after an EOS, for responses with a pad inside (scored up to it with
+    ``pad_ends``) and for perfect answers."""
     import torch
     from trl.experimental.ppo.ppo_trainer import truncate_response
     from trl.experimental.utils import get_reward
@@ -204,16 +218,20 @@ def check_reward_model(reward_model, tokenizer, queries: list[list[int]], width:
     rng = torch.Generator().manual_seed(0)
     response = torch.randint(0, len(tokenizer), (len(queries), RESPONSE_LEN), generator=rng)
     response[::4] = query[::4, -1:]  # every 4th row repeats its prompt's last digit: reward 1
+    response[1::4, 2] = tokenizer.pad_token_id  # a sampled pad inside every 4th row (from the 2nd)
+    response[1::4, 3:] = query[1::4, -1:]  # right answers after it: scored only without pad_ends
     response = truncate_response(tokenizer.eos_token_id, tokenizer.pad_token_id, response)
     _, score, _ = get_reward(reward_model, torch.cat([query, response], 1), tokenizer.pad_token_id, width)
+    scored = cut_at_first_pad(response, tokenizer.pad_token_id) if pad_ends else response
     expected = reward(tokenizer.batch_decode(query, skip_special_tokens=True),
-                      tokenizer.batch_decode(response, skip_special_tokens=True))
+                      tokenizer.batch_decode(scored, skip_special_tokens=True))
     if not torch.equal(score, torch.tensor(expected)):
         raise SystemExit(f"ToyRewardModel through TRL's get_reward != toy.reward: {score.tolist()} vs {expected}")
     reward_model.batch_means.clear()
 
 
-def trl_run(seed: int, samples: int, skip: int, reward_updates: int, freeze: bool, gc_clock: GcClock) -> dict:
+def trl_run(seed: int, samples: int, skip: int, reward_updates: int, freeze: bool, gc_clock: GcClock,
+            pad_ends: bool = False) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
     from trl.experimental.ppo import PPOConfig, PPOTrainer
@@ -239,8 +257,8 @@ def trl_run(seed: int, samples: int, skip: int, reward_updates: int, freeze: boo
             temperature=1.0, learning_rate=LR, lr_scheduler_type="constant", kl_coef=KL_COEF, cliprange=CLIP,
             cliprange_value=CLIP, gamma=1.0, lam=1.0, num_sample_generations=0, bf16=False,
             gradient_checkpointing=False, report_to="none", save_strategy="no", disable_tqdm=True)
-        reward_model = toy_reward_model(tokenizer, width)
-        check_reward_model(reward_model, tokenizer, dataset["input_ids"][:BATCH], width)
+        reward_model = toy_reward_model(tokenizer, width, pad_ends)
+        check_reward_model(reward_model, tokenizer, dataset["input_ids"][:BATCH], width, pad_ends)
         trainer = PPOTrainer(
             args=args, processing_class=tokenizer, model=AutoModelForCausalLM.from_pretrained(path),
             ref_model=AutoModelForCausalLM.from_pretrained(path), reward_model=reward_model,
@@ -279,14 +297,14 @@ def trl_loss_mask():
 
     sample = experience.generate
 
-    def cut_at_first_pad(model, prompts, params, pad_token_id, eos_token_id, **kwargs):
+    def loss_until_first_pad(model, prompts, params, pad_token_id, eos_token_id, **kwargs):
         rollout = sample(model, prompts, params, pad_token_id, eos_token_id, **kwargs)
         after_pad = (rollout.sequences[:, rollout.prompt_len:] == pad_token_id).long().cumsum(dim=1) > 0
         mask = rollout.action_mask & ~after_pad
         mask[:, 0] = True
         return Rollout(rollout.sequences, rollout.attention_mask, mask, rollout.prompt_len, rollout.log_probs)
 
-    experience.generate = cut_at_first_pad
+    experience.generate = loss_until_first_pad
     try:
         yield
     finally:
@@ -334,7 +352,8 @@ def worker(variant: str) -> None:
         args = (req["seed"], req["samples"], req["skip"], req["reward_updates"])
         start = time.perf_counter()
         if variant in TRL_VARIANTS:
-            result = trl_run(*args, freeze=variant == "trl+gc.freeze", gc_clock=gc_clock)
+            result = trl_run(*args, freeze=variant != "trl", gc_clock=gc_clock,
+                             pad_ends=variant == "trl+gc.freeze+pad ends")
         elif variant in ("ours sync", "ours sync+trl mask"):
             result = sync_run(*args, gc_clock=gc_clock, trl_mask=variant == "ours sync+trl mask")
         else:

@@ -1,5 +1,6 @@
-"""The peer benchmark's own logic (``benchmarks/peer_trl.py``): its paired reward test and the
-diagnostic that trains ours with TRL's loss mask. No TRL needed: neither touches it."""
+"""The peer benchmark's own logic (``benchmarks/peer_trl.py``): its paired reward test, the
+diagnostic that trains ours with TRL's loss mask, and the toy reward model TRL scores with (whole
+responses, or up to the first pad). No TRL needed: none of them touches it."""
 
 from __future__ import annotations
 
@@ -48,3 +49,31 @@ def test_paired_reward_difference_is_an_exact_sign_flip_test():
     assert d["mean"] == pytest.approx(0.2) and d["median"] == pytest.approx(0.2)
     assert d["p"] == pytest.approx(2 / 8)  # only all-plus and all-minus are as extreme
     assert peer_trl.paired_reward_difference([0.5, 0.5], [0.4, 0.6])["p"] == 1.0
+
+
+@pytest.mark.parametrize("pad_ends", [False, True])
+def test_toy_reward_model_scores_past_a_pad_as_trl_reads_it_or_up_to_it_as_ours(pad_ends):
+    from ray_ppo.core.models import ensure_tiny_model, load_tokenizer
+    from ray_ppo.tasks.toy import reward
+
+    tokenizer = load_tokenizer(str(ensure_tiny_model("lm")))
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    query = torch.tensor([tokenizer("3 1 4")["input_ids"]] * 3)
+    seven, four = tokenizer.convert_tokens_to_ids(["7", "4"])
+    responses = torch.tensor([[four, four, pad, four, four],  # a sampled pad, right answers after it
+                              [four, eos, pad, pad, pad],     # EOS, then TRL's padding
+                              [seven, four, four, four, four]])
+    ids = torch.cat([query, responses], 1)
+    attention = ids != pad  # as TRL's get_reward masks pads (and feeds the backbone 0 there)
+    model = peer_trl.toy_reward_model(tokenizer, query.shape[1], pad_ends=pad_ends)
+    scores = model.scorer(input_ids=ids.masked_fill(~attention, 0), attention_mask=attention).hidden_states[-1]
+    read = ["4 4", "4", "7 4 4 4 4"] if pad_ends else ["4 4 4 4", "4", "7 4 4 4 4"]
+    expected = reward(["3 1 4"] * 3, read)
+    assert scores[:, -1, 0].tolist() == expected
+    assert expected[0] == (2 / 8 if pad_ends else 4 / 8)  # the pad row is what the option changes
+    assert model.batch_means == [pytest.approx(sum(expected) / 3)]
+
+
+def test_cut_at_first_pad_pads_everything_from_the_first_pad_on():
+    cut = peer_trl.cut_at_first_pad(torch.tensor([[5, PAD, 6], [5, 6, 7], [PAD, 5, PAD]]), PAD)
+    assert cut.tolist() == [[5, PAD, PAD], [5, 6, 7], [PAD, PAD, PAD]]
