@@ -29,10 +29,10 @@ generation goes on to the first EOS and its reward scores the whole response. Ou
 response at a sampled pad (the pad is one of a maker's end tokens, ``stop_token_ids``), so its
 reward scores the response up to the pad. ``ours sync+trl mask`` is ours with TRL's loss mask
 (which now only leaves a final sampled pad out of the loss); ``trl+gc.freeze+pad ends`` is TRL with
-ours' episode (its loss already stops at the first pad; now its reward does too). ``--pad-is-eos`` makes both sides
-alike instead: every variant loads a copy of the tiny model whose tokenizer pads with its EOS
-(the usual set-up of GPT-2-style tokenizers), so a sampled pad is an EOS, where TRL's loop and
-ours both end the response.
+ours' episode (its loss already stops at the first pad; now its reward does too).
+``--pad-is-eos`` makes both sides alike instead: every variant loads a copy of the tiny model
+whose tokenizer pads with its EOS (the usual set-up of GPT-2-style tokenizers), so a sampled pad
+is an EOS, where TRL's loop and ours both end the response.
 
 TRL needs a reward *model*: its ``get_reward`` runs ``getattr(model, model.base_model_prefix)``
 on the padded query+response and reads ``model.score(hidden_states[-1])`` at the last non-pad
