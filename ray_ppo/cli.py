@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ray-ppo {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print(f"ray-ppo {args.command}: interrupted", file=sys.stderr)
+        kept = f"; the trials that ran are in {args.run_dir} (run the command again to search again)" \
+            if args.command == "tune" and args.run_dir else ""
+        print(f"ray-ppo {args.command}: interrupted{kept}", file=sys.stderr)
         return 130
     except Exception as e:  # a failure after the run started: one line, the traceback in RUN_DIR/error.log
         from ray_ppo.failures import report_failure

@@ -148,3 +148,45 @@ def test_killed_driver_on_a_shared_cluster_leaves_no_actors(head_node, tmp_path)
     while (left := run_actors(head_node["gcs"])) and time.monotonic() < deadline:
         time.sleep(2)
     assert left == [], f"actors left on the cluster after the driver died: {left}"
+
+
+def test_ctrl_c_stops_an_async_search_instead_of_confirming_a_pick(tmp_path):
+    """Ctrl-C while a search trial trains: `ray-ppo tune --async-search` exits 130 with one line
+    naming its directory, and starts no confirmation. (Tune's own SIGINT handler returned the
+    half-run search as if done: the CLI went on to confirm a pick from it and printed a gain of nan.)"""
+    import signal
+    import tempfile
+
+    out = tmp_path / "search"
+    ray_tmp = tempfile.mkdtemp(prefix="rp_", dir="/tmp")  # short: Ray's socket paths have a length limit
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    cli = subprocess.Popen([sys.executable, "-m", "ray_ppo.cli", "tune", "--config", "configs/tiny.yaml",
+                            "--async-search", "60", "--num-samples", "2", "--max-concurrent", "1",
+                            "--output", str(out), "trainer.total_steps=1000", "logging.report_every=1"],
+                           cwd=REPO, env=env, stdout=open(tmp_path / "stdout.txt", "w"),
+                           stderr=open(tmp_path / "stderr.txt", "w"),
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 300
+        while not any(p.read_text().strip() for p in (out / "search" / "trials").glob("*/metrics.jsonl")):
+            assert cli.poll() is None and time.monotonic() < deadline, \
+                f"no search trial trained a step: {(tmp_path / 'stderr.txt').read_text()[-3000:]}"
+            time.sleep(0.5)
+        sent = time.monotonic()
+        cli.send_signal(signal.SIGINT)
+        code = cli.wait(timeout=120)
+        stop_s = time.monotonic() - sent
+    finally:
+        cli.kill()
+        cli.wait()
+        left = cluster_processes(ray_tmp)
+        kill_all(left)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    stdout, stderr = (tmp_path / "stdout.txt").read_text(), (tmp_path / "stderr.txt").read_text()
+    assert code == 130, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (f"ray-ppo tune: interrupted; the trials that ran are in {out} "
+                                               "(run the command again to search again)")
+    assert "confirm:" not in stdout and "recommended:" not in stdout and not (out / "confirm").exists()
+    assert stop_s < 60
+    print(f"Ctrl-C during the search: exit 130 after {stop_s:.1f} s")
