@@ -187,8 +187,11 @@ def toy_reward_model(tokenizer, prompt_width: int, pad_ends: bool = False):
 
 
 def cut_at_first_pad(response, pad_token_id: int):
-    """``response`` (B, T) with every token from the first pad token on set to the pad."""
-    return response.masked_fill((response == pad_token_id).cumsum(dim=1) > 0, pad_token_id)
+    """``response`` (B, T) with every token from the first pad token on set to the pad: the pad
+    ends it, as a maker's ``response_mask`` with the pad among its end ids reads it."""
+    from ray_ppo.core.models import response_mask
+
+    return response.masked_fill(~response_mask(response, pad_token_id), pad_token_id)
 
 
 def trl_dataset(tokenizer):
