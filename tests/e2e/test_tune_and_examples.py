@@ -10,12 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-from ray_processes import cluster_processes, kill_all
+from ray_processes import REPO, Cli, cluster_processes, kill_all
 
 from ray_ppo.config import load_config
 
 pytestmark = pytest.mark.e2e
-REPO = Path(__file__).parents[2]
 SMALL = ["trainer.total_steps=3", "trainer.train_batch_size=16", "trainer.mini_batch_size=8", "maker.batch_size=8",
          "logging.report_every=1"]
 EXAMPLE_SMALL = ["maker.num_makers=1", "trainer.train_batch_size=16", "trainer.mini_batch_size=8", "maker.batch_size=8"]
@@ -152,41 +151,26 @@ def test_killed_driver_on_a_shared_cluster_leaves_no_actors(head_node, tmp_path)
 
 def test_ctrl_c_stops_an_async_search_instead_of_confirming_a_pick(tmp_path):
     """Ctrl-C while a search trial trains: `ray-ppo tune --async-search` exits 130 with one line
-    naming its directory, and starts no confirmation. (Tune's own SIGINT handler returned the
-    half-run search as if done: the CLI went on to confirm a pick from it and printed a gain of nan.)"""
-    import signal
-    import tempfile
-
+    naming its directory, starts no confirmation, and leaves no process of its cluster behind.
+    (Tune's own SIGINT handler returned the half-run search as if done: the CLI went on to confirm
+    a pick from it and printed a gain of nan.)"""
     out = tmp_path / "search"
-    ray_tmp = tempfile.mkdtemp(prefix="rp_", dir="/tmp")  # short: Ray's socket paths have a length limit
-    env = {**os.environ, "RAY_TMPDIR": ray_tmp,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    cli = subprocess.Popen([sys.executable, "-m", "ray_ppo.cli", "tune", "--config", "configs/tiny.yaml",
-                            "--async-search", "60", "--num-samples", "2", "--max-concurrent", "1",
-                            "--output", str(out), "trainer.total_steps=1000", "logging.report_every=1"],
-                           cwd=REPO, env=env, stdout=open(tmp_path / "stdout.txt", "w"),
-                           stderr=open(tmp_path / "stderr.txt", "w"),
-                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    cli = Cli("tune", ["--config", "configs/tiny.yaml", "--async-search", "60", "--num-samples", "2",
+                       "--max-concurrent", "1", "--output", str(out), "trainer.total_steps=1000",
+                       "logging.report_every=1"], tmp_path)
     try:
-        deadline = time.monotonic() + 300
-        while not any(p.read_text().strip() for p in (out / "search" / "trials").glob("*/metrics.jsonl")):
-            assert cli.poll() is None and time.monotonic() < deadline, \
-                f"no search trial trained a step: {(tmp_path / 'stderr.txt').read_text()[-3000:]}"
-            time.sleep(0.5)
+        cli.wait_until(lambda: any(p.read_text().strip() for p in (out / "search" / "trials").glob("*/metrics.jsonl")),
+                       timeout_s=300)  # a search trial trained a step
         sent = time.monotonic()
-        cli.send_signal(signal.SIGINT)
-        code = cli.wait(timeout=120)
+        cli.interrupt()
+        code, stderr = cli.wait(timeout_s=120)
         stop_s = time.monotonic() - sent
     finally:
-        cli.kill()
-        cli.wait()
-        left = cluster_processes(ray_tmp)
-        kill_all(left)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    stdout, stderr = (tmp_path / "stdout.txt").read_text(), (tmp_path / "stderr.txt").read_text()
+        cli.close()
     assert code == 130, stderr[-3000:]
     assert stderr.strip().splitlines()[-1] == (f"ray-ppo tune: interrupted; the trials that ran are in {out} "
                                                "(run the command again to search again)")
+    stdout = cli.stdout()
     assert "confirm:" not in stdout and "recommended:" not in stdout and not (out / "confirm").exists()
-    assert stop_s < 60
+    assert stop_s < 60 and cli.leaked == []
     print(f"Ctrl-C during the search: exit 130 after {stop_s:.1f} s")
