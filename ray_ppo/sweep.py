@@ -85,7 +85,9 @@ def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward
     """Run a Tune sweep of PPO runs; every key of ``param_space`` is a dotted config name.
 
     Trials run side by side as far as ``max_concurrent_trials`` allows (default: as many as the
-    cluster's CPUs fit, see ``trial_cpus``) and queue otherwise. The run's files go to
+    cluster's CPUs fit, see ``trial_cpus``) and queue otherwise. Random sampling (``tune.choice``
+    and the like) is seeded by the config's ``seed``, so the same sweep samples the same settings;
+    a ``search_alg`` given replaces Tune's generator, and its own seeding. The run's files go to
     ``output_dir`` (default ``runs/<name>-sweep``): ``trials/<id>/`` per trial, plus
     ``trials.csv`` and ``sweep.png``. ``verbose`` and ``callbacks`` pass to ``tune.RunConfig``
     (the CLI uses ``verbose=0`` and ``trial_lines``: one line per finished trial; it also sets
@@ -109,6 +111,12 @@ def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward
     root.mkdir(parents=True, exist_ok=True)
     if max_concurrent_trials is None:
         max_concurrent_trials = max(1, int(ray.cluster_resources().get("CPU", 1) // max(trial_cpus(base), 1)))
+    if search_alg is None:  # Tune's own, seeded: the same command samples the same settings
+        from ray.tune.search import BasicVariantGenerator
+
+        # It holds the concurrency limit: Tune ignores TuneConfig's when given a generator.
+        search_alg = BasicVariantGenerator(max_concurrent=max_concurrent_trials, random_state=base.seed)
+        max_concurrent_trials = None
     if scheduler is not None and not cleaner_can_see():
         logger.warning("Ray's state API does not answer on this cluster (started without the dashboard): a trial "
                        "that the scheduler stops early keeps its Ray Train worker group's CPUs reserved until "

@@ -1,0 +1,65 @@
+"""``ray_ppo.sweep.sweep`` up to the point where it hands Tune its trials, without a Ray cluster:
+what Tune is given (the trials themselves run in tests/e2e and tests/ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from ray import tune
+from ray.tune.experiment import Experiment
+
+from ray_ppo.config import load_config
+from ray_ppo.sweep import sweep
+
+TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
+pytestmark = pytest.mark.usefixtures("tiny_path")
+
+
+class Handed(Exception):
+    """Raised by the stand-in ``Tuner`` once it has what ``sweep`` gave it."""
+
+
+def handed_to_tune(monkeypatch, tmp_path, seed: int, space: dict, num_samples: int, max_concurrent: int):
+    """The ``TuneConfig`` that ``sweep`` builds for a config at ``seed`` (the stand-in Tuner ends it there)."""
+    handed = []
+
+    def tuner(trainable, param_space, tune_config, run_config):
+        handed.append(tune_config)
+        raise Handed
+
+    monkeypatch.setattr(tune, "Tuner", tuner)
+    cfg = load_config(TINY, [f"seed={seed}", f"logging.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(Handed):
+        sweep(cfg, space, num_samples=num_samples, max_concurrent_trials=max_concurrent,
+              output_dir=str(tmp_path / "sweep"))
+    return handed[0]
+
+
+def sampled(tune_config, space: dict, num_samples: int) -> list[dict]:
+    """The trial configs Tune's search algorithm hands out, as long as it hands any."""
+    search = tune_config.search_alg
+    search.add_configurations([Experiment("sampled", run=lambda config: None, config=space, num_samples=num_samples)])
+    trials = []
+    while (trial := search.next_trial()) is not None:
+        trials.append(trial.config)
+    return trials
+
+
+def test_a_sweeps_random_sampling_is_seeded_by_the_configs_seed(monkeypatch, tmp_path):
+    """The same command samples the same settings (``ray-ppo tune --async-search`` samples a few of
+    its 81); another seed, others. Before, Tune's generator was unseeded: two runs of one search
+    tried different settings."""
+    space = {"ppo.kl_coef": tune.choice([0.001 * i for i in range(1, 50)]), "maker.batch_size": tune.choice([8, 16, 32])}
+    runs = [sampled(handed_to_tune(monkeypatch, tmp_path, seed, space, 6, 6), space, 6) for seed in (0, 0, 1)]
+    assert len(runs[0]) == 6
+    assert runs[0] == runs[1] != runs[2]
+
+
+def test_the_seeded_generator_keeps_the_concurrency_limit(monkeypatch, tmp_path):
+    """Tune ignores ``TuneConfig.max_concurrent_trials`` when given a generator of its own, so the
+    generator holds the limit: with 2 allowed, it hands out 2 trials until one ends."""
+    space = {"ppo.kl_coef": tune.choice([0.01, 0.02, 0.05])}
+    tune_config = handed_to_tune(monkeypatch, tmp_path, 0, space, 5, 2)
+    assert tune_config.max_concurrent_trials is None
+    assert len(sampled(tune_config, space, 5)) == 2
