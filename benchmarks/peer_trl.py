@@ -68,6 +68,8 @@ from pathlib import Path
 import _common
 from _common import median, table, tiny_config
 
+from ray_ppo.async_search import sign_flip_p
+
 VARIANTS = ("trl", "trl+gc.freeze", "ours sync", "ours detached")
 TRL_VARIANTS = ("trl", "trl+gc.freeze", "trl+gc.freeze+pad ends")
 DIAGNOSTIC_VARIANTS = ("ours sync+trl mask", "trl+gc.freeze+pad ends")
@@ -464,13 +466,10 @@ def report(runs: dict[str, list[dict]], args, wall_s: float) -> None:
 def paired_reward_difference(base: list[float], other: list[float]) -> dict:
     """``other - base`` reward, paired by round (one seed per round): mean, median, how many rounds
     ``other`` is higher, and the exact two-sided p-value of a sign-flip permutation test of the
-    mean difference (under "no difference" each round's sign is a coin flip; all 2^n flips)."""
+    mean difference (``ray_ppo.async_search.sign_flip_p``)."""
     diffs = [o - b for b, o in zip(base, other, strict=True)]
-    observed = abs(sum(diffs))
-    flips = itertools.product((1, -1), repeat=len(diffs))
-    extreme = sum(abs(sum(sign * d for sign, d in zip(signs, diffs))) >= observed - 1e-12 for signs in flips)
     return {"mean": sum(diffs) / len(diffs), "median": median(diffs), "higher": sum(d > 0 for d in diffs),
-            "rounds": len(diffs), "p": extreme / 2 ** len(diffs)}
+            "rounds": len(diffs), "p": sign_flip_p(diffs)}
 
 
 def report_rewards(runs: dict[str, list[dict]], args) -> None:

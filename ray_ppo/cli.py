@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "maker.batch_size, or the --grid keys) for the best reward after BUDGET_S seconds of "
                            "training per trial (ASHA), then rerun the pick and the default to measure the gain")
     tune.add_argument("--confirm-repeats", type=int, default=1,
-                      help="with --async-search: runs each of the pick and the default in the confirmation")
+                      help="with --async-search: runs of each of the pick and the default in the confirmation, "
+                           "one per seed from the config's seed on (default 1)")
     tune.add_argument("--address", help="attach to a running Ray cluster instead of starting a local one")
     tune.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the local Ray cluster")
     local = sub.add_parser("local", help="the synchronous single-process PPO loop (no Ray)",
@@ -324,10 +325,11 @@ def _quiet_tune() -> None:
 def cmd_async_search(args) -> int:
     import ray
 
-    from ray_ppo.async_search import ASYNC_SPACE, async_search, budgeted
+    from ray_ppo.async_search import ASYNC_SPACE, async_search, budgeted, confirm_seeds
 
     cfg = _load(args)
     space = _parse_grid(args.grid) or ASYNC_SPACE
+    confirm_seeds(cfg, args.confirm_repeats)
     for key, values in space.items():  # unknown keys and bad values fail here, in one line
         for value in values:
             budgeted(cfg, args.async_search).with_overrides({key: value})

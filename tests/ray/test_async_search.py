@@ -38,7 +38,7 @@ def test_async_search_picks_a_setting_and_measures_it_against_the_default(ray_se
                         max_concurrent_trials=2, output_dir=str(tmp_path / "search"), progress=progress)
     assert len(pick.search_trials) == 1 and pick.search_trials[0]["status"] == "TERMINATED"
     assert pick.default == {"maker.batch_size": 8} and pick.recommended == {"maker.batch_size": 16}
-    assert len(pick.default_rewards) == 1 and len(pick.recommended_rewards) == 1
+    assert list(pick.default_rewards) == [0] and list(pick.recommended_rewards) == [0]  # at the config's seed
     assert math.isfinite(pick.gain)
     assert "measured gain over the default" in pick.summary()
     assert f"at 3 s of training or {cfg.trainer.total_steps} steps, whichever came first" in pick.summary()
@@ -46,7 +46,7 @@ def test_async_search_picks_a_setting_and_measures_it_against_the_default(ray_se
     assert lines[0] == ("search: 1 setting, 3 s of training each "
                         f"(at most trainer.total_steps={cfg.trainer.total_steps} steps)")
     assert lines[1].split(" done:")[0] == "trial 1/1"
-    assert lines[2] == "confirm: maker.batch_size=8 and maker.batch_size=16, 1 run(s) each (first: the default)"
+    assert lines[2] == "confirm: maker.batch_size=8 and maker.batch_size=16, one run each at seed 0"
     assert [line.split(" done:")[0] for line in lines[3:]] == ["trial 1/2", "trial 2/2"]
     assert all("reward_mean" in line for line in lines[1:2] + lines[3:])
     confirm = list((tmp_path / "search" / "confirm" / "trials").iterdir())

@@ -144,3 +144,21 @@ def test_tune_sweeps_the_estimator_and_off_policy_keys(capsys, monkeypatch, tmp_
                     "ppo.off_policy": {"grid_search": ["none", "tis", "decoupled"]}}
     assert main(["tune", "--config", TINY, "--grid", "ppo.off_policy=none,clip"]) == EXIT_USAGE
     assert "ppo.off_policy='clip'" in one_error_line(capsys, "tune")
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--async-search", "0"], "the async search needs a budget > 0 seconds per trial, got 0 (--async-search)"),
+    (["--async-search", "30", "--confirm-repeats", "0"],
+     "the confirmation needs at least 1 run per setting, got repeats=0 (--confirm-repeats)"),
+    (["--async-search", "30", "--confirm-repeats", "3", "seed=4294967294"],
+     "the confirmation runs at seeds 4294967294-4294967296"),
+])
+def test_async_search_refuses_a_bad_budget_or_confirmation_before_starting_a_cluster(capsys, monkeypatch, options,
+                                                                                       message):
+    import ray_ppo.cli as cli
+
+    started = []
+    monkeypatch.setattr(cli, "_init_ray", lambda args, dashboard=False: started.append(dashboard))
+    assert main(["tune", "--config", TINY, *options]) == EXIT_USAGE
+    assert message in one_error_line(capsys, "tune")
+    assert not started
