@@ -187,6 +187,8 @@ def trial_lines(keys: Sequence[str], metric: str, stream: TextIO | None = None, 
 
         trial 2/4 done: kl_coef=0.1, eps_clip=0.2 | reward_mean 0.4121 at step 20 | 48 s
 
+    A ``PRESET_KEY`` among ``keys`` shows as the keys it sets.
+
     ``total``: the number of trials of the sweep; without it, the trials Tune has created so far
     (with ``max_concurrent_trials`` it creates them as slots free up).
     """
@@ -204,7 +206,9 @@ def trial_lines(keys: Sequence[str], metric: str, stream: TextIO | None = None, 
         def _line(self, trial, total: int, status: str) -> None:
             self.ended += 1
             result = trial.last_result or {}
-            values = ", ".join(f"{k.split('.')[-1]}={trial.config.get(k)}" for k in keys)
+            swept = [item for k in keys for item in
+                     ((trial.config.get(k) or {}).items() if k == PRESET_KEY else [(k, trial.config.get(k))])]
+            values = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in swept)
             score = result.get(metric)
             shown = f"{metric} {score:.4f} at step {result.get('step')}" if score is not None else "no result"
             print(f"trial {self.ended}/{total} {status}: {values} | {shown} | {result.get('time_total_s', 0):.0f} s",

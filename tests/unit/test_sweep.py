@@ -63,3 +63,19 @@ def test_the_seeded_generator_keeps_the_concurrency_limit(monkeypatch, tmp_path)
     tune_config = handed_to_tune(monkeypatch, tmp_path, 0, space, 5, 2)
     assert tune_config.max_concurrent_trials is None
     assert len(sampled(tune_config, space, 5)) == 2
+
+
+def test_a_trial_line_shows_the_keys_a_preset_sets():
+    """The async search's confirmation sweeps the seed and a preset of four keys: each ended trial's
+    line names them, as a grid's line names its keys (not the preset as one dict)."""
+    import io
+    from types import SimpleNamespace
+
+    from ray_ppo.sweep import PRESET_KEY, trial_lines
+
+    stream = io.StringIO()
+    lines = trial_lines(["seed", PRESET_KEY], "reward_mean", stream=stream, total=2)
+    trial = SimpleNamespace(config={"seed": 1, PRESET_KEY: {"maker.num_makers": 1, "maker.batch_size": 16}},
+                            last_result={"reward_mean": 0.5, "step": 3, "time_total_s": 12.2})
+    lines.on_trial_complete(0, [trial], trial)
+    assert stream.getvalue() == "trial 1/2 done: seed=1, num_makers=1, batch_size=16 | reward_mean 0.5000 at step 3 | 12 s\n"
