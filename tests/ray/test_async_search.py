@@ -44,7 +44,8 @@ def test_async_search_picks_a_setting_and_measures_it_against_the_default(ray_se
     assert f"at 3 s of training or {cfg.trainer.total_steps} steps, whichever came first" in pick.summary()
     lines = progress.getvalue().splitlines()  # a line per phase and per ended trial, in place of Tune's tables
     assert lines[0] == ("search: 1 setting, 3 s of training each "
-                        f"(at most trainer.total_steps={cfg.trainer.total_steps} steps)")
+                        f"(at most trainer.total_steps={cfg.trainer.total_steps} steps); "
+                        "ASHA stops the weaker half at 1.5 s")
     assert lines[1].split(" done:")[0] == "trial 1/1"
     assert lines[2] == "confirm: maker.batch_size=8 and maker.batch_size=16, one run each at seed 0"
     assert [line.split(" done:")[0] for line in lines[3:]] == ["trial 1/2", "trial 2/2"]

@@ -62,3 +62,38 @@ def test_no_p_value_past_the_exact_tests_reach_and_no_pairing_when_the_pick_is_t
 def test_a_confirmation_without_results_says_so():
     assert "(no run gave a result)" in pick({}, {0: 0.5}).summary()
     assert math.isnan(pick({}, {0: 0.5}).gain)
+
+
+def test_the_search_stops_first_at_half_the_budget_and_the_confirmation_pairs_runs_by_seed(monkeypatch):
+    """``async_search`` with Tune's part stood in for (the real sweeps run in tests/ray): ASHA's
+    first stop comes at half the budget, and the confirmation runs each setting once per seed."""
+    import io
+
+    import ray_ppo.sweep as sweep_module
+    from ray_ppo.async_search import async_search
+    from ray_ppo.sweep import PRESET_KEY, SweepOutcome
+
+    calls = []
+    confirm_rewards = {(0, 8): 0.5, (0, 16): 0.7, (1, 8): 0.6, (1, 16): 0.5, (2, 8): 0.2, (2, 16): 0.6}
+
+    def fake_sweep(cfg, space, **kwargs):
+        calls.append((space, kwargs))
+        if len(calls) == 1:
+            return SweepOutcome({"maker.batch_size": 16}, 0.7, None, "", [{"maker.batch_size": 16}], None)
+        trials = [{"seed": seed, PRESET_KEY: {"maker.batch_size": size}, "reward_mean": r}
+                  for (seed, size), r in confirm_rewards.items()]
+        return SweepOutcome({}, 0.7, None, "", trials, None)
+
+    monkeypatch.setattr(sweep_module, "sweep", fake_sweep)
+    progress = io.StringIO()
+    result = async_search(Config().with_overrides({"maker.batch_size": 8}), 30, {"maker.batch_size": [8, 16]},
+                          num_samples=4, repeats=3, progress=progress)
+    (_, search), (confirm_space, confirm) = calls
+    # Ray's ASHA keeps its stops as (time, results) rungs, the budget first: one stop, at 15 of 30 s.
+    assert [rung for rung, _ in search["scheduler"]._brackets[0]._rungs] == [30, 15]
+    assert "scheduler" not in confirm  # the confirmation runs every trial to the budget
+    assert confirm_space["seed"] == {"grid_search": [0, 1, 2]}
+    assert confirm_space[PRESET_KEY] == {"grid_search": [{"maker.batch_size": 8}, {"maker.batch_size": 16}]}
+    assert result.recommended_rewards == {0: 0.7, 1: 0.5, 2: 0.6} and result.default_rewards == {0: 0.5, 1: 0.6, 2: 0.2}
+    assert result.paired[:2] == (2, 3)
+    assert progress.getvalue().splitlines()[0].endswith("; ASHA stops the weaker half at 15 s")

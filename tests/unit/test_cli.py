@@ -152,6 +152,8 @@ def test_tune_sweeps_the_estimator_and_off_policy_keys(capsys, monkeypatch, tmp_
      "the confirmation needs at least 1 run per setting, got repeats=0 (--confirm-repeats)"),
     (["--async-search", "30", "--confirm-repeats", "3", "seed=4294967294"],
      "the confirmation runs at seeds 4294967294-4294967296"),
+    (["--async-search", "30", "--first-rung", "1"],
+     "ASHA's first stop must come inside the budget: a share in (0, 1), got 1 (--first-rung; default 0.5)"),
 ])
 def test_async_search_refuses_a_bad_budget_or_confirmation_before_starting_a_cluster(capsys, monkeypatch, options,
                                                                                        message):
