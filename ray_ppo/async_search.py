@@ -64,7 +64,7 @@ class AsyncPick:
     @property
     def gain(self) -> float:
         """Median reward of the recommended setting minus the default's, at the same budget."""
-        return _median(list(self.recommended_rewards.values())) - _median(list(self.default_rewards.values()))
+        return _median(self.recommended_rewards) - _median(self.default_rewards)
 
     @property
     def paired(self) -> tuple[int, int, float | None]:
@@ -77,7 +77,7 @@ class AsyncPick:
         return sum(d > 0 for d in diffs), len(diffs), p
 
     def summary(self) -> str:
-        rec, dflt = _median(list(self.recommended_rewards.values())), _median(list(self.default_rewards.values()))
+        rec, dflt = _median(self.recommended_rewards), _median(self.default_rewards)
         same = self.recommended == self.default
         lines = [f"recommended: {_fmt(self.recommended)}{' (the default)' if same else ''}",
                  f"  {METRIC} at {self.budget_s:g} s of training or {self.total_steps} steps, whichever came first, "
@@ -171,8 +171,8 @@ def confirm_seeds(base: Config, repeats: int) -> list[int]:
     return seeds
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
+def _median(rewards: Mapping[int, float]) -> float:
+    return statistics.median(rewards.values()) if rewards else float("nan")
 
 
 def _runs(rewards: Mapping[int, float]) -> str:

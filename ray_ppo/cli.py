@@ -22,8 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from ray_ppo.core.checkpoint import CheckpointError
+from ray_ppo.async_search import FIRST_RUNG
 from ray_ppo.config import ConfigError, load_config
+from ray_ppo.core.checkpoint import CheckpointError
 from ray_ppo.data import DataError
 from ray_ppo.preflight import check_run, check_sweep_spec, read_sweep_file
 from ray_ppo.rundir import RunDirError
@@ -76,9 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--confirm-repeats", type=int, default=1,
                       help="with --async-search: runs of each of the pick and the default in the confirmation, "
                            "one per seed from the config's seed on (default 1)")
-    tune.add_argument("--first-rung", type=float, default=None, metavar="SHARE",
+    tune.add_argument("--first-rung", type=float, default=FIRST_RUNG, metavar="SHARE",
                       help="with --async-search: when ASHA first stops the weaker half of the trials, as a share "
-                           "of BUDGET_S (default 0.5; earlier stops on noise where rewards have not moved yet)")
+                           "of BUDGET_S (default %(default)g; earlier stops on noise where rewards have not moved yet)")
     tune.add_argument("--address", help="attach to a running Ray cluster instead of starting a local one")
     tune.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the local Ray cluster")
     local = sub.add_parser("local", help="the synchronous single-process PPO loop (no Ray)",
@@ -328,13 +329,12 @@ def _quiet_tune() -> None:
 def cmd_async_search(args) -> int:
     import ray
 
-    from ray_ppo.async_search import (ASYNC_SPACE, FIRST_RUNG, async_search, budgeted, check_first_rung,
-                                      confirm_seeds)
+    from ray_ppo.async_search import ASYNC_SPACE, async_search, budgeted, check_first_rung, confirm_seeds
 
     cfg = _load(args)
     space = _parse_grid(args.grid) or ASYNC_SPACE
     confirm_seeds(cfg, args.confirm_repeats)
-    first_rung = check_first_rung(FIRST_RUNG if args.first_rung is None else args.first_rung)
+    check_first_rung(args.first_rung)
     for key, values in space.items():  # unknown keys and bad values fail here, in one line
         for value in values:
             budgeted(cfg, args.async_search).with_overrides({key: value})
@@ -346,7 +346,7 @@ def cmd_async_search(args) -> int:
     start = time.perf_counter()
     try:
         pick = async_search(cfg, args.async_search, space, num_samples=args.num_samples or 8,
-                            repeats=args.confirm_repeats, first_rung=first_rung,
+                            repeats=args.confirm_repeats, first_rung=args.first_rung,
                             max_concurrent_trials=args.max_concurrent, output_dir=str(out_dir), progress=sys.stdout)
     finally:
         ray.shutdown()
