@@ -9,7 +9,8 @@ costs a cluster and a fit (~90 s on 2 cores).
 
 Layout: the head node runs the driver, the coordinator and Ray Train's controller; one node
 advertises ``trainer_node`` (the worker group), one ``maker_node`` (both makers). Once the
-makers are up, a spare of each joins. Then, each node killed with no graceful shutdown (like a
+makers are up, a spare maker node joins; once a step is trained (the worker group placed), a
+spare trainer node. Then, each node killed with no graceful shutdown (like a
 lost machine):
 
 1. **The trainer's node**, once a checkpoint is stored and a later step trained: with
@@ -179,14 +180,18 @@ def _run_faults(cluster, trainer, fit, seen: dict, save, deadline: float, checkp
         m["State"] == "ALIVE" for m in _makers().values()), fit, deadline)
     seen["makers_before"] = _makers()
     makers_spare = cluster.add_node(**MAKER_NODE)
+
+    # 1. the trainer's node, between a stored checkpoint and the end of the run
+    wait_for("a first trained step", lambda: len(trainer.history) >= 1, fit, deadline)
+    rank_nodes = seen["rank_nodes"] = [_node_of(coordinator_status(trainer)["rank_pids"][0])]
+    # The spare joins only now that rank 0 is placed: the worker group starts beside the makers,
+    # and a spare that joined before it could take the group (seen in CI: after trainer_node was
+    # removed at step 4 the run trained steps 5-12 over 16 s with no restart, so its rank was not
+    # there, and the scenario stopped at "rank 0 restarted").
     trainer_spare = cluster.add_node(**TRAINER_NODE)
     seen["nodes"] = {"head": cluster.head_node.node_id, "trainer": trainer_node.node_id,
                      "trainer_spare": trainer_spare.node_id, "makers": makers_node.node_id,
                      "makers_spare": makers_spare.node_id}
-
-    # 1. the trainer's node, between a stored checkpoint and the end of the run
-    wait_for("a first trained step", lambda: len(trainer.history) >= 1, fit, deadline)
-    rank_nodes = [_node_of(coordinator_status(trainer)["rank_pids"][0])]
     wait_for("a step trained after a stored checkpoint", lambda: checkpoint.exists() and (
         trainer.history[-1]["step"] > json.loads(checkpoint.read_text())["step"]), fit, deadline)
     saved = json.loads(checkpoint.read_text())
@@ -202,7 +207,6 @@ def _run_faults(cluster, trainer, fit, seen: dict, save, deadline: float, checkp
         "rank_pids", {}).get(0) not in (None, old_pid), fit, deadline)
     seen["restart_s"] = time.monotonic() - killed_at
     rank_nodes.append(_node_of(coordinator_status(trainer)["rank_pids"][0]))
-    seen["rank_nodes"] = rank_nodes
     save()
 
     # 2. the makers' node, once the restarted group has trained MAKERS_KILLED_AFTER versions
