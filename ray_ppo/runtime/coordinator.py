@@ -118,7 +118,7 @@ class Coordinator:
         self.buffers.accept(chunk.count)
         self.admission.reserve(maker_id, -stats.num_prompts)
         self.book.record(maker_id, stats)
-        self.ledger.returned(maker_id, stats.prompt_ids, chunk.item_prompt_ids())
+        self.ledger.returned(maker_id, stats.prompt_ids, chunk.item_prompt_ids(), stats.truncated)
         targets = receivers(self.routing, maker_id, self.num_makers, self.num_ranks)
         rest = chunk
         async with self.changed:
@@ -373,18 +373,22 @@ class Coordinator:
     def _first_prompt(self) -> str | None:
         return self.feed.first_prompt if self.feed else None
 
-    def counters(self) -> Counters:
+    def counters(self, step: int | None = None) -> Counters:
+        """This coordinator's item counts and the run's prompt counts (the ledger's, which a resumed
+        run carries on); ``prompts_trained`` counts the prompts trained at steps up to ``step``
+        (all so far when None)."""
         b, counts = self.buffers, self.ledger.counts
-        return Counters(produced=b.produced, consumed=b.consumed, discarded=b.discarded, lost=self.admission.lost,
+        return Counters(produced=b.produced, consumed=b.consumed, discarded=b.discarded, lost=counts["lost"],
                         lost_in_transit=b.lost_in_transit, in_flight=b.in_flight,
-                        prompts_served=self.feed.served if self.feed else 0, blank_prompts=self.book.blank,
-                        truncated_prompts=self.book.truncated, epochs=self.feed.epochs if self.feed else 0,
-                        prompts_trained=counts["trained"], prompts_requeued=counts["requeued"])
+                        prompts_served=counts["taken"], blank_prompts=counts["blank"],
+                        truncated_prompts=counts["truncated"], epochs=self.feed.epochs if self.feed else 0,
+                        prompts_trained=self.ledger.trained_by(step), prompts_requeued=counts["requeued"])
 
-    def status(self) -> CoordinatorStatus:
-        """Counters, versions and maker states, for metrics and tests (of fixed size: no logs)."""
+    def status(self, step: int | None = None) -> CoordinatorStatus:
+        """Counters (as of ``step``: ``counters``), versions and maker states, for metrics and
+        tests (of fixed size: no logs)."""
         return CoordinatorStatus(
-            counters=self.counters(), trainer_version=self.admission.trainer_version,
+            counters=self.counters(step), trainer_version=self.admission.trainer_version,
             data={**self.ledger.summary(), "first_prompt": self._first_prompt()},
             buffered=tuple(self.buffers.buffered(r) for r in range(self.num_ranks)),
             makers=self.book.snapshot(self.admission.reserved), pushes=self.pushes.count,

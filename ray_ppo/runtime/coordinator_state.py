@@ -158,7 +158,6 @@ class Admission:
         self.consumed_at_version = 0  # items pulled since the trainer reached its current version
         self.ahead: dict[int, int] = {}  # version > trainer_version -> items pulled to train at it
         self.reserved = dict.fromkeys(range(num_makers), 0)
-        self.lost = 0  # prompts reserved by makers that restarted before sending their items
 
     @property
     def total_reserved(self) -> int:
@@ -182,8 +181,7 @@ class Admission:
         self.reserved[maker_id] += n
 
     def drop(self, maker_id: int) -> None:
-        """``maker_id``'s process died: what it held is lost."""
-        self.lost += self.reserved[maker_id]
+        """``maker_id``'s process died: what it held is lost (the ledger counts and requeues it)."""
         self.reserved[maker_id] = 0
 
     def trainer_at(self, version: int) -> None:
@@ -223,13 +221,12 @@ class Admission:
 
 
 class MakerBook:
-    """Responsibilities: each maker's loaded version, failure and restarts, the totals makers
-    report with their batches, and the engine log-prob gaps they measured."""
+    """Responsibilities: each maker's loaded version, failure and restarts, the times and tokens
+    makers report with their batches, and the engine log-prob gaps they measured (the prompt
+    counts they report are the ledger's: ``ray_ppo.runtime.ledger``)."""
 
     def __init__(self, num_makers: int):
         self.states = {i: MakerStatus() for i in range(num_makers)}  # ``reserved`` is Admission's: left 0 here
-        self.blank = 0      # prompts skipped because they were empty
-        self.truncated = 0  # prompts cut to data.max_prompt_len tokens
         self.logprob_gaps: list[tuple[float, float, int]] = []  # per engine batch: (sum, max, tokens)
 
     def _update(self, maker_id: int, **changes) -> None:
@@ -240,8 +237,6 @@ class MakerBook:
         self._update(maker_id, generate_s=s.generate_s + stats.generate_s, idle_s=s.idle_s + stats.idle_s,
                      admission_s=s.admission_s + stats.admission_s, pause_s=s.pause_s + stats.pause_s,
                      tokens=s.tokens + stats.num_tokens)
-        self.blank += stats.blank
-        self.truncated += stats.truncated
         if stats.logprob_gap is not None:
             self.logprob_gaps.append(tuple(stats.logprob_gap))
 

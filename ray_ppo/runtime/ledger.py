@@ -22,6 +22,11 @@ flight when the run stopped are among them.
 The per-step log of trained prompt ids (``trained``, kept in the checkpoint for the current and
 the previous epoch) makes this checkable from the outside: every id appears in it once.
 
+Counts. The ledger keeps the run's prompt counts (``counts``: taken, blank, truncated, lost,
+requeued) and the prompts trained at each step (``trained_by``), which the run's metrics report.
+A checkpoint at step s stores them (``counts``, with ``trained`` = the prompts trained at steps up
+to s), so a resumed run's counts go on from the run's, not from zero.
+
 ``PromptLedger`` is a plain class (no Ray, no asyncio); the coordinator owns one.
 """
 
@@ -34,6 +39,11 @@ import numpy as np
 
 LOG_EPOCHS = 2
 """Epochs of the per-step log kept (the watermark's epoch and the one before)."""
+
+COUNTS = ("taken", "blank", "truncated", "lost", "requeued")
+"""The ledger's running prompt counts: handed to makers; of them, with no item (blank), cut to
+``data.max_prompt_len`` tokens, taken for a maker that died before sending their items (lost);
+and served again (requeued)."""
 
 
 class LedgerError(ValueError):
@@ -59,7 +69,10 @@ class PromptLedger:
         self.at_maker: dict[int, set[int]] = collections.defaultdict(set)
         self.buffered: dict[int, int] = {}      # id -> its items in the coordinator's buffers
         self.log: dict[int, list[int]] = {}     # step -> ids trained at that step
-        self.counts = {"taken": 0, "trained": 0, "blank": 0, "requeued": 0}
+        counts = start.get("counts", {}) if start else {}  # the run's counts at the checkpoint
+        self.counts = {key: int(counts.get(key, 0)) for key in COUNTS}
+        self.trained_before = int(counts.get("trained", 0))  # prompts trained up to the checkpoint
+        self.trained_at: collections.Counter[int] = collections.Counter()  # step -> prompts this ledger trained at it
         self._orders: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     # -- the stream ------------------------------------------------------------------------------
@@ -111,8 +124,10 @@ class PromptLedger:
         self.counts["taken"] += len(ids)
         return ids
 
-    def returned(self, maker_id: int, batch_ids: Sequence[int], item_ids: Iterable[int]) -> None:
-        """A maker sent its batch: ids with no item were blank (done); the others are buffered."""
+    def returned(self, maker_id: int, batch_ids: Sequence[int], item_ids: Iterable[int], truncated: int = 0) -> None:
+        """A maker sent its batch (``truncated`` of its prompts cut to ``data.max_prompt_len``
+        tokens): ids with no item were blank (done); the others are buffered."""
+        self.counts["truncated"] += truncated
         per_prompt = collections.Counter(int(i) for i in item_ids)
         held = self.at_maker[maker_id]
         for pid in batch_ids:
@@ -127,6 +142,7 @@ class PromptLedger:
 
     def consumed(self, item_ids: Iterable[int], step: int | None) -> int:
         """A rank pulled these items for ``step``; returns how many prompts became trained."""
+        step = step if step is not None else -1
         trained = 0
         for pid in (int(i) for i in item_ids):
             if pid not in self.buffered:
@@ -134,11 +150,17 @@ class PromptLedger:
             self.buffered[pid] -= 1
             if self.buffered[pid] == 0:
                 del self.buffered[pid]
-                self.log.setdefault(step if step is not None else -1, []).append(pid)
+                self.log.setdefault(step, []).append(pid)
                 self._mark_done(pid)
                 trained += 1
-        self.counts["trained"] += trained
+        self.trained_at[step] += trained
         return trained
+
+    def trained_by(self, step: int | None = None) -> int:
+        """Prompts of the run trained at steps up to ``step`` (all so far when None), each once.
+        A rank pulls the next step's items while a step trains (``trainer.prefetch``): those are
+        trained at the next step, so a step's metrics row counts them only from that step on."""
+        return self.trained_before + sum(n for s, n in self.trained_at.items() if step is None or s <= step)
 
     def unconsumed(self, item_ids: Iterable[int]) -> None:
         """Pulled items handed back untrained (a rank pulled them ahead for a step that did not
@@ -169,6 +191,7 @@ class PromptLedger:
         back = [pid for pid in ids if pid in held]
         held.difference_update(back)
         self.retry.extend(back)
+        self.counts["lost"] += len(back)
         self.counts["requeued"] += len(back)
         return len(back)
 
@@ -176,6 +199,7 @@ class PromptLedger:
         """A maker's process died: the prompts it held are served again."""
         ids = sorted(self.at_maker.pop(maker_id, ()), key=self.serial)
         self.retry.extend(ids)
+        self.counts["lost"] += len(ids)
         self.counts["requeued"] += len(ids)
         return len(ids)
 
@@ -209,7 +233,7 @@ class PromptLedger:
                 break
         else:
             return False
-        self.counts["trained"] -= 1
+        self.trained_at[s] -= 1
         self._undo_done(pid)
         return True
 
@@ -229,7 +253,7 @@ class PromptLedger:
     # -- checkpoint state ------------------------------------------------------------------------
     def state(self, step: int | None = None) -> dict:
         """What a run resumed from the checkpoint of ``step`` needs: prompts trained after
-        ``step`` count as not done."""
+        ``step`` count as not done, and the run's counts go on from ``counts``."""
         if self.num_prompts is None:  # no prompt taken yet
             return self.start or {"num_prompts": None, "watermark": 0, "next": 0, "done": [], "trained": []}
         later = {pid for s, ids in self.log.items() if step is not None and s > step for pid in ids}
@@ -242,7 +266,7 @@ class PromptLedger:
         trained = [[s, list(ids)] for s, ids in sorted(self.log.items()) if step is None or s <= step]
         return {"num_prompts": self.num_prompts, "shuffle": self.shuffle, "seed": self.seed,
                 "epoch": watermark // self.num_prompts, "watermark": watermark, "next": self.next_serial,
-                "done": done, "trained": trained}
+                "done": done, "trained": trained, "counts": {**self.counts, "trained": self.trained_by(step)}}
 
     def summary(self) -> dict:
         """Where the stream stands, cheaply (no per-prompt lists): for status and metrics."""

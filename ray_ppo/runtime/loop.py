@@ -303,7 +303,7 @@ def _complete_row(w: _Worker, plan: _StepPlan, over_ranks: Callable[[], dict[str
     thread: reads only what this step handed it (the version in ``own``, not ``w.version``)."""
     metrics = {**drop_absent(over_ranks()), **own}
     if w.rank == 0:
-        metrics.update(w.monitor.metrics(step_s))
+        metrics.update(w.monitor.metrics(step_s, plan.step))
         if plan.last:
             metrics["weights_in_sync"] = verify_makers(w.coordinator, int(own["policy_version"]), fingerprint(state))
         due = samples_due(plan.step, w.cfg.logging.samples_every)

@@ -79,7 +79,11 @@ class PushHeader:
 
 @dataclass(frozen=True)
 class Counters:
-    """Item and prompt accounting. At any time: produced = consumed + in_flight + discarded + lost_in_transit."""
+    """Item and prompt accounting. At any time: produced = consumed + in_flight + discarded + lost_in_transit.
+
+    The item counts are the coordinator's, since it started (a resumed run's start from zero); the
+    prompt counts are the run's, from its prompt ledger (``ray_ppo.runtime.ledger``), which a
+    resumed run restores from its checkpoint."""
 
     produced: int = 0
     """Items makers handed to ``send``."""
@@ -88,7 +92,7 @@ class Counters:
     discarded: int = 0
     """Items dropped because they exceeded ``max_staleness``."""
     lost: int = 0
-    """Prompts handed to a maker that died before sending their items."""
+    """Prompts taken for a maker that died before sending their items."""
     lost_in_transit: int = 0
     """Items sent by a maker that died before a rank fetched them."""
     in_flight: int = 0
@@ -102,7 +106,8 @@ class Counters:
     epochs: int = 0
     """Full passes over the prompt dataset started."""
     prompts_trained: int = 0
-    """Prompts all of whose items were pulled for a step (each counted once)."""
+    """Prompts all of whose items were pulled for a step (each counted once), at steps up to the
+    step asked for (``Coordinator.status(step)``), else at any step so far."""
     prompts_requeued: int = 0
     """Prompts served again: items discarded, lost, or trained in redone steps."""
 

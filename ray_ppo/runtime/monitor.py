@@ -23,10 +23,11 @@ class MakerMonitor:
         self.gaps_seen = 0
         self.engine_gaps = engine_gaps  # vLLM makers: relay their log-prob gap (engine_logprob_gap_*)
 
-    def metrics(self, step_s: float) -> dict[str, float]:
-        """The makers' figures since the previous call (``step_s`` ago), read from the coordinator
-        now (rank 0's report thread: not on the step's path)."""
-        status = ray.get(self.coordinator.status.remote())
+    def metrics(self, step_s: float, step: int) -> dict[str, float]:
+        """The makers' figures since the previous call (``step_s`` ago) and the counters, read from
+        the coordinator now (rank 0's report thread: not on the step's path); ``prompts_trained``
+        counts the prompts trained at steps up to ``step``, not the next step's pulled ahead."""
+        status = ray.get(self.coordinator.status.remote(step))
         makers = status.makers.values()
         totals = {key: sum(getattr(m, key) for m in makers) for key in self.last}
         delta = {key: totals[key] - self.last[key] for key in totals}

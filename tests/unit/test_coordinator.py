@@ -120,11 +120,11 @@ PUSH_CALLS = ("start", "chunk", "end")
 def test_send_then_pull_returns_the_items_in_order():
     async def main():
         coord = coordinator()
-        stats = MakerStats(num_prompts=3, blank=1, truncated=2, num_tokens=6, generate_s=0.5)
+        stats = MakerStats(num_prompts=3, truncated=2, num_tokens=6, generate_s=0.5)
         assert await coord.send(0, items(3), stats) == 3
         c = counters(coord)
         assert (c.produced, c.in_flight, c.consumed) == (3, 3, 0)
-        assert (c.blank_prompts, c.truncated_prompts) == (1, 2)
+        assert c.truncated_prompts == 2  # blank prompts are those of a batch with no item (prompts by identity, below)
         assert coord.status().makers[0].tokens == 6
         assert coord.status().buffered == (3,)
 
@@ -519,6 +519,36 @@ def test_a_pull_ahead_handed_back_is_buffered_again_and_its_prompts_are_not_trai
         assert coord.admission.ahead == {} and coord.data_state(step=1)["trained"] == [[1, [0, 1]]]
         got = await coord.pull(0, 2, trainer_version=0, timeout_s=1.0, step=2)  # the same items, in order
         assert uids(got) == ["u2", "u3"] and coord.status().counters.prompts_trained == 4
+
+    asyncio.run(main())
+
+
+def test_a_steps_counters_count_the_prompts_trained_by_it_and_go_on_after_a_resume():
+    """Step s's metrics row is read while step s + 1's pull ahead is answered: its prompts_trained
+    counts the prompts trained at steps up to s. A coordinator resumed from the checkpoint of a
+    step goes on from the run's prompt counts at it."""
+    async def main():
+        coord = coordinator(num_makers=1, prompt_batch_size=4, items_per_version=8, max_staleness=1, shuffle=False)
+        feed(coord, ["", "p1", "p2", "p3", "p4", "p5", "p6", "p7"])
+        batch = await coord.next_prompts(0)
+        await coord.send(0, answering(batch.ids[1:]), MakerStats(num_prompts=4, prompt_ids=tuple(batch.ids),
+                                                                  blank=1, truncated=2))
+        await coord.pull(0, 2, trainer_version=0, timeout_s=1.0, step=1)
+        await coord.pull(0, 1, trainer_version=0, timeout_s=1.0, step=2, for_version=1)  # ahead, while step 1 trains
+        assert [coord.status(step).counters.prompts_trained for step in (1, 2)] == [2, 3]
+        c = coord.status(1).counters
+        assert (c.prompts_served, c.blank_prompts, c.truncated_prompts, c.lost) == (4, 1, 2, 0)
+
+        resumed = coordinator(num_makers=1, prompt_batch_size=4, items_per_version=8, max_staleness=1,
+                              data_start=coord.data_state(step=1))
+        feed(resumed, ["", "p1", "p2", "p3", "p4", "p5", "p6", "p7"])
+        c = resumed.status(1).counters
+        assert (c.prompts_trained, c.prompts_served, c.blank_prompts, c.truncated_prompts) == (2, 4, 1, 2)
+        batch = await resumed.next_prompts(0)
+        assert batch.ids == [3, 4, 5, 6]  # prompt 3, trained after step 1, is trained again
+        await resumed.send(0, answering(batch.ids), MakerStats(num_prompts=4, prompt_ids=tuple(batch.ids)))
+        await resumed.pull(0, 2, trainer_version=0, timeout_s=1.0, step=2)
+        assert (resumed.status(2).counters.prompts_trained, resumed.status(2).counters.prompts_served) == (4, 8)
 
     asyncio.run(main())
 

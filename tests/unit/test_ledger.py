@@ -32,7 +32,7 @@ def test_a_prompt_is_trained_once_all_its_items_are_pulled_and_blank_ones_are_do
     led.returned(1, [0, 1, 2, 3], [0, 0, 1, 1, 3, 3])  # two samples per prompt; prompt 2 was blank
     assert led.consumed([0, 1], step=1) == 0 and led.consumed([0, 1], step=2) == 2  # a group split over steps
     assert led.consumed([3, 3], step=2) == 1
-    assert led.log == {2: [0, 1, 3]} and led.counts["blank"] == 1 and led.counts["trained"] == 3
+    assert led.log == {2: [0, 1, 3]} and led.counts["blank"] == 1 and led.trained_by() == 3
     assert led.watermark == 4 and led.done == set()
 
 
@@ -43,7 +43,7 @@ def test_discarded_and_lost_prompts_are_served_again_first():
     assert led.requeue([1, 1]) == 1  # discarded as stale: its items are gone
     assert led.maker_lost(1) == 3    # maker 1 died holding 3, 4, 5
     assert led.take(5, maker_id=0) == [1, 3, 4, 5, 6]
-    assert led.counts["requeued"] == 4
+    assert led.counts["requeued"] == 4 and led.counts["lost"] == 3
 
 
 def test_a_checkpoint_counts_only_prompts_trained_by_its_step():
@@ -59,6 +59,46 @@ def test_a_checkpoint_counts_only_prompts_trained_by_its_step():
     assert resumed.take(5, maker_id=0) == [1, 3, 4, 5, 6]  # not done at step 1 (in flight included), then new
 
 
+def test_trained_by_counts_the_prompts_of_a_step_and_not_those_pulled_ahead_for_the_next():
+    """A rank pulls step s + 1's items while step s trains (``trainer.prefetch``): step s's row
+    counts the prompts trained at steps up to s, not those pulled ahead."""
+    led = ledger(10)
+    led.take(6, 0)
+    led.returned(0, list(range(6)), [0, 1, 2, 3, 4, 5])
+    led.consumed([0, 1], step=1)
+    led.consumed([2, 3], step=2)  # pulled ahead while step 1 trained
+    assert (led.trained_by(1), led.trained_by(2), led.trained_by()) == (2, 4, 4)
+    led.unconsumed([2, 3])  # step 1 was the last: the pull ahead is handed back
+    assert (led.trained_by(1), led.trained_by(2)) == (2, 2)
+    led.consumed([2, 3, 4], step=2)
+    led.requeue([4])  # lost in transit: not trained after all
+    assert (led.trained_by(1), led.trained_by(2)) == (2, 4)
+
+
+def test_a_resumed_ledger_counts_the_whole_run():
+    """The counts go into the checkpoint: a resumed run's counts go on from the checkpoint's, and
+    its prompts trained count those trained up to the checkpoint's step (later ones are redone)."""
+    led = ledger(10)
+    led.take(4, 0)
+    led.take(4, 1)
+    led.returned(0, [0, 1, 2, 3], [0, 1, 3], truncated=1)  # prompt 2 was blank
+    led.consumed([0, 1], step=1)
+    led.consumed([3], step=2)  # trained after the checkpoint of step 1: trained again after the resume
+    led.maker_lost(1)  # maker 1 died holding 4, 5, 6, 7
+    counts = {"taken": 8, "blank": 1, "truncated": 1, "lost": 4, "requeued": 4}
+    assert led.counts == counts and led.trained_by() == 3
+    state = json.loads(json.dumps(led.state(step=1)))
+    assert state["counts"] == {**counts, "trained": 2}
+    resumed = PromptLedger(start=state)
+    assert resumed.counts == counts and resumed.trained_by(1) == 2  # before the prompts are loaded
+    resumed.configure(10)
+    ids = resumed.take(3, 0)
+    assert ids == [3, 4, 5]  # not done at step 1 (3 was trained at step 2), then the lost ones
+    resumed.returned(0, ids, ids)
+    resumed.consumed(ids, step=2)
+    assert (resumed.trained_by(1), resumed.trained_by(2), resumed.counts["taken"]) == (2, 5, 11)
+
+
 def test_rewind_serves_again_what_a_lost_worker_group_trained():
     led = ledger(4)
     led.take(4, 0)
@@ -67,7 +107,7 @@ def test_rewind_serves_again_what_a_lost_worker_group_trained():
     led.consumed([2, 3], step=2)
     assert led.watermark == 4
     assert led.rewind(1) == 2  # restarted from the checkpoint of step 1
-    assert led.watermark == 2 and led.log == {1: [0, 1]} and led.counts["trained"] == 2
+    assert led.watermark == 2 and led.log == {1: [0, 1]} and led.trained_by() == 2
     assert led.take(3, 0) == [2, 3, 4]
 
 

@@ -60,8 +60,10 @@ class SlowMonitor:
 
     def __init__(self):
         self.release = threading.Event()
+        self.steps: list[int] = []  # the step of each read (its counters are as of that step)
 
-    def metrics(self, step_s):
+    def metrics(self, step_s, step):
+        self.steps.append(step)
         assert self.release.wait(10)
         return {"maker_idle_ratio": 0.5}
 
@@ -94,6 +96,6 @@ def test_rank_0_completes_and_records_each_row_in_the_background_and_reports_whe
     threading.Timer(0.3, monitor.release.set).start()
     assert report(2) >= 0.2  # due: Ray Train gets the completed row, so the step waited for it
     assert rows.reported == [{"loss": 2.0, "step": 2, "policy_version": 0, "maker_idle_ratio": 0.5}]
-    assert [r["step"] for r in rows.recorded] == [1, 2]  # every row recorded, in order, nan left out
+    assert [r["step"] for r in rows.recorded] == [1, 2] == monitor.steps  # every row recorded, in order, nan left out
     assert all(f"{STALE_KL_PREFIX}3" not in r for r in rows.recorded)
     w.reporter.close()
