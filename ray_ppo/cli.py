@@ -28,7 +28,7 @@ from ray_ppo.core.checkpoint import CheckpointError
 from ray_ppo.data import DataError
 from ray_ppo.preflight import check_run, check_sweep_spec, read_sweep_file
 from ray_ppo.rundir import RunDirError
-from ray_ppo.tracking import counts_summary
+from ray_ppo.tracking import counts_summary, read_metrics
 
 EXIT_USAGE = 2
 
@@ -150,14 +150,22 @@ def _run_outputs(cfg, out_dir: Path, resume_after_step: int | None = None):
 
 
 def _summary(history: list[dict], wall_s: float, out_dir: Path) -> str:
+    """The run's last line, over the whole run: every step in ``out_dir/metrics.jsonl`` (a resumed
+    run's file holds the earlier steps too), and which of them this process trained (``history``,
+    in ``wall_s`` seconds) when that is not all of them."""
     if not history:
         return f"no steps completed in {wall_s:.0f} s"
-    n = max(1, len(history) // 10)
-    first = sum(m["reward_mean"] for m in history[:n]) / n
-    last = sum(m["reward_mean"] for m in history[-n:]) / n
-    samples_per_s = sum(m["samples_per_s"] for m in history) / len(history)
-    counts = counts_summary(history[-1])
-    return (f"done: {len(history)} steps in {wall_s:.0f} s | reward {first:.3f} (first 10%) -> {last:.3f} (last 10%) "
+    metrics = out_dir / "metrics.jsonl"
+    rows = read_metrics(metrics) if metrics.exists() else history
+    n = max(1, len(rows) // 10)
+    first = sum(m["reward_mean"] for m in rows[:n]) / n
+    last = sum(m["reward_mean"] for m in rows[-n:]) / n
+    samples_per_s = sum(m["samples_per_s"] for m in rows) / len(rows)
+    counts = counts_summary(rows[-1])
+    steps = f"{len(rows)} steps"
+    if len(rows) > len(history):
+        steps += f" (steps {history[0]['step']}-{history[-1]['step']} in this process, {len(history)} steps)"
+    return (f"done: {steps} in {wall_s:.0f} s | reward {first:.3f} (first 10%) -> {last:.3f} (last 10%) "
             f"| {samples_per_s:.1f} samples/s | {counts + ' | ' if counts else ''}run dir {out_dir}")
 
 
@@ -212,7 +220,7 @@ def _init_ray(args, dashboard: bool = False) -> None:
 
 
 def cmd_train(args) -> int:
-    from ray_ppo.rundir import claim_run_dir, nothing_to_do, resume_point, stopped_line
+    from ray_ppo.rundir import claim_run_dir, nothing_to_do, resume_point, resuming_line, stopped_line
 
     resume_from, resume_state = None, None
     if args.resume:
@@ -227,6 +235,8 @@ def cmd_train(args) -> int:
     check_run(cfg)
     claim = claim_run_dir(out_dir, resume=bool(args.resume), overwrite=args.overwrite)
     args.run_dir = out_dir
+    if resume_state:
+        print(resuming_line(args.resume, resume_state["step"], resume_from), flush=True)
     import ray  # after pre-flight: importing Ray and Ray Train takes seconds
 
     from ray_ppo.api import PPOTrainer

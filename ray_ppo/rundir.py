@@ -12,11 +12,13 @@
 - ``CheckpointPublisher``: the driver publishes each checkpoint as soon as Ray Train stored it
   (not only after ``fit()`` returns), so Ctrl-C, a crash or ``kill -9`` of the driver leave
   ``RUN_DIR/checkpoint`` on the latest complete checkpoint.
-- ``resume_point``: what ``--resume RUN_DIR`` continues from, with errors that say what to do.
+- ``resume_point``: what ``--resume RUN_DIR`` continues from, with errors that say what to do;
+  ``resuming_line``, the line such a run starts with.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import threading
@@ -95,6 +97,13 @@ def resume_point(run_dir: str | Path) -> tuple[Path, dict]:
         raise RunDirError(f"--resume {run_dir}: the run wrote no checkpoint before it stopped (set "
                           f"trainer.checkpoint_every=N to checkpoint during a run); start it again with --overwrite")
     return checkpoint, validate_checkpoint(checkpoint)
+
+
+def resuming_line(run_dir: str | Path, step: int, checkpoint: Path) -> str:
+    """The line a resumed run starts with: the step it continues from and the checkpoint it
+    holds (``RUN_DIR/checkpoint`` links to ``RUN_DIR/checkpoints/step_<N>``)."""
+    target = checkpoint.parent / os.readlink(checkpoint) if checkpoint.is_symlink() else checkpoint
+    return f"resuming {run_dir} from step {step} (checkpoint {target})"
 
 
 def nothing_to_do(run_dir: str | Path, step: int, total_steps: int) -> str | None:

@@ -39,6 +39,10 @@ def versions_in(run: Path) -> list[int]:
     return [json.loads(line)["policy_version"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def prompts_trained_in(run: Path) -> list[int]:
+    return [json.loads(line)["prompts_trained"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def checkpoint_state(run: Path) -> dict | None:
     try:
         return json.loads((run / "checkpoint" / "state.json").read_text())
@@ -95,6 +99,12 @@ def test_ctrl_c_then_kill_9_and_two_resumes_train_every_prompt_exactly_once(tmp_
     cli = Cli("train", ["--resume", str(run)], tmp_path)
     code, err = cli.wait()
     assert code == 0 and cli.leaked == [], err[-3000:]
+    out, resumed_at = cli.stdout().splitlines(), interrupted[1]["step"]
+    assert f"resuming {run} from step {resumed_at} (checkpoint {run}/checkpoints/step_{resumed_at:08d})" in out
+    assert out[-1].startswith(f"done: {total} steps (steps {resumed_at + 1}-{total} in this process, "
+                              f"{total - resumed_at} steps) in "), out[-1]
+    # the ledger's count at each step, over all three processes (one item per prompt, none blank)
+    assert prompts_trained_in(run) == [8 * step for step in range(1, total + 1)]
     in_flight = [s["data"]["next"] - s["data"]["watermark"] - len(s["data"]["done"]) for s in interrupted]
     assert sum(in_flight) > 0  # prompts handed out but not trained when the checkpoints were taken
     final = checkpoint_state(run)

@@ -37,6 +37,18 @@ def test_summary_counts_prompts_and_items(tmp_path):
     assert counts_summary({"step": 1}) == ""  # the local loop has no coordinator counters
 
 
+def test_the_summary_of_a_resumed_run_covers_the_whole_run_and_says_what_this_process_trained(tmp_path):
+    """metrics.jsonl holds the earlier process's steps 1-4 and this one's 5-6; the history, this one's."""
+    rows = [{**ROW, "step": s, "reward_mean": 0.1 * s, "samples_per_s": float(s), "prompts_served": 16.0 * s}
+            for s in range(1, 7)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    line = _summary(rows[4:], 20.0, tmp_path)
+    assert line == (f"done: 6 steps (steps 5-6 in this process, 2 steps) in 20 s | reward 0.100 (first 10%) -> "
+                    f"0.600 (last 10%) | 3.5 samples/s | 96 prompts: 2 blank, 3 truncated, 0 lost; "
+                    f"16 items discarded | run dir {tmp_path}")
+    assert _summary(rows, 20.0, tmp_path).startswith("done: 6 steps in 20 s | reward 0.100 (first 10%)")
+
+
 class _Tokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(str(i) for i in ids if not skip_special_tokens or i > 2)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ray_ppo.core.checkpoint import publish_checkpoint, write_trainer_state
-from ray_ppo.rundir import RunDirError, claim_run_dir, nothing_to_do, resume_point, stopped_line
+from ray_ppo.rundir import RunDirError, claim_run_dir, nothing_to_do, resume_point, resuming_line, stopped_line
 
 
 def old_run(path):
@@ -62,6 +62,7 @@ def test_resume_messages(tmp_path):
     publish_checkpoint(ckpt, run, step=4)
     directory, state = resume_point(run)
     assert directory == run / "checkpoint" and state["step"] == 4
+    assert resuming_line(run, 4, directory) == f"resuming {run} from step 4 (checkpoint {run}/checkpoints/step_00000004)"
     assert stopped_line("train", run, 5) == (f"ray-ppo train: interrupted after step 5; {run}/checkpoint holds step 4: "
                                              f"resume with: ray-ppo train --resume {run}")
     assert nothing_to_do(run, 4, 10) is None
