@@ -74,8 +74,9 @@ class PPOTrainer(TorchTrainer):
         config: the run's ``Config``.
         prompts: a ``ray.data.Dataset`` of prompts; if None, ``config.data.path`` is read, and
             if that is null too, the toy task's prompts are generated (``config.toy``).
-        run_config: Ray Train ``RunConfig``; by default ``storage_path`` is the run's output
-            directory and ``controller_failure_limit`` is 0 (no infinite retries).
+        run_config: Ray Train ``RunConfig``; by default ``storage_path`` is ``ray_train`` in
+            ``output_dir`` if given, else in ``logging.output_dir`` (the result's checkpoint lies
+            there), and ``controller_failure_limit`` is 0 (no infinite retries).
         metrics_callbacks: called in the driver with each step's metrics, in order.
         scaling_config: overrides the one derived from ``trainer.num_workers`` etc.
         resume_from: a checkpoint directory (``RUN_DIR/checkpoint``) to continue from: weights,
@@ -118,8 +119,9 @@ class PPOTrainer(TorchTrainer):
         # A run name of its own: Ray Train v2 resumes any earlier run stored under the same
         # (storage_path, name), and a fresh fit() must not pick up an old run by accident;
         # resuming is explicit (resume_from).
+        run_dir = self.output_dir or Path(self.ppo_config.output_dir).resolve()
         run_config = run_config or RunConfig(
-            name=f"{config.name}-{self.namespace.rsplit('.', 1)[-1]}", storage_path=str(Path(self.ppo_config.output_dir).resolve() / "ray_train"),
+            name=f"{config.name}-{self.namespace.rsplit('.', 1)[-1]}", storage_path=str(run_dir / "ray_train"),
             failure_config=FailureConfig(max_failures=t.max_failures, controller_failure_limit=0),
             # Ray keeps one more than RUN_DIR needs at 1, so the newest is never deleted
             # before the driver has published it.

@@ -98,6 +98,21 @@ def test_fit_accounts_for_every_item(ray_session, tmp_path, strategy, num_makers
     assert coordinator_logs and not any("blocking ray.get inside async actor" in t for t in coordinator_logs)
 
 
+def test_output_dir_holds_the_checkpoint_and_each_row_counts_the_prompts_trained_by_its_step(ray_session, tmp_path):
+    """``PPOTrainer(cfg, output_dir=DIR)``: Ray Train's storage is DIR/ray_train, so the result's
+    checkpoint lies under DIR (not under ``logging.output_dir``). Step s's ``prompts_trained`` is
+    the prompts trained at steps up to s, not those the rank pulled ahead for step s + 1 while
+    step s trained (``trainer.prefetch``, the default)."""
+    out = tmp_path / "run"
+    cfg = small_config(tmp_path / "config_output_dir", "trainer.total_steps=2", "trainer.train_batch_size=8",
+                       "maker.batch_size=4", "maker.num_makers=1")
+    trainer = PPOTrainer(cfg, output_dir=out)
+    result = trainer.fit()
+    assert Path(result.checkpoint.path).resolve().is_relative_to(out.resolve()), result.checkpoint.path
+    assert not (tmp_path / "config_output_dir").exists()
+    assert [m["prompts_trained"] for m in trainer.history] == [8, 16]  # one item per prompt, none blank
+
+
 def assert_run_files(run: Path) -> None:
     """PPOTrainer(output_dir=...) writes what the CLI writes."""
     from ray_ppo.tracking import read_metrics
