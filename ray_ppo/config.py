@@ -164,11 +164,11 @@ class DataConfig(_Section):
     format: Optional[DataFormat] = Field(None, examples=["csv"], json_schema_extra=_null("to infer it from the file suffix"))
     """File format: csv, parquet or json (JSON Lines); null = infer it from the file suffix."""
     prompt_column: Text = "prompt"
-    """Name of the column that holds the prompt text."""
+    """Name of the column that holds the prompts: strings, or lists of {role, content} chat messages."""
     max_prompt_len: int = Field(64, gt=0)
     """Prompts longer than this many tokens are truncated (and counted)."""
     chat_template: bool = False
-    """Apply the tokenizer's chat template to each prompt."""
+    """Render each string prompt as one user message with the tokenizer's chat template (chat messages always are)."""
     shuffle: bool = True
     """Shuffle the prompts (seeded by the run's seed)."""
 

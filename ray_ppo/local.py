@@ -15,7 +15,7 @@ import torch
 from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, make_kl_controller
 from ray_ppo.core.build import build_actor, build_critic_if_needed, build_experience_maker, resolve_config
 from ray_ppo.config import Config, ConfigError
-from ray_ppo.data import DataError, PromptEncoder, read_prompt_texts
+from ray_ppo.data import DataError, Prompt, PromptEncoder, read_prompt_texts
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.tasks.toy import make_prompts
 from ray_ppo.core.learner import PPOLearner, drop_absent
@@ -26,22 +26,24 @@ MAX_EMPTY_BATCHES = 1000
 """Consecutive prompt batches without a usable prompt before the loop gives up."""
 
 
-def prompt_batches(texts: Sequence[str | None], batch_size: int, shuffle: bool, seed: int) -> Iterator[list]:
+def prompt_batches(prompts: Sequence[Prompt | None], batch_size: int, shuffle: bool, seed: int) -> Iterator[list]:
     """Endless prompt batches, epoch after epoch, reshuffled each epoch."""
-    if not texts:
+    if not prompts:
         raise DataError("the prompt list is empty")
     rng = random.Random(seed)
-    order = list(range(len(texts)))
+    order = list(range(len(prompts)))
     while True:
         if shuffle:
             rng.shuffle(order)
         for start in range(0, len(order), batch_size):
-            yield [texts[i] for i in order[start:start + batch_size]]
+            yield [prompts[i] for i in order[start:start + batch_size]]
 
 
-def run_local(cfg: Config, prompts: Sequence[str | None] | None = None,
+def run_local(cfg: Config, prompts: Sequence[Prompt | None] | None = None,
               on_metrics: Callable[[dict], None] | None = None) -> list[dict]:
-    """Train ``cfg.trainer.total_steps`` synchronous PPO steps; returns the per-step metrics."""
+    """Train ``cfg.trainer.total_steps`` synchronous PPO steps; returns the per-step metrics.
+    ``prompts`` (each a ``ray_ppo.runtime.messages.Prompt``: a text or a list of chat messages)
+    default to ``data.path``'s, else the toy task's."""
     cfg = resolve_config(cfg)
     if cfg.maker.engine != "hf":  # the loop's maker shares the learner's live weights: nothing to push
         raise ConfigError(f"the synchronous loop generates with HF only, but maker.engine={cfg.maker.engine!r}; "
@@ -94,7 +96,7 @@ def _collect(maker, encoder: PromptEncoder, batches: Iterator[list], n: int, ver
     while len(items) < n:
         encoded = encoder.encode(next(batches))
         if encoded.ids:
-            items.extend(maker.make_experience(encoded.ids, version, kl_coef)[0])
+            items.extend(maker.make_experience(encoded.ids, version, kl_coef, encoded.prompts)[0])
             batches_without_prompts = 0
         else:
             batches_without_prompts += 1

@@ -12,12 +12,11 @@ to the first usable prompt are read.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Sequence
 
 from ray_ppo.config import Config, ConfigError
-from ray_ppo.data import DataError
+from ray_ppo.data import DataError, Prompt, is_blank, prompt_text, to_prompts
 
 PROBE_PROMPTS = 2
 """Prompts in the probe batch the reward function must answer."""
@@ -36,7 +35,11 @@ class DataPreflightError(PreflightError, DataError):
 
 
 def check_run(cfg: Config, prompts: Any = None) -> None:
-    """Every check that needs no cluster; ``prompts`` (a given dataset) skips the prompt file."""
+    """Every check that needs no cluster; ``prompts`` (a given dataset) skips the prompt file.
+
+    The reward function answers a probe batch of the run's first prompts, of the shape the run
+    gives it. Prompts that pre-flight does not read (a given dataset, a remote URI) give no probe:
+    the function is only imported, and the makers' first batch checks its answers."""
     m = cfg.model
     check_model_path("model.pretrained", m.pretrained)
     for key in ("critic_pretrained", "reward_pretrained"):
@@ -44,12 +47,14 @@ def check_run(cfg: Config, prompts: Any = None) -> None:
             check_model_path(f"model.{key}", getattr(m, key))
     if m.reward_pretrained:
         check_reward_model(m.reward_pretrained)
-    tokenizer = load_tokenizer_checked("model.tokenizer" if m.tokenizer else "model.pretrained", m.tokenizer or m.pretrained)
+    tokenizer_path = m.tokenizer or m.pretrained
+    tokenizer = load_tokenizer_checked("model.tokenizer" if m.tokenizer else "model.pretrained", tokenizer_path)
     if cfg.data.chat_template:
-        check_chat_template(tokenizer, m.tokenizer or m.pretrained)
-    texts = first_prompts(cfg) if prompts is None else []
+        check_chat_template(tokenizer, tokenizer_path)
+    found = first_prompts(cfg) if prompts is None else []
+    check_chat_messages(tokenizer, tokenizer_path, found, cfg.data.path)
     if m.reward_fn and not m.reward_pretrained:
-        check_reward_fn(m.reward_fn, texts or ["1 2 3", "hello"])
+        check_reward_fn(m.reward_fn, found)
 
 
 # -- models ---------------------------------------------------------------------------------------
@@ -112,11 +117,20 @@ def check_chat_template(tokenizer, path: str) -> None:
                              f"set data.chat_template=false, or model.tokenizer to a chat model's tokenizer")
 
 
+def check_chat_messages(tokenizer, path: str, prompts: Sequence[Prompt], data_path: str | None) -> None:
+    """Chat prompts need the tokenizer's chat template, whatever ``data.chat_template`` says."""
+    if any(not isinstance(p, str) for p in prompts) and not getattr(tokenizer, "chat_template", None):
+        raise PreflightError(f"data.path={data_path!r} holds chat messages, but the tokenizer of {path!r} has no "
+                             f"chat template to render them; set model.tokenizer to a chat model's tokenizer, or "
+                             f"write the prompts as strings")
+
+
 # -- reward function ------------------------------------------------------------------------------
 
 
-def check_reward_fn(spec: str, prompts: Sequence[str]) -> None:
-    """``spec`` imports, and answers a probe batch with one finite number per response."""
+def check_reward_fn(spec: str, prompts: Sequence[Prompt]) -> None:
+    """``spec`` imports, and answers a probe batch of ``prompts`` (up to ``PROBE_PROMPTS``, as the run
+    gives them; none: no probe) with one finite number per response."""
     from ray_ppo.core.experience import reward_problem
     from ray_ppo.core.models.hf import load_reward_fn
 
@@ -126,13 +140,18 @@ def check_reward_fn(spec: str, prompts: Sequence[str]) -> None:
         raise PreflightError(f"model.reward_fn={spec!r} {_import_problem(e)}; set model.reward_fn to "
                              f"module:function of an importable module (e.g. ray_ppo.tasks.toy:reward)") from None
     probe = list(prompts[:PROBE_PROMPTS])
-    responses = ["" if i % 2 == 0 else p for i, p in enumerate(probe)]  # an empty and a non-empty response
+    if not probe:
+        return
+    # an empty and a non-empty response (the prompt's own text)
+    responses = ["" if i % 2 == 0 else prompt_text(p) for i, p in enumerate(probe)]
     try:
         scores = fn(probe, responses)
     except Exception as e:
+        shapes = "strings" if all(isinstance(p, str) for p in probe) else \
+            'prompts as lists of {"role", "content"} chat messages and responses as strings'
         raise PreflightError(f"model.reward_fn={spec!r} raised {type(e).__name__}: {_first_line(e)} on a probe "
                              f"batch of {len(probe)} prompts (e.g. {probe[0]!r}); fix the function so it "
-                             f"accepts (prompts, responses) lists of strings") from None
+                             f"accepts (prompts, responses) lists of {shapes}") from None
     problem = reward_problem(scores, len(responses))
     if problem:
         message, i = problem
@@ -154,11 +173,12 @@ def _import_problem(e: Exception) -> str:
 # -- prompt data ----------------------------------------------------------------------------------
 
 
-def first_prompts(cfg: Config) -> list[str]:
+def first_prompts(cfg: Config) -> list[Prompt]:
     """Up to ``PROBE_PROMPTS`` non-blank prompts of the run's data (the toy prompts without a file).
 
-    Checks that a local prompt file reads as its format, has ``data.prompt_column`` and at least
-    one non-blank prompt. A remote URI is left to Ray Data."""
+    Checks that a local prompt file reads as its format, has ``data.prompt_column``, holds prompts
+    (strings or lists of chat messages) in the rows read, and at least one non-blank prompt. A
+    remote URI is left to Ray Data."""
     d = cfg.data
     if not d.path:
         from ray_ppo.tasks.toy import make_prompts
@@ -170,7 +190,7 @@ def first_prompts(cfg: Config) -> list[str]:
 
     fmt = infer_format(d.path, d.format)
     files = _data_files(Path(d.path), fmt)
-    found: list[str] = []
+    found: list[Prompt] = []
     rows = 0
     for path in files:
         file_found, file_rows = _scan_file(path, fmt, d.prompt_column, d.path)
@@ -198,28 +218,31 @@ def _data_files(path: Path, fmt: str) -> list[Path]:
     return files
 
 
-def _scan_file(path: Path, fmt: str, column: str, shown: str) -> tuple[list[str], int]:
+def _scan_file(path: Path, fmt: str, column: str, shown: str) -> tuple[list[Prompt], int]:
     """Non-blank prompts (up to ``PROBE_PROMPTS``) of one file and the rows read for them, with one-line
-    errors for what is unreadable."""
+    errors for what is unreadable or no prompt."""
     if path.stat().st_size == 0:
         raise DataPreflightError(f"data.path={shown!r}: {path.name} is empty (0 bytes); give a {fmt} file with a "
                              f"{column!r} column and one prompt per row")
     if fmt != "parquet" and b"\0" in path.open("rb").read(BINARY_SNIFF_BYTES):
         raise DataPreflightError(f"data.path={shown!r}: {path.name} is binary, not {fmt} text; give a {fmt} file, "
                              f"or set data.format to the file's real format (csv, parquet, json)")
-    found: list[str] = []
+    found: list[Prompt] = []
     rows = 0
+    where = f"data.prompt_column={column!r} of {shown!r}" + ("" if str(path) == shown else f" ({path.name})")
     try:
         for columns, values in _chunks(path, fmt, column):
             if column not in columns:
                 raise DataPreflightError(f"data.prompt_column={column!r} is not a column of {shown!r}; columns "
                                      f"present: {list(columns)}; set data.prompt_column to one of them")
-            found += [str(v) for v in values if _usable(v)]
+            found += [p for p in to_prompts(values, where, first_row=rows + 1) if not is_blank(p)]
             rows += len(values)
             if len(found) >= PROBE_PROMPTS:
                 break
     except PreflightError:
         raise
+    except DataError as e:  # a value that is no prompt
+        raise DataPreflightError(str(e)) from None
     except UnicodeDecodeError:
         raise DataPreflightError(f"data.path={shown!r}: {path.name} is not UTF-8 text ({_first_non_utf8(path)}); "
                              f"re-save it as UTF-8") from None
@@ -242,13 +265,6 @@ def _first_non_utf8(path: Path, block: int = 1 << 20) -> str:
                 return f"byte 0x{e.object[e.start]:02x} at offset {offset + e.start}"
             offset += len(data)
     return "truncated at the end"
-
-
-def _usable(value: Any) -> bool:
-    """A prompt the makers will not skip: not missing (None, NaN), not blank."""
-    if value is None or isinstance(value, float) and math.isnan(value):
-        return False
-    return bool(str(value).strip())
 
 
 def _chunks(path: Path, fmt: str, column: str):

@@ -25,9 +25,12 @@ def samples_due(step: int, every: int) -> bool:
 
 
 def pick_samples(items: Sequence[Any], tokenizer, step: int, n: int = SAMPLES_PER_STEP) -> list[dict]:
-    """The first ``n`` items of a step as {step, prompt, response, reward, policy_version, uid}, decoded
-    without special tokens."""
-    return [{"step": step, "prompt": tokenizer.decode(it.prompt_ids.tolist(), skip_special_tokens=True),
+    """The first ``n`` items of a step as {step, prompt, response, reward, policy_version, uid}. The
+    prompt is the item's as the data gave it (``ExperienceItem.prompt``: a text, or a list of chat
+    messages, which ``samples.jsonl`` holds as JSON), or its token ids decoded for an item made from
+    token ids alone; the response is decoded without special tokens."""
+    return [{"step": step, "prompt": it.prompt if it.prompt is not None else
+             tokenizer.decode(it.prompt_ids.tolist(), skip_special_tokens=True),
              "response": tokenizer.decode(it.response_ids.tolist(), skip_special_tokens=True),
              "reward": float(it.reward), "policy_version": int(it.policy_version), "uid": it.uid}
             for it in list(items)[:n]]
@@ -44,7 +47,7 @@ def split_samples(metrics: dict) -> tuple[dict, list[dict]]:
 def samples_markdown(samples: Sequence[dict]) -> str:
     """A Markdown table of samples (TensorBoard renders text summaries as Markdown)."""
     def cell(text: Any) -> str:
-        return str(text).replace("|", "\\|").replace("\n", " ")
+        return (text if isinstance(text, str) else json.dumps(text)).replace("|", "\\|").replace("\n", " ")
     rows = [f"| {cell(s['prompt'])} | {cell(s['response'])} | {s['reward']:.3f} |" for s in samples]
     return "\n".join(["| prompt | response | reward |", "|---|---|---|", *rows])
 

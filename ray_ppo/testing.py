@@ -34,12 +34,14 @@ class WaitingExperienceMaker:
         self.kl_coef = cfg.ppo.kl_coef  # set by weight pushes, as on a real maker
         self.name, self.waits, self.response_len, self.batches = name, tuple(waits), response_len, 0
 
-    def make_experience(self, prompt_ids: list[list[int]], policy_version: int, kl_coef: float | None = None):
+    def make_experience(self, prompt_ids: list[list[int]], policy_version: int, kl_coef: float | None = None,
+                        prompts: Sequence | None = None):
         start = time.perf_counter()
         time.sleep(self.waits[min(self.batches, len(self.waits) - 1)])
         waited = time.perf_counter() - start
         self.batches += 1
         items = [ExperienceItem.filled(torch.tensor(ids), torch.full((self.response_len,), 5), reward=0.0,
-                                       policy_version=policy_version, uid=f"{self.name}-{self.batches}-{i}")
+                                       policy_version=policy_version, uid=f"{self.name}-{self.batches}-{i}",
+                                       prompt=None if prompts is None else prompts[i])
                  for i, ids in enumerate(prompt_ids)]
         return items, MakeStats(num_samples=len(items), num_tokens=self.response_len * len(items), generate_s=waited)

@@ -126,25 +126,30 @@ class ExperienceMaker:
         self._counter = 0
 
     @torch.no_grad()
-    def make_experience(self, prompts: Sequence[Sequence[int]], policy_version: int,
-                        kl_coef: float | None = None) -> tuple[list[ExperienceItem], MakeStats]:
+    def make_experience(self, prompt_ids: Sequence[Sequence[int]], policy_version: int,
+                        kl_coef: float | None = None,
+                        prompts: Sequence[str | list[dict]] | None = None) -> tuple[list[ExperienceItem], MakeStats]:
         """One batch of experience from token-id prompts, every item tagged with ``policy_version``:
         ``samples_per_prompt`` items per prompt, each prompt's items next to each other. Rewards
         are shaped with ``kl_coef``, the trainer's current coefficient (its KL controller owns it:
-        ``ray_ppo.runtime.messages``); None means the initial ``ppo.kl_coef``."""
+        ``ray_ppo.runtime.messages``); None means the initial ``ppo.kl_coef``. ``prompts``: each
+        prompt as the data gave it (``ray_ppo.runtime.messages.Prompt``), which the reward function
+        receives and each item carries (``ExperienceItem.prompt``); None: the reward function
+        receives the decoded ``prompt_ids``."""
         n = self.group_size
-        prompts = [p for p in prompts for _ in range(n)]
-        stats = MakeStats(num_samples=len(prompts))
+        prompt_ids = [p for p in prompt_ids for _ in range(n)]
+        given = None if prompts is None else [p for p in prompts for _ in range(n)]
+        stats = MakeStats(num_samples=len(prompt_ids))
         start = time.perf_counter()
         sampler = self.engine.generate if self.engine is not None else \
             functools.partial(generate, self.actor, log_probs=self.engine_logprobs)
-        rollout = sampler(prompts, self.sampling, self.tokenizer.pad_token_id, self.stop_ids)
+        rollout = sampler(prompt_ids, self.sampling, self.tokenizer.pad_token_id, self.stop_ids)
         if rollout.sequences.device != self.device:
             rollout = Rollout(*(t.to(self.device) if isinstance(t, torch.Tensor) else t
                                 for t in dataclasses.astuple(rollout)))
         stats.generate_s = time.perf_counter() - start
         start = time.perf_counter()
-        reward = self._score(rollout)
+        reward = self._score(rollout, given)
         kl_coef = self.ppo.kl_coef if kl_coef is None else kl_coef
         batch = self._to_batch(rollout, reward, policy_version, kl_coef, stats).to("cpu")
         stats.score_s = time.perf_counter() - start
@@ -152,6 +157,7 @@ class ExperienceMaker:
         items = batch.split()
         for i, item in enumerate(items):
             item.uid = f"{self.name}-{self._counter}-{i}"
+            item.prompt = None if given is None else given[i]
         self._counter += 1
         return items, stats
 
@@ -160,17 +166,19 @@ class ExperienceMaker:
         """Where rollouts are generated and scored: the actor's device."""
         return model_device(self.actor)
 
-    def _score(self, rollout: Rollout) -> torch.Tensor:
-        """One float32 score per sample (B,), on the rollout's device."""
+    def _score(self, rollout: Rollout, prompts: list | None) -> torch.Tensor:
+        """One float32 score per sample (B,), on the rollout's device. A rule reward receives
+        ``prompts`` (each sample's prompt as the data gave it; without them, the decoded prompts)
+        and the decoded responses."""
         if self.reward_model is not None:
             scores = self.reward_model(rollout.sequences, rollout.attention_mask).float()
             bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
             if bad:
-                prompts, responses = self._decode(rollout)
+                prompts, responses = self._decode(rollout, prompts)
                 self._reward_fault(f"the reward model (model.reward_pretrained) returned {scores[bad[0]].item()}",
                                    bad[0], prompts, responses)
             return scores
-        prompts, responses = self._decode(rollout)
+        prompts, responses = self._decode(rollout, prompts)
         scores = self.reward_fn(prompts, responses)
         problem = reward_problem(scores, len(responses))
         if problem:
@@ -178,12 +186,15 @@ class ExperienceMaker:
                                responses)
         return torch.tensor([float(s) for s in scores], dtype=torch.float32, device=rollout.sequences.device)
 
-    def _decode(self, rollout: Rollout) -> tuple[list[str], list[str]]:
+    def _decode(self, rollout: Rollout, prompts: list | None) -> tuple[list, list[str]]:
+        """(``prompts``, or the decoded prompts without them; the decoded responses)."""
         sequences = rollout.sequences.cpu()  # decoding reads token ids one by one
-        return (self.tokenizer.batch_decode(sequences[:, :rollout.prompt_len], skip_special_tokens=True),
-                self.tokenizer.batch_decode(sequences[:, rollout.prompt_len:], skip_special_tokens=True))
+        responses = self.tokenizer.batch_decode(sequences[:, rollout.prompt_len:], skip_special_tokens=True)
+        if prompts is None:
+            prompts = self.tokenizer.batch_decode(sequences[:, :rollout.prompt_len], skip_special_tokens=True)
+        return prompts, responses
 
-    def _reward_fault(self, problem: str, index: int | None, prompts: list[str], responses: list[str]) -> None:
+    def _reward_fault(self, problem: str, index: int | None, prompts: list, responses: list[str]) -> None:
         where = (f"for prompt {prompts[index]!r} (response {responses[index]!r})" if index is not None
                  else f"for a batch of {len(prompts)} prompts (the first {prompts[0]!r})")
         raise RewardError(f"{problem} {where} in {self.name}; a reward must be one finite float per response")

@@ -41,6 +41,9 @@ class PackedItems:
     policy_version: object
     """(N,) int64 NumPy array."""
     uids: list[str]
+    prompts: list
+    """The prompt of each item as the data gave it (``ExperienceItem.prompt``): a text, a list of
+    chat messages, or None."""
     prompt_id: object = None
     """(N,) int64 NumPy array; None means -1 for every item."""
 
@@ -66,5 +69,5 @@ class PackedItems:
         return cls(arrays=arrays, prompt_offsets=offsets("prompt_ids"), response_offsets=offsets("response_ids"),
                    reward=np.array([it.reward for it in items], dtype=np.float64),
                    policy_version=np.array([it.policy_version for it in items], dtype=np.int64),
-                   uids=[it.uid for it in items],
+                   uids=[it.uid for it in items], prompts=[it.prompt for it in items],
                    prompt_id=np.array([it.prompt_id for it in items], dtype=np.int64))

@@ -30,7 +30,7 @@ from typing import Any
 from ray_ppo.runtime.coordinator_state import Admission, Mailbox, MakerBook, Push, PushRelay, RankBuffers
 from ray_ppo.data import PromptFeed
 from ray_ppo.runtime.ledger import PromptLedger
-from ray_ppo.runtime.messages import Counters, CoordinatorStatus, MakerStats, PromptBatch, PushHeader
+from ray_ppo.runtime.messages import Counters, CoordinatorStatus, MakerStats, Prompt, PromptBatch, PushHeader
 from ray_ppo.runtime.routing import receivers
 from ray_ppo.runtime.transport import ExperienceChunk
 
@@ -370,7 +370,7 @@ class Coordinator:
         """The engine log-prob gaps of the batches recorded after the first ``index``."""
         return self.book.logprob_gaps[index:]
 
-    def _first_prompt(self) -> str | None:
+    def _first_prompt(self) -> Prompt | None:
         return self.feed.first_prompt if self.feed else None
 
     def counters(self, step: int | None = None) -> Counters:

@@ -130,13 +130,13 @@ class MakerWorker:
                 waited_s = time.perf_counter() - start
                 if batch is not None:
                     asked = self.coordinator.next_prompts.remote(self.maker_id)
-                    encoded = self.encoder.encode(batch.texts)
+                    encoded = self.encoder.encode(batch.prompts)
                 if made is not None:
                     self._queue(made)
                     made = None
                 if batch is None:
                     break
-                made = self._make(batch.texts, batch.ids, encoded, waited_s)
+                made = self._make(batch.prompts, batch.ids, encoded, waited_s)
         except Exception as e:  # reported in one line; the full traceback stays in this actor's log
             where = traceback.extract_tb(e.__traceback__)[-1]
             summary = f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})"
@@ -156,22 +156,22 @@ class MakerWorker:
                                    f"{self.cfg.trainer.pull_timeout_s:.0f} s (maker.wait_for_weights=true)")
             time.sleep(poll_s)
 
-    def _make(self, texts: list[str], prompt_ids: list[int], encoded, waited_s: float) -> tuple[list, MakerStats]:
-        """Make one batch of ``encoded`` prompts; returns its items (each carrying its prompt's id)
+    def _make(self, prompts: list, prompt_ids: list[int], encoded, waited_s: float) -> tuple[list, MakerStats]:
+        """Make one batch of ``encoded`` prompts; returns its items (each carrying its prompt and its id)
         and stats, which cover every id of the batch (the coordinator counts the ones without
         items as blank) and the waits since the previous batch: for prompts (admission) and for
         the sender (back-pressure, counted by ``_queue``)."""
         items, made = [], {}
         if encoded.ids:
             with self.model_lock:
-                items, run = self.maker.make_experience(encoded.ids, self.version, self.kl_coef)
+                items, run = self.maker.make_experience(encoded.ids, self.version, self.kl_coef, encoded.prompts)
             if prompt_ids:
                 tag_prompt_ids(items, [prompt_ids[i] for i in encoded.kept])
             self.made += len(items)
             made = dict(generate_s=run.generate_s + run.score_s, num_tokens=run.num_tokens, logprob_gap=run.logprob_gap)
         idle_s, self._unreported_idle_s = waited_s + self._unreported_idle_s, 0.0
         pause_s, self._unreported_pause_s = self._unreported_pause_s, 0.0
-        stats = MakerStats(num_prompts=len(texts), prompt_ids=tuple(prompt_ids), blank=encoded.blank,
+        stats = MakerStats(num_prompts=len(prompts), prompt_ids=tuple(prompt_ids), blank=encoded.blank,
                            truncated=encoded.truncated, idle_s=idle_s, pause_s=pause_s,
                            admission_s=waited_s, **made)  # admission_s: of idle_s, the wait for this batch
         return items, stats

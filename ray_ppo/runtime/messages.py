@@ -4,7 +4,7 @@ Every call between maker, coordinator, trainer ranks and driver passes one of th
 dataclasses (or an ``ExperienceChunk``, ``ray_ppo.runtime.transport``), never a loose dict, so a misspelt
 field fails where it is written instead of silently reading as zero.
 
-  - ``PromptBatch``    coordinator -> maker: the prompts of one work item;
+  - ``PromptBatch``    coordinator -> maker: the prompts of one work item (each a ``Prompt``);
   - ``MakerStats``     maker -> coordinator: what making one batch cost and skipped;
   - ``PushHeader``     trainer rank 0 -> coordinator -> maker: what a weight push carries besides
                        its buckets;
@@ -22,16 +22,22 @@ pushes, passes the controller's value to ``ExperienceMaker.make_experience`` dir
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
+
+Prompt = Union[str, list[dict[str, Any]]]
+"""A prompt as the data gives it: a text, or a chat, a list of messages, each a dict with a str
+``role`` and a str ``content`` (other keys are kept for the chat template). ``ray_ppo.data`` reads
+and checks them."""
 
 
 @dataclass(frozen=True)
 class PromptBatch:
-    """Work item for a maker: raw prompt texts (encoding happens in the maker)."""
+    """Work item for a maker: prompts as the data gave them (``Prompt``; None for a missing one);
+    encoding happens in the maker."""
 
-    texts: list[str]
+    prompts: list[Prompt | None]
     ids: list[int] = field(default_factory=list)
-    """Prompt id of each text (``ray_ppo.runtime.ledger``); the maker tags the items it makes with them."""
+    """Prompt id of each prompt (``ray_ppo.runtime.ledger``); the maker tags the items it makes with them."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +156,7 @@ class CoordinatorStatus:
     """The highest policy version a trainer rank reported (pull) or pushed."""
     data: dict
     """Where the prompt stream stands (``PromptLedger.summary``) and ``first_prompt``, the first
-    prompt served (where a resumed run restarted)."""
+    prompt served (a ``Prompt``: where a resumed run restarted)."""
     buffered: tuple[int, ...]
     """Items in each rank's buffer."""
     makers: dict[int, MakerStatus]

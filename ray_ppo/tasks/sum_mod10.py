@@ -16,6 +16,8 @@ import random
 from pathlib import Path
 from typing import Sequence
 
+from ray_ppo.data import prompt_text
+from ray_ppo.runtime.messages import Prompt
 from ray_ppo.tasks.toy import write_prompts
 
 TARGET_LEN = 4
@@ -30,12 +32,14 @@ def answer(prompt: str) -> str | None:
     return str((int(words[0]) + int(words[1])) % 10)
 
 
-def reward(prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
+def reward(prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]:
     """Rule reward (signature of every ``model.reward_fn``): the share of the first ``TARGET_LEN``
-    response tokens equal to (a + b) mod 10; 0 for a prompt that is not two digits."""
+    response tokens equal to (a + b) mod 10; 0 for a prompt that is not two digits. A prompt is a
+    text or a list of chat messages, whose last message's content is the text read; a response is
+    decoded text."""
     scores = []
     for prompt, response in zip(prompts, responses, strict=True):
-        target = answer(prompt)
+        target = answer(prompt_text(prompt))
         hits = sum(token == target for token in response.split()[:TARGET_LEN]) if target is not None else 0
         scores.append(hits / TARGET_LEN)
     return scores

@@ -15,15 +15,19 @@ import random
 from pathlib import Path
 from typing import Sequence
 
+from ray_ppo.data import prompt_text
+from ray_ppo.runtime.messages import Prompt
+
 TARGET_LEN = 8
 """Number of response tokens that count towards the reward."""
 
 
-def reward(prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
+def reward(prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]:
     """Rule reward of the toy task (signature of every ``model.reward_fn``).
 
     Args:
-        prompts: decoded prompts, special tokens removed.
+        prompts: each response's prompt as the data gave it: a text, or a list of chat messages
+            (``ray_ppo.runtime.messages.Prompt``), whose last message's content is the text read.
         responses: decoded responses, special tokens removed.
 
     Returns:
@@ -32,7 +36,7 @@ def reward(prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
     """
     scores = []
     for prompt, response in zip(prompts, responses, strict=True):
-        words = prompt.split()
+        words = prompt_text(prompt).split()
         target = words[-1] if words else None
         hits = sum(token == target for token in response.split()[:TARGET_LEN])
         scores.append(hits / TARGET_LEN)

@@ -602,7 +602,7 @@ def test_a_batch_read_for_a_maker_that_restarted_meanwhile_is_counted_lost_and_s
         assert (c.prompts_served, c.lost, coord.status().makers[0].reserved) == (4, 4, 0)
         assert c.prompts_requeued == 4  # given back to the ledger
         batch = await coord.next_prompts(0)  # the restarted maker's own calls are served: the same prompts
-        assert (batch.texts, batch.ids) == (["a", "b", "c", "d"], [0, 1, 2, 3])
+        assert (batch.prompts, batch.ids) == (["a", "b", "c", "d"], [0, 1, 2, 3])
         assert coord.status().makers[0].reserved == 4
 
     asyncio.run(main())
@@ -785,7 +785,7 @@ def test_the_coordinator_follows_prompts_by_identity_until_trained():
         coord = coordinator(num_makers=2, prompt_batch_size=2, items_per_version=8, max_staleness=1, shuffle=False)
         feed(coord, [f"p{i}" for i in range(6)])
         a, b = await coord.next_prompts(0), await coord.next_prompts(1)
-        assert (a.ids, b.ids, a.texts) == ([0, 1], [2, 3], ["p0", "p1"])
+        assert (a.ids, b.ids, a.prompts) == ([0, 1], [2, 3], ["p0", "p1"])
         await coord.send(1, answering([2]), MakerStats(num_prompts=2, prompt_ids=(2, 3)))  # prompt 3 was blank
         await coord.send(0, answering([0, 1]), MakerStats(num_prompts=2, prompt_ids=(0, 1)))
         await coord.pull(0, 2, trainer_version=0, timeout_s=1.0, step=1)  # prompts 2 and 0, in arrival order

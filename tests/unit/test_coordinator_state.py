@@ -212,7 +212,7 @@ def test_prompt_feed_serves_by_identity_across_epochs():
     assert not feed.loaded
     feed.load(feed.read())
     first = feed.next(maker_id=0, n=2)
-    assert (first.texts, first.ids, feed.epochs) == (["a", "b"], [0, 1], 1)
+    assert (first.prompts, first.ids, feed.epochs) == (["a", "b"], [0, 1], 1)
     second = feed.next(maker_id=1, n=2)  # wraps into the second epoch: always n prompts
-    assert (second.texts, len(second.ids), feed.served, feed.epochs) == (["c", "a"], 2, 4, 2)
+    assert (second.prompts, len(second.ids), feed.served, feed.epochs) == (["c", "a"], 2, 4, 2)
     assert feed.first_prompt == "a"

@@ -50,13 +50,16 @@ class ExperienceItem:
     prompt_id: int = -1
     """Identity of the prompt the item answers (``ray_ppo.runtime.ledger``; several items may share one);
     -1 outside a prompt stream."""
+    prompt: str | list[dict] | None = None
+    """The prompt the item answers as the data gave it (``ray_ppo.runtime.messages.Prompt``: a text
+    or a list of chat messages); None for an item made from token ids alone."""
 
     @classmethod
     def filled(cls, prompt_ids: torch.Tensor, response_ids: torch.Tensor,
                per_token: Callable[[str], torch.Tensor] | None = None, **fields) -> ExperienceItem:
         """An item whose per-token fields (``PER_TOKEN_FIELDS``) are ``per_token(name)``, zeros by
         default: for tests and benchmarks that need items without a model. ``fields`` gives the
-        others (``reward``, ``policy_version``, ``uid``, ``prompt_id``)."""
+        others (``reward``, ``policy_version``, ``uid``, ``prompt_id``, ``prompt``)."""
         make = per_token or (lambda name: torch.zeros(response_ids.numel()))
         return cls(prompt_ids=prompt_ids, response_ids=response_ids, **{name: make(name) for name in PER_TOKEN_FIELDS},
                    **fields)
@@ -201,6 +204,6 @@ def unpack(packed: PackedItems, start: int = 0, stop: int | None = None) -> list
         out.append(ExperienceItem(prompt_ids=fields["prompt_ids"][p0:p1],
                                   **{name: fields[name][r0:r1] for name in ("response_ids", *PER_TOKEN_FIELDS)},
                                   reward=float(packed.reward[i]), policy_version=int(packed.policy_version[i]),
-                                  uid=packed.uids[i],
+                                  uid=packed.uids[i], prompt=packed.prompts[i],
                                   prompt_id=-1 if packed.prompt_id is None else int(packed.prompt_id[i])))
     return out
