@@ -24,30 +24,22 @@ from pathlib import Path
 if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or (Path.home() / ".ray" / "auth_token").exists():
     os.environ.setdefault("RAY_AUTH_MODE", "token")
 
-from ray.job_submission import JobStatus, JobSubmissionClient  # noqa: E402
+from ray.job_submission import JobStatus  # noqa: E402
+
+from ray_ppo.readiness import job_client, submit_job  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
-
-
-def submit(client: JobSubmissionClient, entrypoint: str, ready_timeout_s: float = 120) -> str:
-    """Submit, retrying while a freshly started head's job agent is not up yet."""
-    deadline = time.monotonic() + ready_timeout_s
-    while True:
-        try:
-            return client.submit_job(entrypoint=entrypoint, runtime_env={
-                "working_dir": str(REPO), "excludes": [".venv", ".venv-colossalai", "runs", ".git", "*.egg-info", "tests"]})
-        except RuntimeError as e:
-            if "No available agent" not in str(e) or time.monotonic() > deadline:
-                raise
-            time.sleep(2)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--address", default="http://127.0.0.1:8265", help="the cluster's dashboard address")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--timeout-s", type=float, default=600, help="how long the job may run")
+    parser.add_argument("--ready-timeout-s", type=float, default=None,
+                        help="how long to wait for the cluster's dashboard and job agent to come up "
+                             "(default: $RAY_PPO_SERVICE_READY_TIMEOUT_S, else 600)")
     parser.add_argument("--output", default=None,
                         help="the run directory on the cluster (default: a new /tmp/ray_ppo_job-<time>; ray-ppo refuses "
                              "a directory that already holds a run)")
@@ -56,10 +48,12 @@ def main() -> int:
     args = parser.parse_args()
     output = args.output or f"/tmp/ray_ppo_job-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
-    client = JobSubmissionClient(args.address)
-    job_id = submit(client, entrypoint=shlex.join([
+    client = job_client(args.address, args.ready_timeout_s)
+    job_id = submit_job(client, args.ready_timeout_s, entrypoint=shlex.join([
         "python", "-m", "ray_ppo.cli", "train", "--config", "configs/tiny.yaml", "--address", "auto",
-        "--output", output, f"trainer.total_steps={args.steps}", *args.overrides]))
+        "--output", output, f"trainer.total_steps={args.steps}", *args.overrides]), runtime_env={
+        "working_dir": str(REPO), "excludes": [".venv", ".venv-colossalai", ".venv-vllm", ".venv-trl", "runs", ".git",
+                                               "*.egg-info", "tests"]})
     print(f"submitted {job_id} (run directory {output})")
     deadline = time.monotonic() + args.timeout_s
     while (status := client.get_job_status(job_id)) not in TERMINAL:

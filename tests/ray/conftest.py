@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from ray_ppo.readiness import wait_for_state_api
+
 RAY_NUM_CPUS = 8
 """Logical CPUs: more than the 2 cores, so fractional makers, a trainer and read tasks all fit."""
 
@@ -21,5 +23,6 @@ def ray_session(tmp_path_factory):
     # and Ray Train frees a stopped trial's worker-group CPUs only through the state API it serves.
     ray.init(address="local", num_cpus=RAY_NUM_CPUS, include_dashboard=True, dashboard_host="127.0.0.1",
              log_to_driver=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    wait_for_state_api()  # up seconds after ray.init, minutes after on a loaded machine
     yield ray
     ray.shutdown()

@@ -67,7 +67,8 @@ def test_a_trial_that_tune_stops_early_leaves_no_cpus_reserved(ray_session, tmp_
 
     from ray.tune.schedulers import FIFOScheduler
 
-    from ray_ppo.sweep import cleaner_can_see, sweep
+    from ray_ppo.readiness import dashboard_url
+    from ray_ppo.sweep import sweep
 
     class StopAtFirstResult(FIFOScheduler):
         def on_trial_result(self, tune_controller, trial, result):
@@ -76,7 +77,7 @@ def test_a_trial_that_tune_stops_early_leaves_no_cpus_reserved(ray_session, tmp_
     def reserved() -> list:
         return [pg["bundles"] for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED"]
 
-    assert cleaner_can_see()
+    assert dashboard_url()  # the session's cluster serves the state API (tests/ray/conftest.py waits for it)
     before = reserved()
     cfg = small_config(tmp_path, "logging.report_every=1")
     outcome = sweep(cfg, {"ppo.kl_coef": 0.05}, scheduler=StopAtFirstResult(), output_dir=str(tmp_path / "sweep"))
