@@ -30,6 +30,8 @@ from ray_ppo.data import check_prompt_column, read_prompt_dataset
 from ray_ppo.runtime.maker import maker_actor_class
 from ray_ppo.runtime.messages import CoordinatorStatus, RunHandles
 from ray_ppo.preflight import check_run
+from ray_ppo.cluster import start_local_cluster
+from ray_ppo.resources import ResourcePlan, check_fits, cluster_can_grow
 from ray_ppo.rundir import CheckpointPublisher
 from ray_ppo.samples import split_samples
 from ray_ppo.tasks.toy import make_prompts
@@ -95,13 +97,16 @@ class PPOTrainer(TorchTrainer):
             interrupted. False: they are owned by the process that calls ``fit()``, and Ray also
             removes them when that process dies without a clean-up (a Tune trial that ASHA stops:
             ``ray_ppo.sweep`` runs its trials so).
+        show_resources: print the run's resource plan when ``fit()`` starts (``ray_ppo.resources``;
+            a sweep prints none per trial). A plan the cluster cannot hold is refused either way
+            (``ResourceError``), unless the cluster may grow (one this process did not start).
     """
 
     def __init__(self, config: Config, prompts: Any = None, *, run_config: RunConfig | None = None,
                  metrics_callbacks: Sequence[MetricsCallback] = (), scaling_config: ScalingConfig | None = None,
                  resume_from: str | Path | None = None, output_dir: str | Path | None = None,
                  experience_maker_factory: Callable | None = None, learner_factory: Callable | None = None,
-                 detached: bool = True, **trainer_kwargs):
+                 detached: bool = True, show_resources: bool = True, **trainer_kwargs):
         self.ppo_config = resolve_config(config)
         self.output_dir = Path(output_dir).resolve() if output_dir is not None else None
         self.resume_state = validate_checkpoint(resume_from) if resume_from else None
@@ -111,6 +116,7 @@ class PPOTrainer(TorchTrainer):
         self.metrics_callbacks = list(metrics_callbacks)
         self.experience_maker_factory = experience_maker_factory
         self.lifetime = "detached" if detached else None
+        self.show_resources = show_resources
         self.history: list[dict] = []
         t = self.ppo_config.trainer
         worker_resources = {"CPU": t.cpus_per_worker, **({t.node_resource: 1} if t.node_resource else {})}
@@ -150,6 +156,7 @@ class PPOTrainer(TorchTrainer):
         Ctrl-C (``KeyboardInterrupt``) aborts the run within seconds, sets ``interrupted``, and
         is re-raised once the run's actors are gone."""
         check_run(self.ppo_config, self.prompts)  # before any actor starts: one-line errors
+        self._check_resources()
         close_outputs = self._open_outputs()
         try:
             self._start_actors()
@@ -179,6 +186,18 @@ class PPOTrainer(TorchTrainer):
         if result.checkpoint is not None and "step" in result.metrics:  # in case no rank announced it
             publisher.publish(int(result.metrics["step"]), result.checkpoint)
         return result
+
+    def _check_resources(self) -> None:
+        """Refuse a run the cluster cannot hold, in one line (``ray_ppo.resources``), and print
+        the plan. With no cluster connected, a local one starts (``ray_ppo.cluster``)."""
+        if not ray.is_initialized():
+            start_local_cluster()
+        plan = ResourcePlan.of(self.ppo_config, given_dataset=self.prompts is not None)
+        cluster, can_grow = ray.cluster_resources(), cluster_can_grow()
+        check_fits(plan, cluster, can_grow=can_grow)
+        if self.show_resources:
+            pending = "; the rest stays pending until the cluster adds nodes" if plan.cpus > cluster.get("CPU", 0) else ""
+            print(plan.line(cluster) + pending, flush=True)
 
     def _register_sigint_handler(self, controller) -> None:
         """Ray Train's own handler swallows Ctrl-C (it aborts the run and later exits with status

@@ -181,42 +181,21 @@ def _token_auth_if_set_up() -> None:
 
 
 def _init_ray(args, dashboard: bool = False) -> None:
-    """Attach to ``--address``, or start a local cluster. ``dashboard``: the local cluster serves
-    Ray's state API (on loopback), which Ray Train's placement-group cleaner needs (``sweep``)."""
+    """Attach to ``--address``, or start a local cluster (``ray_ppo.cluster``). ``dashboard``: the
+    local cluster serves Ray's state API (on loopback), which Ray Train's placement-group cleaner
+    needs (``sweep``)."""
     import logging
 
     import ray
 
-    # The driver's one Ray Data execution (reading the prompt file's schema) would log its plan and
-    # progress every 10 s; warnings and errors still show.
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    from ray_ppo.cluster import start_local_cluster
+
     if args.address:
+        # The driver's one Ray Data execution would log its plan and progress every 10 s.
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
         ray.init(address=args.address)  # in token mode where one is set up (main: _token_auth_if_set_up)
         return
-    # Ray Train's controller polls workers every 2 s by default and each ray.train.report
-    # waits for that poll; a faster poll keeps reports cheap on a local cluster.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-    # Ray Train starts a PreemptionWatcher actor per worker group to poll for draining nodes: a
-    # local cluster has none to drain, and the watcher's process costs ~2.6 s of CPU at every
-    # fit() start on a 2-core machine. A cluster given with --address keeps it.
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-    # Worker logs stay in the Ray session directory; errors reach the driver as exceptions.
-    # address="local": always a new local cluster, even if another one runs on this machine
-    # (a plain ray.init() would attach to it); use --address to attach on purpose.
-    num_cpus = args.num_cpus or max(8, os.cpu_count() or 1)
-    # The raylet starts at most min(cores, num_cpus) worker processes at a time and, once 4x that
-    # many have started, prints "N PYTHON worker processes have been started ... 4x the maximum
-    # expected startup concurrency" to the driver's stdout: one fit() with 2 makers starts ~10
-    # (coordinator, makers, Ray Train's controller and workers, a read task) on a 2-core machine.
-    # Allowing num_cpus at a time removes the warning and, measured with benchmarks/startup.py,
-    # leaves start-up as it was (first trained step 27.3 vs 26.8 s).
-    os.environ.setdefault("RAY_worker_maximum_startup_concurrency", str(int(num_cpus)))
-    # No dashboard for one run: the run's placement groups end with the job. A sweep needs it (see
-    # ray_ppo.sweep.cleaner_can_see): Tune ends an early-stopped trial's process, its Ray Train
-    # controller dies with it, and only the dashboard's state API lets Ray Train see that and free
-    # the worker group's CPUs.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, log_to_driver=False,
-             **({"dashboard_host": "127.0.0.1"} if dashboard else {}))
+    start_local_cluster(args.num_cpus, dashboard=dashboard)
 
 
 def cmd_train(args) -> int:
@@ -233,6 +212,12 @@ def cmd_train(args) -> int:
         print(line)
         return 0
     check_run(cfg)
+    if not args.address:  # the local cluster's CPUs are known before it starts (GPUs: once it has)
+        from ray_ppo.cluster import local_cpus
+        from ray_ppo.resources import ResourcePlan, check_fits
+
+        check_fits(ResourcePlan.of(cfg), {"CPU": local_cpus(args.num_cpus), "GPU": math.inf},
+                   where="the local cluster (--num-cpus)")
     claim = claim_run_dir(out_dir, resume=bool(args.resume), overwrite=args.overwrite)
     args.run_dir = out_dir
     if resume_state:
@@ -312,7 +297,6 @@ def cmd_tune(args) -> int:
         scheduler = ASHAScheduler(time_attr="step", max_t=cfg.trainer.total_steps,
                                   grace_period=max(1, cfg.logging.report_every))
     _init_ray(args, dashboard=True)
-    _quiet_tune()  # after the cluster started: its processes keep their own setting
     start = time.perf_counter()
     try:
         outcome = sweep(cfg, {k: tune.grid_search(v) for k, v in spec["grid"].items()}, metric=spec["metric"],
@@ -327,13 +311,6 @@ def cmd_tune(args) -> int:
           f"{outcome.best_checkpoint} | {len(outcome.trials)} trials in {time.perf_counter() - start:.0f} s | "
           f"{out_dir / 'trials.csv'}, {out_dir / 'sweep.png'}")
     return 0
-
-
-def _quiet_tune() -> None:
-    """Tune's newer output engine prints an experiment header and result paths even at
-    ``verbose=0``; its legacy engine (``RAY_AIR_NEW_OUTPUT=0``) prints nothing at 0. The CLI's
-    process runs one sweep, so it sets this for itself (a user's own setting wins)."""
-    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
 
 
 def cmd_async_search(args) -> int:
@@ -352,7 +329,6 @@ def cmd_async_search(args) -> int:
     out_dir = Path(args.output or f"runs/{cfg.name}-async-search").resolve()
     args.run_dir = out_dir
     _init_ray(args, dashboard=True)
-    _quiet_tune()  # after the cluster started: its processes keep their own setting
     start = time.perf_counter()
     try:
         pick = async_search(cfg, args.async_search, space, num_samples=args.num_samples or 8,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,9 +50,11 @@ class SweepOutcome:
     result_grid: Any                 # ray.tune.ResultGrid
 
 
-def trial_cpus(cfg: Config) -> float:
-    """CPUs one trial's worker group and makers reserve."""
-    return cfg.trainer.num_workers * cfg.trainer.cpus_per_worker + cfg.maker.num_makers * cfg.maker.num_cpus
+def trial_plan(cfg: Config, trials: int = 1):
+    """What ``trials`` trials running side by side reserve (``ray_ppo.resources``)."""
+    from ray_ppo.resources import ResourcePlan
+
+    return ResourcePlan.of(cfg, trials=trials, trial_cpus=TRIAL_DRIVER_CPUS)
 
 
 def _trial(tune_config: dict, base: dict, root: str) -> None:
@@ -72,7 +75,7 @@ def _trial(tune_config: dict, base: dict, root: str) -> None:
     # CPUs; Ray Train then gives up on the worker group after RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S
     # (60 s; measured: a 4-maker trial of `tune --async-search` failed so on 2 busy cores). Two
     # retries of the start ride that out; a request the cluster can never meet still fails, after 3.
-    trainer = PPOTrainer(cfg, output_dir=run_dir, detached=False, run_config=RunConfig(
+    trainer = PPOTrainer(cfg, output_dir=run_dir, detached=False, show_resources=False, run_config=RunConfig(
         name=cfg.name, storage_path=str(run_dir / "ray_train"), callbacks=[TuneReportCallback()],
         failure_config=FailureConfig(max_failures=0, controller_failure_limit=2)))
     trainer.fit()
@@ -80,20 +83,23 @@ def _trial(tune_config: dict, base: dict, root: str) -> None:
 
 def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward_mean", mode: str = "max",
           num_samples: int = 1, scheduler: Any = None, search_alg: Any = None,
-          max_concurrent_trials: int | None = None, output_dir: str | None = None, verbose: int = 1,
-          callbacks: Sequence[Any] = ()) -> SweepOutcome:
+          max_concurrent_trials: int | None = None, output_dir: str | None = None, verbose: int = 0,
+          callbacks: Sequence[Any] | None = None) -> SweepOutcome:
     """Run a Tune sweep of PPO runs; every key of ``param_space`` is a dotted config name.
 
     Trials run side by side as far as ``max_concurrent_trials`` allows (default: as many as the
-    cluster's CPUs fit, see ``trial_cpus``) and queue otherwise. Random sampling (``tune.choice``
+    cluster's CPUs fit, see ``trial_plan``) and queue otherwise; more than the cluster can hold
+    side by side is refused (``ray_ppo.resources.ResourceError``) unless an autoscaler may add nodes. Random sampling (``tune.choice``
     and the like) is seeded by the config's ``seed``, so the same sweep samples the same settings;
     a ``search_alg`` given replaces Tune's generator, and its own seeding. The run's files go to
     ``output_dir`` (default ``runs/<name>-sweep``): ``trials/<id>/`` per trial, plus
-    ``trials.csv`` and ``sweep.png``. ``verbose`` and ``callbacks`` pass to ``tune.RunConfig``
-    (the CLI uses ``verbose=0`` and ``trial_lines``: one line per finished trial; it also sets
-    ``RAY_AIR_NEW_OUTPUT=0`` for its process, since Tune's newer output engine prints a header
-    and result paths even at ``verbose=0``). Ctrl-C raises ``KeyboardInterrupt``, as in ``fit()``
-    (``ctrl_c_aborts``), rather than returning the trials so far as if the sweep were done.
+    ``trials.csv`` and ``sweep.png``. ``verbose`` and ``callbacks`` pass to ``tune.RunConfig``;
+    by default a sweep prints what ``ray-ppo tune`` prints: one line per finished trial
+    (``trial_lines``) and nothing of Tune's own (``verbose=0``, with Tune's legacy output engine,
+    ``RAY_AIR_NEW_OUTPUT=0``, unless the caller set it: the newer one prints a header and result
+    paths even at 0). With no Ray cluster connected, a local one starts, as the CLI's
+    (``ray_ppo.cluster``, with the dashboard). Ctrl-C raises ``KeyboardInterrupt``, as in
+    ``fit()`` (``ctrl_c_aborts``), rather than returning the trials so far as if the sweep were done.
     """
     import ray
     from ray import tune
@@ -101,27 +107,32 @@ def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward
     from ray_ppo.api import resolve_config
     from ray_ppo.plots import plot_sweep, write_trials_csv
     from ray_ppo.preflight import check_run
+    from ray_ppo.cluster import start_local_cluster
+    from ray_ppo.resources import check_fits, cluster_can_grow
     from ray_ppo.tracking import read_metrics
 
     for key, value in param_space.items():  # fail fast on unknown keys, before any trial starts
         base.with_overrides(_overrides({key: _sample_value(value, {} if key == PRESET_KEY else base.get(key))}))
     check_run(base)  # once, before any trial starts
     base = resolve_config(base)
+    if not ray.is_initialized():
+        start_local_cluster(dashboard=True)
+    if callbacks is None:
+        callbacks = [trial_lines(list(param_space), metric, total=_grid_size(param_space) * num_samples)]
     root = Path(output_dir or f"runs/{base.name}-sweep").resolve()
     root.mkdir(parents=True, exist_ok=True)
+    cluster = ray.cluster_resources()
     if max_concurrent_trials is None:
-        max_concurrent_trials = max(1, int(ray.cluster_resources().get("CPU", 1) // max(trial_cpus(base), 1)))
+        max_concurrent_trials = max(1, int(cluster.get("CPU", 1) // max(trial_plan(base).run_cpus, 1)))
+    check_fits(trial_plan(base, max_concurrent_trials), cluster, can_grow=cluster_can_grow())
     if search_alg is None:  # Tune's own, seeded: the same command samples the same settings
         from ray.tune.search import BasicVariantGenerator
 
         # It holds the concurrency limit: Tune ignores TuneConfig's when given a generator.
         search_alg = BasicVariantGenerator(max_concurrent=max_concurrent_trials, random_state=base.seed)
         max_concurrent_trials = None
-    if scheduler is not None and not cleaner_can_see():
-        logger.warning("Ray's state API does not answer on this cluster (started without the dashboard): a trial "
-                       "that the scheduler stops early keeps its Ray Train worker group's CPUs reserved until "
-                       "the sweep ends, and later trials may fail with 'worker group startup timed out'. Start "
-                       "the cluster with the dashboard (ray.init(include_dashboard=True), or `ray start` as is).")
+    if scheduler is not None:
+        wait_for_cleaner()
     trainable = tune.with_resources(tune.with_parameters(_trial, base=base.to_dict(), root=str(root)), {"cpu": TRIAL_DRIVER_CPUS})
     tuner = tune.Tuner(
         trainable, param_space=dict(param_space),
@@ -129,7 +140,7 @@ def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward
                                     search_alg=search_alg, max_concurrent_trials=max_concurrent_trials),
         run_config=tune.RunConfig(name=f"{base.name}-sweep", storage_path=str(root / "tune"), verbose=verbose,
                                   callbacks=list(callbacks)))
-    with ctrl_c_aborts():
+    with ctrl_c_aborts(), scoped_env("RAY_AIR_NEW_OUTPUT", "0", users_wins=True):
         grid = tuner.fit()
     trials = _trial_rows(grid, list(param_space), metric, root)
     write_trials_csv(trials, root / "trials.csv")
@@ -144,6 +155,12 @@ def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward
         trials=trials, result_grid=grid)
 
 
+def _grid_size(param_space: Mapping[str, Any]) -> int:
+    """Trials of one pass over ``param_space``: the product of its grid searches' lengths."""
+    return math.prod(len(v["grid_search"]) for v in param_space.values()
+                     if isinstance(v, Mapping) and "grid_search" in v)
+
+
 @contextlib.contextmanager
 def ctrl_c_aborts():
     """Inside: Ctrl-C aborts a Tune run with ``KeyboardInterrupt``, as it aborts ``fit()``.
@@ -154,9 +171,16 @@ def ctrl_c_aborts():
     printed a gain of nan). ``TUNE_DISABLE_SIGINT_HANDLER=1`` leaves Python's handler in place;
     the trials, owned by the interrupted driver, end with it (the CLI shuts its cluster down).
     """
-    key = "TUNE_DISABLE_SIGINT_HANDLER"
+    with scoped_env("TUNE_DISABLE_SIGINT_HANDLER", "1"):
+        yield
+
+
+@contextlib.contextmanager
+def scoped_env(key: str, value: str, users_wins: bool = False):
+    """Inside: ``os.environ[key] = value`` (kept as it was if ``users_wins`` and it is set); after: as before."""
     previous = os.environ.get(key)
-    os.environ[key] = "1"
+    if not (users_wins and previous is not None):
+        os.environ[key] = value
     try:
         yield
     finally:
@@ -166,20 +190,25 @@ def ctrl_c_aborts():
             os.environ[key] = previous
 
 
-def cleaner_can_see() -> bool:
-    """Whether Ray's state API answers on the connected cluster. Tune ends the process of a trial
-    it stops early (ASHA), and the trial's Ray Train controller dies with it, without removing
-    its worker group's placement group (which lives as long as the sweep's job). Ray Train's
-    placement-group cleaner removes it once it sees the controller dead, and it looks through
-    the state API, which a cluster started without the dashboard lacks (measured: two stopped
-    trials left two 1-CPU placement groups reserved; with the dashboard, none after 10 s)."""
-    from ray.util.state import list_actors
+def wait_for_cleaner() -> None:
+    """Wait until Ray's state API answers, where the cluster has a dashboard to serve it; warn
+    where it has none.
 
-    try:
-        list_actors(limit=1, timeout=10, raise_on_missing_output=False)
-    except Exception:
-        return False
-    return True
+    Tune ends the process of a trial it stops early (ASHA), and the trial's Ray Train controller
+    dies with it, without removing its worker group's placement group (which lives as long as the
+    sweep's job). Ray Train's placement-group cleaner removes it once it sees the controller dead,
+    and it looks through the state API, which a cluster started without the dashboard lacks
+    (two stopped trials left two 1-CPU placement groups reserved; with the dashboard, none after
+    10 s: ``tests/ray/test_async_search.py``)."""
+    from ray_ppo.readiness import dashboard_url, wait_for_state_api
+
+    if dashboard_url():
+        wait_for_state_api()
+        return
+    logger.warning("this Ray cluster runs without the dashboard, so Ray's state API does not answer: a trial that "
+                   "the scheduler stops early keeps its Ray Train worker group's CPUs reserved until the sweep "
+                   "ends, and later trials may fail with 'worker group startup timed out'. Start the cluster "
+                   "with the dashboard (ray.init(include_dashboard=True), or `ray start` as is).")
 
 
 def trial_lines(keys: Sequence[str], metric: str, stream: TextIO | None = None, total: int | None = None) -> Any:

@@ -182,6 +182,17 @@ def test_reward_that_fails_the_probe_stops_fit_before_any_actor(ray_session, tmp
     assert run_namespaces() == before
 
 
+def test_a_run_larger_than_the_cluster_is_refused_before_any_actor(ray_session, tmp_path):
+    """16 makers x 0.5 CPU + a trainer worker + the prompt reader on the session's 8 CPUs: the
+    reader would never run and the trainer's first pull would time out minutes later."""
+    from ray_ppo.resources import ResourceError
+
+    before = run_namespaces()
+    with pytest.raises(ResourceError, match=r"^the run reserves 9.25 CPUs \(16 makers x 0.5 CPU .*\) but the cluster has 8"):
+        PPOTrainer(small_config(tmp_path, "maker.num_makers=16")).fit()
+    assert run_namespaces() == before
+
+
 # One fault through a whole fit (maker -> coordinator -> trainer -> the user's one line); the other
 # faults' messages are checked where they are made (tests/unit/test_failures.py), on the same path.
 @pytest.mark.parametrize("reward, problem", [

@@ -1,11 +1,12 @@
-"""``ray_ppo.sweep.sweep`` up to the point where it hands Tune its trials, without a Ray cluster:
-what Tune is given (the trials themselves run in tests/e2e and tests/ray)."""
+"""``ray_ppo.sweep.sweep`` up to the point where it hands Tune its trials (on the local cluster it
+starts, which runs no trial): what Tune is given (the trials themselves run in tests/e2e and tests/ray)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import ray
 from ray import tune
 from ray.tune.experiment import Experiment
 
@@ -29,6 +30,7 @@ def handed_to_tune(monkeypatch, tmp_path, seed: int, space: dict, num_samples: i
         raise Handed
 
     monkeypatch.setattr(tune, "Tuner", tuner)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0})  # room for 6 trials of tiny.yaml
     cfg = load_config(TINY, [f"seed={seed}", f"logging.output_dir={tmp_path / 'run'}"])
     with pytest.raises(Handed):
         sweep(cfg, space, num_samples=num_samples, max_concurrent_trials=max_concurrent,

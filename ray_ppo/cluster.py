@@ -1,0 +1,58 @@
+"""The local Ray cluster that ``ray-ppo``, ``PPOTrainer.fit()`` and ``sweep()`` start when none is connected.
+
+    start_local_cluster(num_cpus=None, dashboard=False)
+
+Always a new cluster (``address="local"``), never one that already runs on the machine (a plain
+``ray.init()`` would attach to it); attach to one on purpose with ``ray.init(address=...)`` or
+``ray-ppo ... --address``. Worker logs stay in the Ray session directory; errors reach the
+driver as exceptions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+MIN_LOCAL_CPUS = 8
+"""Logical CPUs of a local cluster at least: more than a small machine's cores, so fractional
+makers, a trainer worker and the prompt reader all fit (tiny models need no more)."""
+
+
+def local_cpus(num_cpus: int | None = None) -> int:
+    """Logical CPUs of the local cluster: ``num_cpus`` if given, else max(8, cores)."""
+    return num_cpus or max(MIN_LOCAL_CPUS, os.cpu_count() or 1)
+
+
+def start_local_cluster(num_cpus: int | None = None, dashboard: bool = False) -> None:
+    """Start a local cluster with ``local_cpus(num_cpus)`` logical CPUs; ``dashboard``: it serves
+    Ray's state API (on loopback), which a sweep needs (``ray_ppo.sweep.wait_for_cleaner``), and
+    this returns once the state API answers."""
+    import ray
+
+    # The driver's one Ray Data execution (reading the prompt file's schema) would log its plan and
+    # progress every 10 s; warnings and errors still show.
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    # Ray Train's controller polls workers every 2 s by default and each ray.train.report
+    # waits for that poll; a faster poll keeps reports cheap on a local cluster.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    # Ray Train starts a PreemptionWatcher actor per worker group to poll for draining nodes: a
+    # local cluster has none to drain, and the watcher's process costs ~2.6 s of CPU at every
+    # fit() start on a 2-core machine. A cluster attached to keeps it.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    cpus = local_cpus(num_cpus)
+    # The raylet starts at most min(cores, num_cpus) worker processes at a time and, once 4x that
+    # many have started, prints "N PYTHON worker processes have been started ... 4x the maximum
+    # expected startup concurrency" to the driver's stdout: one fit() with 2 makers starts ~10
+    # (coordinator, makers, Ray Train's controller and workers, a read task) on a 2-core machine.
+    # Allowing num_cpus at a time removes the warning and leaves start-up as it was
+    # (benchmarks/startup.py).
+    os.environ.setdefault("RAY_worker_maximum_startup_concurrency", str(int(cpus)))
+    # No dashboard for one run: the run's placement groups end with the job. A sweep needs it:
+    # Tune ends an early-stopped trial's process, its Ray Train controller dies with it, and only
+    # the dashboard's state API lets Ray Train see that and free the worker group's CPUs.
+    ray.init(address="local", num_cpus=cpus, include_dashboard=dashboard, log_to_driver=False,
+             **({"dashboard_host": "127.0.0.1"} if dashboard else {}))
+    if dashboard:
+        from ray_ppo.readiness import wait_for_state_api
+
+        wait_for_state_api()
