@@ -180,10 +180,10 @@ def _token_auth_if_set_up() -> None:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
-def _init_ray(args, dashboard: bool = False) -> None:
-    """Attach to ``--address``, or start a local cluster (``ray_ppo.cluster``). ``dashboard``: the
+def _init_ray(args, sweep: bool = False) -> None:
+    """Attach to ``--address``, or start a local cluster (``ray_ppo.cluster``). ``sweep``: the
     local cluster serves Ray's state API (on loopback), which Ray Train's placement-group cleaner
-    needs (``sweep``)."""
+    needs in a sweep."""
     import logging
 
     import ray
@@ -195,7 +195,7 @@ def _init_ray(args, dashboard: bool = False) -> None:
         logging.getLogger("ray.data").setLevel(logging.WARNING)
         ray.init(address=args.address)  # in token mode where one is set up (main: _token_auth_if_set_up)
         return
-    start_local_cluster(args.num_cpus, dashboard=dashboard)
+    start_local_cluster(args.num_cpus, sweep=sweep)
 
 
 def cmd_train(args) -> int:
@@ -296,7 +296,7 @@ def cmd_tune(args) -> int:
 
         scheduler = ASHAScheduler(time_attr="step", max_t=cfg.trainer.total_steps,
                                   grace_period=max(1, cfg.logging.report_every))
-    _init_ray(args, dashboard=True)
+    _init_ray(args, sweep=True)
     start = time.perf_counter()
     try:
         outcome = sweep(cfg, {k: tune.grid_search(v) for k, v in spec["grid"].items()}, metric=spec["metric"],
@@ -328,7 +328,7 @@ def cmd_async_search(args) -> int:
     check_run(cfg)
     out_dir = Path(args.output or f"runs/{cfg.name}-async-search").resolve()
     args.run_dir = out_dir
-    _init_ray(args, dashboard=True)
+    _init_ray(args, sweep=True)
     start = time.perf_counter()
     try:
         pick = async_search(cfg, args.async_search, space, num_samples=args.num_samples or 8,

@@ -10,8 +10,10 @@ driver as exceptions.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 
 MIN_LOCAL_CPUS = 8
 """Logical CPUs of a local cluster at least: more than a small machine's cores, so fractional
@@ -23,10 +25,10 @@ def local_cpus(num_cpus: int | None = None) -> int:
     return num_cpus or max(MIN_LOCAL_CPUS, os.cpu_count() or 1)
 
 
-def start_local_cluster(num_cpus: int | None = None, dashboard: bool = False) -> None:
-    """Start a local cluster with ``local_cpus(num_cpus)`` logical CPUs; ``dashboard``: it serves
-    Ray's state API (on loopback), which a sweep needs (``ray_ppo.sweep.wait_for_cleaner``), and
-    this returns once the state API answers."""
+def start_local_cluster(num_cpus: int | None = None, sweep: bool = False, **init_kwargs) -> None:
+    """Start a local cluster with ``local_cpus(num_cpus)`` logical CPUs (``init_kwargs`` go to
+    ``ray.init``). ``sweep``: the cluster serves Ray's state API (the dashboard, on loopback),
+    which a sweep needs (``ray_ppo.sweep.wait_for_cleaner``), and this returns once it answers."""
     import ray
 
     # The driver's one Ray Data execution (reading the prompt file's schema) would log its plan and
@@ -43,16 +45,47 @@ def start_local_cluster(num_cpus: int | None = None, dashboard: bool = False) ->
     # The raylet starts at most min(cores, num_cpus) worker processes at a time and, once 4x that
     # many have started, prints "N PYTHON worker processes have been started ... 4x the maximum
     # expected startup concurrency" to the driver's stdout: one fit() with 2 makers starts ~10
-    # (coordinator, makers, Ray Train's controller and workers, a read task) on a 2-core machine.
-    # Allowing num_cpus at a time removes the warning and leaves start-up as it was
-    # (benchmarks/startup.py).
-    os.environ.setdefault("RAY_worker_maximum_startup_concurrency", str(int(cpus)))
+    # (coordinator, makers, Ray Train's controller and workers, a read task) on a 2-core machine,
+    # and a sweep that many per trial side by side. Allowing num_cpus at a time (twice that for a
+    # sweep) removes the warning and leaves start-up as it was (benchmarks/startup.py).
+    os.environ.setdefault("RAY_worker_maximum_startup_concurrency", str(int(cpus) * (2 if sweep else 1)))
     # No dashboard for one run: the run's placement groups end with the job. A sweep needs it:
     # Tune ends an early-stopped trial's process, its Ray Train controller dies with it, and only
     # the dashboard's state API lets Ray Train see that and free the worker group's CPUs.
-    ray.init(address="local", num_cpus=cpus, include_dashboard=dashboard, log_to_driver=False,
-             **({"dashboard_host": "127.0.0.1"} if dashboard else {}))
-    if dashboard:
-        from ray_ppo.readiness import wait_for_state_api
+    if not sweep:
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, **init_kwargs)
+        return
+    port = free_port()
+    with state_api_named(f"http://127.0.0.1:{port}"):
+        ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+                 dashboard_port=port, log_to_driver=False, **init_kwargs)
+    from ray_ppo.readiness import wait_for_state_api
 
-        wait_for_state_api()
+    wait_for_state_api()
+
+
+API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
+"""Where Ray's state API clients send their calls; without it they look for Ray on the machine."""
+
+
+@contextlib.contextmanager
+def state_api_named(url: str):
+    """Inside: ``$RAY_API_SERVER_ADDRESS`` is ``url``, so the cluster started here hands it to
+    every process it starts. Ray Train's placement-group cleaner calls the state API from a worker
+    without an address: left to look for Ray, it raised "Found multiple active Ray instances"
+    whenever another cluster ran on the machine, and the CPUs of a trial that Tune stopped stayed
+    reserved. A value the caller set is kept."""
+    previous = os.environ.get(API_SERVER_ENV)
+    os.environ.setdefault(API_SERVER_ENV, url)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(API_SERVER_ENV, None)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the dashboard binds it a moment later)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -116,7 +116,7 @@ def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward
     check_run(base)  # once, before any trial starts
     base = resolve_config(base)
     if not ray.is_initialized():
-        start_local_cluster(dashboard=True)
+        start_local_cluster(sweep=True)
     if callbacks is None:
         callbacks = [trial_lines(list(param_space), metric, total=_grid_size(param_space) * num_samples)]
     root = Path(output_dir or f"runs/{base.name}-sweep").resolve()

@@ -29,8 +29,9 @@ def state_api_left_to_find_ray() -> str | None:
 def test_the_state_api_answers_while_another_ray_cluster_runs_on_the_machine(ray_session):
     """A second cluster on the machine (another user's job, or a test's own ``ray start``): the
     state API left to find Ray refuses to choose ("Found multiple active Ray instances"), and a
-    sweep took that for a cluster without the dashboard (its early-stopped trials kept their CPUs).
-    Named by the connected cluster's dashboard, it answers."""
+    sweep took that for a cluster without the dashboard. Named by the connected cluster's
+    dashboard, it answers; and a worker of the cluster, which calls it without an address as Ray
+    Train's placement-group cleaner does (it frees the CPUs of a trial Tune stopped), reaches it."""
     temp_dir = tempfile.mkdtemp(prefix="rp_other_", dir="/tmp")  # short: Ray's socket paths have a length limit
     ray_bin = Path(sys.executable).parent / "ray"
     other = subprocess.Popen([str(ray_bin), "start", "--head", "--block", "--port=6397", f"--temp-dir={temp_dir}",
@@ -42,6 +43,7 @@ def test_the_state_api_answers_while_another_ray_cluster_runs_on_the_machine(ray
             assert other.poll() is None and time.monotonic() < deadline, "the second cluster did not come up"
             time.sleep(1)
         wait_for_state_api(timeout_s=120)
+        assert ray_session.get(ray_session.remote(num_cpus=0)(state_api_left_to_find_ray).remote()) is None
     finally:
         other.terminate()  # `ray start --block` stops the cluster it started
         other.wait(timeout=120)

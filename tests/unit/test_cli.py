@@ -133,7 +133,7 @@ def test_tune_sweeps_the_estimator_and_off_policy_keys(capsys, monkeypatch, tmp_
 
     monkeypatch.setattr(sweep_module, "sweep", fake_sweep)
     dashboards = []
-    monkeypatch.setattr(cli, "_init_ray", lambda args, dashboard=False: dashboards.append(dashboard))
+    monkeypatch.setattr(cli, "_init_ray", lambda args, sweep=False: dashboards.append(sweep))
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     config = str(ROOT / "configs" / "sum_mod10.yaml")
     assert main(["tune", "--config", config, "--output", str(tmp_path), "--grid", "algo.advantage=gae,grpo,rloo,reinforce_pp",
@@ -160,7 +160,7 @@ def test_async_search_refuses_a_bad_budget_or_confirmation_before_starting_a_clu
     import ray_ppo.cli as cli
 
     started = []
-    monkeypatch.setattr(cli, "_init_ray", lambda args, dashboard=False: started.append(dashboard))
+    monkeypatch.setattr(cli, "_init_ray", lambda args, sweep=False: started.append(sweep))
     assert main(["tune", "--config", TINY, *options]) == EXIT_USAGE
     assert message in one_error_line(capsys, "tune")
     assert not started
