@@ -76,7 +76,7 @@ def test_the_cli_refuses_a_local_cluster_too_small_before_it_starts(monkeypatch,
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert err.startswith("ray-ppo train: error: the run reserves 2.25 CPUs")
-    assert "but the local cluster (--num-cpus) has 2;" in err
+    assert "but the local cluster (--num-cpus) has 2, so part of it would wait forever" in err
     assert not (tmp_path / "run").exists()  # refused before the run directory was claimed
 
 
