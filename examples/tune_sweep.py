@@ -26,18 +26,16 @@ def main() -> None:
                         help="config overrides, as `ray-ppo train` takes them (e.g. maker.num_makers=1)")
     args = parser.parse_args()
 
-    # A new local cluster, never an existing one; with the dashboard (on loopback), whose state API
-    # lets Ray Train free the CPUs of a trial that a scheduler stops early (README, "Sweeps").
-    ray.init(address="local", num_cpus=8, include_dashboard=True, dashboard_host="127.0.0.1")
     base = load_config(REPO / "configs" / "tiny.yaml", [f"trainer.total_steps={args.steps}", *args.overrides])
     space = {"ppo.kl_coef": tune.grid_search([float(v) for v in args.kl_coefs.split(",")]),
              "ppo.eps_clip": tune.grid_search([float(v) for v in args.eps_clips.split(",")])}
+    # No cluster is connected, so sweep() starts a local one, as `ray-ppo tune` does: with the
+    # dashboard (on loopback), whose state API lets Ray Train free the CPUs of a trial that a
+    # scheduler stops early (README, "Sweeps with Ray Tune").
     outcome = sweep(base, space,
                     metric="reward_mean", mode="max", max_concurrent_trials=args.max_concurrent,
                     output_dir=args.output)
-    for trial in outcome.trials:
-        print(f"trial {trial['trial_id']} kl_coef={trial['ppo.kl_coef']} eps_clip={trial['ppo.eps_clip']} "
-              f"reward_mean={trial['reward_mean']} {trial['status']}")
+    # sweep() printed a line per trial as it ended; outcome.trials has them all (trials.csv too).
     print(f"best {outcome.best_config} reward_mean={outcome.best_metric:.3f} checkpoint={outcome.best_checkpoint}")
     ray.shutdown()
 

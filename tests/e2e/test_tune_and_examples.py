@@ -76,7 +76,7 @@ def test_example_tune_sweep(tmp_path):
     proc = run([sys.executable, "examples/tune_sweep.py", "--steps", "2", "--kl-coefs", "0.001",
                 "--eps-clips", "0.2", "--output", str(tmp_path / "sweep"), *EXAMPLE_SMALL], timeout=900)
     trials = [line for line in proc.stdout.splitlines() if line.startswith("trial ")]
-    assert len(trials) == 1 and all(line.endswith("TERMINATED") for line in trials)
+    assert len(trials) == 1 and trials[0].startswith("trial 1/1 done: kl_coef=0.001, eps_clip=0.2 | reward_mean ")
     assert "best {'ppo.kl_coef'" in proc.stdout
     configs = list((tmp_path / "sweep").rglob("config.yaml"))  # the trial's run directory
     assert len(configs) == 1 and load_config(configs[0]).maker.num_makers == 1  # the overrides reached the trial
@@ -100,7 +100,7 @@ def head_node():
     # The job's entrypoint runs `python` from the head's PATH: put this venv first, as a cluster
     # image would have its Python with ray_ppo installed.
     env = {**os.environ, "PATH": f"{ray_bin.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    subprocess.run(start, check=True, capture_output=True, text=True, timeout=180, env=env)
+    subprocess.run(start, check=True, capture_output=True, text=True, timeout=600, env=env)  # minutes when loaded
     try:
         yield {"dashboard": f"http://127.0.0.1:{dashboard}", "gcs": f"127.0.0.1:{port}"}
     finally:
@@ -122,7 +122,7 @@ def run_actors(gcs: str) -> list[str]:
             "print(json.dumps(sorted({a['namespace'] for a in ray.util.list_named_actors(all_namespaces=True) "
             "if a['namespace'].startswith('ray_ppo.')})))" % gcs)
     # `ray start --head` turned on token authentication: a plain driver attaches in token mode.
-    proc = run([sys.executable, "-c", code], timeout=120, env={**os.environ, "RAY_AUTH_MODE": "token"})
+    proc = run([sys.executable, "-c", code], timeout=300, env={**os.environ, "RAY_AUTH_MODE": "token"})
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
