@@ -49,7 +49,8 @@ POLL_S = 0.5
 ABORT_WAIT_S = 2.0
 """How long fit() waits for Ray Train's controller to acknowledge an abort (Ctrl-C)."""
 KILL_WAIT_S = 10.0
-"""How long fit() waits for killed actors to disappear from Ray's list of named actors."""
+"""How long fit() waits for a killed actor to be dead (the coordinator: before the makers are
+killed), and for the run's killed actors to disappear from Ray's list of named actors."""
 OUTSIDE_CALLER_PLACEMENT_GROUP = "DEFAULT"
 """Scheduling strategy of the makers: never captured by the caller's placement group (a
 Tune trial's driver holds one sized for itself alone)."""
@@ -64,6 +65,17 @@ def on_driver_node() -> NodeAffinitySchedulingStrategy:
     scheduler it could land on a maker node and die with it, although makers survive that.
     Like the makers it is outside the caller's placement group."""
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def _wait_until_dead(actor: Any, timeout_s: float) -> None:
+    """Wait until Ray has the killed ``actor`` dead (a call to it fails), at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (left_s := deadline - time.monotonic()) > 0:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=left_s)  # answers until the kill has landed
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        time.sleep(0.1)
 
 
 MetricsCallback = Callable[[dict], None]
@@ -318,6 +330,21 @@ class PPOTrainer(TorchTrainer):
         self._loops = {m.run.remote(): i for i, m in self.makers.items()}
         self._loops.update({m.send_loop.remote(): i for i, m in self.makers.items()})
 
+    def _drop_loops(self) -> None:
+        """Forget the makers' loop calls. One still under way is cancelled (Ray does not retry a
+        cancelled call when its maker is killed). One that ended with an error is retrieved and
+        let go, as Ray prints an error that nobody retrieved: ``_watch_makers`` or the maker
+        itself reported it to the coordinator, whose next pull ends the run with it."""
+        done, running = ray.wait(list(self._loops), num_returns=len(self._loops), timeout=0)
+        for ref in running:
+            ray.cancel(ref, recursive=False)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                pass
+        self._loops = {}
+
     def _finish_actors(self) -> None:
         """Tell the coordinator the run is over, let makers drain, keep their summaries."""
         self.final_status = ray.get(self.coordinator.finish.remote(), timeout=SHUTDOWN_TIMEOUT_S)
@@ -326,10 +353,17 @@ class PPOTrainer(TorchTrainer):
         self.final_status = ray.get(self.coordinator.status.remote(), timeout=SHUTDOWN_TIMEOUT_S)
 
     def _kill_actors(self) -> None:
-        """Kill the run's detached actors and wait (briefly) until Ray no longer lists them."""
-        for handle in [*self.makers.values(), self.coordinator]:
-            if handle is not None:
-                ray.kill(handle, no_restart=True)
+        """Kill the run's actors and wait (briefly) until Ray no longer lists them, without a word
+        on the terminal. Ray retries a call that was under way on a maker it kills (makers may
+        restart) and prints a line for each, so nothing calls a maker by then: the driver's loop
+        calls are cancelled (``_drop_loops``), and the coordinator, which relays weight pushes to
+        the makers, is dead before they are killed."""
+        self._drop_loops()
+        if self.coordinator is not None:
+            ray.kill(self.coordinator, no_restart=True)
+            _wait_until_dead(self.coordinator, KILL_WAIT_S)
+        for handle in self.makers.values():
+            ray.kill(handle, no_restart=True)
         self.makers, self.coordinator = {}, None
         deadline = time.monotonic() + KILL_WAIT_S
         while time.monotonic() < deadline and any(

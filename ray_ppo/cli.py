@@ -20,10 +20,11 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from ray_ppo.async_search import FIRST_RUNG
-from ray_ppo.config import ConfigError, load_config
+from ray_ppo.config import ConfigError, ConfigWarning, load_config
 from ray_ppo.core.checkpoint import CheckpointError
 from ray_ppo.data import DataError
 from ray_ppo.preflight import check_run, check_sweep_spec, read_sweep_file
@@ -115,6 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.run_dir = None  # set by a command once its run directory is known
+    _config_warnings_in_one_line(args.command)
     if getattr(args, "address", None):
         _token_auth_if_set_up()  # before anything imports ray: it reads the mode once
     try:
@@ -133,6 +135,22 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"ray-ppo {args.command}: failed: {report_failure(e, args.run_dir)}", file=sys.stderr)
         return 1
+
+
+def _config_warnings_in_one_line(command: str) -> None:
+    """Print a ``ConfigWarning`` as one line, ``ray-ppo COMMAND: warning: ...``, as errors are
+    printed, and each one once (``PPOTrainer.fit`` runs pre-flight again after the command's);
+    any other warning as Python prints it."""
+    show, shown = warnings.showwarning, set()
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, ConfigWarning):
+            show(message, category, filename, lineno, file, line)
+        elif str(message) not in shown:
+            shown.add(str(message))
+            print(f"ray-ppo {command}: warning: {message}", file=sys.stderr, flush=True)
+
+    warnings.showwarning = showwarning
 
 
 def _load(args):
@@ -193,7 +211,10 @@ def _init_ray(args, sweep: bool = False) -> None:
     if args.address:
         # The driver's one Ray Data execution would log its plan and progress every 10 s.
         logging.getLogger("ray.data").setLevel(logging.WARNING)
-        ray.init(address=args.address)  # in token mode where one is set up (main: _token_auth_if_set_up)
+        # As on a local cluster, the workers' logs stay in the cluster's session directory: Ray Train's
+        # workers log every reported metrics dict, and its controller its placement decisions.
+        # Errors reach the driver as exceptions.
+        ray.init(address=args.address, log_to_driver=False)  # in token mode where one is set up (main: _token_auth_if_set_up)
         return
     start_local_cluster(args.num_cpus, sweep=sweep)
 

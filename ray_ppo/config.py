@@ -79,6 +79,11 @@ class ConfigError(ValueError):
         super().__init__(re.sub(r"\s*\n\s*", " ", str(message)))
 
 
+class ConfigWarning(UserWarning):
+    """A valid config with a key that the run does not use as its value suggests. The message is
+    one line: the key, what the run does instead and the fix (the CLI prints it as that line)."""
+
+
 Text = Annotated[str, Field(pattern=r"\S")]
 """A string with at least one non-blank character."""
 
@@ -137,7 +142,7 @@ class ModelConfig(_Section):
     critic_pretrained: Optional[Text] = Field(None, json_schema_extra=_null("to use model.pretrained"))
     """Backbone of the critic (a value head is added); null = model.pretrained."""
     reward_pretrained: Optional[Text] = Field(None, json_schema_extra=_null("to use only model.reward_fn"))
-    """Sequence classifier with one label used as the reward model; null = no reward model."""
+    """Sequence classifier with one label used as the reward model, instead of model.reward_fn; null = no reward model."""
     reward_fn: Optional[str] = Field("ray_ppo.tasks.toy:reward", pattern=_REWARD_FN,
                                      json_schema_extra=_null("to use only model.reward_pretrained"))
     """Rule reward as "module:function", called as fn(prompts, responses) -> list of floats."""

@@ -4,18 +4,20 @@
     check_sweep_spec(spec, path)
 
 Each failed check raises ``PreflightError``, a ``ConfigError`` whose message is one line naming
-the bad value and the fix; the CLI prints it and exits with status 2 before ``ray.init``. The
-checks are cheap: a model's ``config.json`` and its tokenizer are loaded (never its weights), the
-reward function answers one small probe batch, and at most the first rows of the prompt file up
-to the first usable prompt are read.
+the bad value and the fix; the CLI prints it and exits with status 2 before ``ray.init``. A key
+the run will not use (``model.reward_fn`` beside a reward model) gives a ``ConfigWarning``, one
+line too, and the run goes on. The checks are cheap: a model's ``config.json`` and its tokenizer
+are loaded (never its weights), the reward function answers one small probe batch, and at most
+the first rows of the prompt file up to the first usable prompt are read.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-from ray_ppo.config import Config, ConfigError
+from ray_ppo.config import Config, ConfigError, ConfigWarning
 from ray_ppo.data import DataError, Prompt, is_blank, prompt_text, to_prompts
 
 PROBE_PROMPTS = 2
@@ -55,6 +57,17 @@ def check_run(cfg: Config, prompts: Any = None) -> None:
     check_chat_messages(tokenizer, tokenizer_path, found, cfg.data.path)
     if m.reward_fn and not m.reward_pretrained:
         check_reward_fn(m.reward_fn, found)
+    if m.reward_fn and m.reward_pretrained:
+        warn_unused_reward_fn(m.reward_fn)
+
+
+def warn_unused_reward_fn(reward_fn: str) -> None:
+    """A ``ConfigWarning`` that the reward model replaces ``reward_fn``. Its text names no path:
+    the CLI shows a warning once per text, and ``fit()``, which runs pre-flight again after the
+    CLI's, has the reward model's path resolved."""
+    warnings.warn(f"model.reward_pretrained is set, so the reward model scores the responses and "
+                  f"model.reward_fn={reward_fn!r} is not used; set model.reward_fn=null to say so, or "
+                  f"model.reward_pretrained=null to keep the rule reward", ConfigWarning)
 
 
 # -- models ---------------------------------------------------------------------------------------

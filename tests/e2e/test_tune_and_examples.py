@@ -149,6 +149,21 @@ def test_killed_driver_on_a_shared_cluster_leaves_no_actors(head_node, tmp_path)
     assert left == [], f"actors left on the cluster after the driver died: {left}"
 
 
+def test_a_run_on_a_shared_cluster_prints_only_its_own_lines(head_node, tmp_path):
+    """`ray-ppo train --address ...` prints its resource plan, a line per step and its summary:
+    none of the metrics dicts Ray Train's workers log, nor a line per maker call that Ray retries
+    when the run's end kills the makers ("Task MakerWorker.send_loop failed ... killed by
+    `ray.kill`"), nor a traceback of any process on the cluster."""
+    proc = run([sys.executable, "-m", "ray_ppo.cli", "train", "--config", "configs/tiny.yaml",
+                "--address", head_node["gcs"], "--output", str(tmp_path / "run"), *SMALL, "trainer.total_steps=2",
+                "maker.num_makers=1"], env={**os.environ, "RAY_AUTH_MODE": "token"})
+    lines = proc.stdout.splitlines()
+    assert [line.split(" ", 1)[0] for line in lines] == ["resources:", "step", "step", "done:"], proc.stdout
+    assert lines[1].startswith("step 1/2 | ") and lines[2].startswith("step 2/2 | ")
+    for noise in ("{'", "MakerWorker", "ray.kill", "Unhandled error", "Traceback"):
+        assert noise not in proc.stdout + proc.stderr, f"{noise!r} printed:\n{proc.stdout}\n{proc.stderr}"
+
+
 def test_ctrl_c_stops_an_async_search_instead_of_confirming_a_pick(tmp_path):
     """Ctrl-C while a search trial trains: `ray-ppo tune --async-search` exits 130 with one line
     naming its directory, starts no confirmation, and leaves no process of its cluster behind.

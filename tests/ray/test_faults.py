@@ -1,5 +1,6 @@
 """Fault injection on a local CPU cluster: kill a maker, a trainer worker, the coordinator; resume."""
 
+import functools
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ from ray_ppo.api import PPOTrainer
 from ray_ppo.core.checkpoint import validate_checkpoint
 from ray_ppo.config import load_config
 from ray_ppo.runtime.messages import CoordinatorStatus
+from ray_ppo.testing import WaitingExperienceMaker
 
 pytestmark = pytest.mark.ray
 REPO = Path(__file__).parents[2]
@@ -133,6 +135,22 @@ def test_a_run_survives_a_killed_maker_and_trainer_worker_then_resumes_where_it_
         trained = trained_ids(validate_checkpoint(directory))
     assert len(trained) == 10 * 16 == len(set(trained))  # across the resume: no prompt trained twice
     assert resumed.history[-1]["weights_in_sync"] == 1.0
+
+
+def test_a_run_that_fails_mid_batch_ends_with_its_error_and_no_line_per_killed_maker_call(ray_session, tmp_path, capfd):
+    """The run fails (no batch within trainer.pull_timeout_s) while its maker makes its first
+    batch, so fit() kills the maker with its loop calls under way. Ray retries a call to a killed
+    actor that may restart and prints a line for each ("Task MakerWorker.send_loop failed. There
+    are infinite retries remaining ... killed by `ray.kill`"): the run's error is all there is."""
+    stuck = functools.partial(WaitingExperienceMaker, waits=(600.0,))  # its first batch outlasts the run
+    trainer = PPOTrainer(config(tmp_path, "trainer.total_steps=2", "maker.num_makers=1", "trainer.pull_timeout_s=5"),
+                         experience_maker_factory=stuck)
+    with pytest.raises(Exception, match=r"no complete batch for 5 s .*makers alive 1/1"):
+        trainer.fit()
+    time.sleep(3)  # Ray's driver prints what it is told from a thread of its own
+    printed = "".join(capfd.readouterr())
+    # the kills at this run's end are ray.kill's (a maker an earlier test killed with SIGKILL may be named)
+    assert "killed by `ray.kill`" not in printed, printed
 
 
 def test_killed_coordinator_fails_the_run_clearly(ray_session, tmp_path):

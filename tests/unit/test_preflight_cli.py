@@ -11,6 +11,8 @@ import psutil
 import pytest
 
 from ray_ppo.cli import EXIT_USAGE, main
+from ray_ppo.config import load_config
+from ray_ppo.preflight import check_run
 
 ROOT = Path(__file__).parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -232,3 +234,29 @@ def test_bad_override_after_an_option_is_named(capsys, tmp_path):
     assert main(["local", "--config", TINY, "--output", str(tmp_path / "run"), "trainer.total_steps"]) == EXIT_USAGE
     assert capsys.readouterr().err.splitlines() == [
         "ray-ppo local: error: bad override 'trainer.total_steps': expected the form key=value, e.g. ppo.kl_coef=0.1"]
+
+
+UNUSED_REWARD_FN = ("ray-ppo train: warning: model.reward_pretrained is set, so the reward model scores the responses "
+                    "and model.reward_fn='ray_ppo.tasks.toy:reward' is not used; set model.reward_fn=null to say so, "
+                    "or model.reward_pretrained=null to keep the rule reward")
+
+
+def test_a_reward_model_beside_the_configs_rule_reward_is_one_warning_line_once(files, tiny_reward_path, capsys):
+    """configs/tiny.yaml sets model.reward_fn; a reward model added to it replaces the rule reward,
+    and the command says so in one line before it goes on (here to the resource check, which
+    refuses 64 trainer workers). fit() runs pre-flight again: the line is not repeated."""
+    with_model = [f"model.reward_pretrained={tiny_reward_path}"]
+    status, _, new = _run(["train", "--config", TINY, *with_model, "trainer.num_workers=64"])
+    check_run(load_config(TINY, with_model))  # as fit() does, in the same process
+    warning, error = capsys.readouterr().err.splitlines()
+    assert warning == UNUSED_REWARD_FN
+    assert error.startswith("ray-ppo train: error: ") and status == EXIT_USAGE and not new
+
+
+def test_no_warning_where_the_config_uses_one_reward(files, tiny_reward_path, capsys):
+    status, _, _ = _run(["train", "--config", TINY, f"model.reward_pretrained={tiny_reward_path}",
+                         "model.reward_fn=null", "trainer.num_workers=64"])
+    status_rule, _, _ = _run(["train", "--config", TINY, "trainer.num_workers=64"])
+    errors = capsys.readouterr().err.splitlines()  # the resource check's, no warning
+    assert len(errors) == 2 and all(line.startswith("ray-ppo train: error: ") for line in errors)
+    assert status == status_rule == EXIT_USAGE
