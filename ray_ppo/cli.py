@@ -3,7 +3,7 @@
     ray-ppo train --config configs/tiny.yaml [--output DIR] [--address ADDR] [key=value ...]
     ray-ppo tune --config configs/tiny.yaml --grid ppo.kl_coef=0.02,0.1 --grid ppo.eps_clip=0.1,0.2
     ray-ppo local --config configs/tiny.yaml [--output DIR] [key=value ...]
-    ray-ppo toy-data DIR
+    ray-ppo toy-data DIR [--task repeat|sum_mod10|arithmetic]
     ray-ppo config [--config FILE] [key=value ...]
 
 ``key=value`` overrides may come anywhere on the command line. Bad input (unknown key, bad
@@ -87,13 +87,18 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Generate, then train, in one process: the baseline of the benchmarks.")
     _config_args(local)
     local.add_argument("--overwrite", action="store_true", help="replace the run already in the output directory")
-    toy = sub.add_parser("toy-data", help="write the toy task's prompt files (CSV and Parquet)")
+    toy = sub.add_parser("toy-data", help="write a built-in task's prompt files")
     toy.add_argument("directory")
-    toy.add_argument("--num-prompts", type=int, default=512)
+    toy.add_argument("--num-prompts", type=int, default=512, help="prompts (arithmetic: training questions)")
     toy.add_argument("--prompt-len", type=int, default=6)
     toy.add_argument("--seed", type=int, default=0)
-    toy.add_argument("--task", choices=("repeat", "sum_mod10"), default="repeat",
-                     help="repeat: the toy task (repeat the last digit); sum_mod10: the sum of two digits mod 10")
+    toy.add_argument("--task", choices=("repeat", "sum_mod10", "arithmetic"), default="repeat",
+                     help="repeat: the toy task (repeat the last digit), CSV and Parquet; sum_mod10: the sum of two "
+                          "digits mod 10, CSV and Parquet; arithmetic: chat questions for an instruct model, "
+                          "train and eval JSON Lines (ray_ppo.tasks.arithmetic)")
+    toy.add_argument("--level", type=int, choices=(1, 2, 3), default=2,
+                     help="arithmetic: 1 one-digit sums, 2 two-digit sums and differences, 3 two-digit times one-digit")
+    toy.add_argument("--num-eval", type=int, default=200, help="arithmetic: held-out questions")
     config = sub.add_parser("config", help="list every config key with its value and what it means",
                             description="Print every config key, its value (the default, or FILE's and the "
                                         "overrides') and its one-line doc.")
@@ -406,9 +411,11 @@ def cmd_config(args) -> int:
 
 
 def cmd_toy_data(args) -> int:
-    from ray_ppo.tasks import sum_mod10, toy
+    from ray_ppo.tasks import arithmetic, sum_mod10, toy
 
-    if args.task == "sum_mod10":
+    if args.task == "arithmetic":
+        paths = arithmetic.write_problem_files(args.directory, args.level, args.num_prompts, args.num_eval, args.seed)
+    elif args.task == "sum_mod10":
         paths = sum_mod10.write_prompt_files(args.directory, args.num_prompts, args.seed)
     else:
         paths = toy.write_prompt_files(args.directory, args.num_prompts, args.prompt_len, args.seed)
