@@ -91,7 +91,7 @@ def tiny_model_path() -> str:
     import shutil
 
     from ray_ppo.core.models import ensure_tiny_model, load_tokenizer
-    from ray_ppo.core.models.tiny import build_once
+    from ray_ppo.core.models.cache import build_once
 
     source = ensure_tiny_model("lm")
     if not PAD_IS_EOS:

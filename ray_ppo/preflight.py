@@ -80,9 +80,13 @@ def _local_looking(path: str) -> bool:
 
 def check_model_path(key: str, value: str) -> None:
     """The model's ``config.json`` loads (a local directory, or a hub name transformers can resolve)."""
+    from ray_ppo.core.models.gguf import ModelSourceError
     from ray_ppo.core.models.tiny import resolve_pretrained
 
-    path = resolve_pretrained(value)
+    try:
+        path = resolve_pretrained(value)  # a packaged or GGUF model is converted here, once
+    except ModelSourceError as e:
+        raise PreflightError(f"{key}={value!r}: {e}") from None
     if _local_looking(value):
         local = Path(path).expanduser()
         if not local.exists():

@@ -7,11 +7,9 @@ directory and every user (tests, demo, makers, trainer) loads them through the o
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from ray_ppo.core.models.cache import build_once, cache_root
 from ray_ppo.core.models.quiet import quiet_transformers
 
 TINY_NAME = "tiny"
@@ -23,11 +21,6 @@ TINY_VLLM_SHAPE = {"n_embd": 128, "n_head": 2}
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 WORDS = tuple(str(d) for d in range(10))
-
-
-def cache_root() -> Path:
-    """Where built models live: ``$RAY_PPO_CACHE`` or ``~/.cache/ray_ppo``."""
-    return Path(os.environ.get("RAY_PPO_CACHE", Path.home() / ".cache" / "ray_ppo")).expanduser().resolve()
 
 
 def build_tokenizer():
@@ -104,28 +97,14 @@ def ensure_tiny_model(kind: str = "lm", root: str | Path | None = None) -> Path:
     return build_once(root / f"tiny-{kind}", builders[kind])
 
 
-def build_once(target: Path, build) -> Path:
-    """``target``, a model directory, written by ``build(directory)`` on first use: into a temporary
-    sibling that is renamed into place, so concurrent processes never see a half-written model."""
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        build(staging)
-        try:
-            staging.rename(target)
-        except OSError:  # another process won the race; its copy is complete
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
 def resolve_pretrained(name: str | None) -> str | None:
     """Map ``"tiny"`` (and ``"tiny-vllm"``, ``"tiny-reward"``) to the local path of the built-in
-    model; other names pass through."""
+    model, a packaged model's name or a ``.gguf`` file to its converted checkpoint
+    (``ray_ppo.core.models.gguf``); other names pass through."""
+    from ray_ppo.core.models.gguf import ensure_gguf_model, is_gguf_source
+
+    if is_gguf_source(name):
+        return str(ensure_gguf_model(name))
     if name == TINY_NAME:
         return str(ensure_tiny_model("lm"))
     if name == TINY_VLLM_NAME:
