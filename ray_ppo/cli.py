@@ -4,6 +4,7 @@
     ray-ppo tune --config configs/tiny.yaml --grid ppo.kl_coef=0.02,0.1 --grid ppo.eps_clip=0.1,0.2
     ray-ppo local --config configs/tiny.yaml [--output DIR] [key=value ...]
     ray-ppo toy-data DIR [--task repeat|sum_mod10|arithmetic]
+    ray-ppo eval MODEL --data FILE [--config FILE] [--num-prompts N] [--samples K] [--output FILE.json]
     ray-ppo config [--config FILE] [key=value ...]
 
 ``key=value`` overrides may come anywhere on the command line. Bad input (unknown key, bad
@@ -99,6 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     toy.add_argument("--level", type=int, choices=(1, 2, 3), default=2,
                      help="arithmetic: 1 one-digit sums, 2 two-digit sums and differences, 3 two-digit times one-digit")
     toy.add_argument("--num-eval", type=int, default=200, help="arithmetic: held-out questions")
+    ev = sub.add_parser("eval", help="evaluate a model, checkpoint or run on a prompt file (no Ray)",
+                        description="Generate for a prompt file's prompts and score them with the config's rule "
+                                    "reward: accuracy, mean reward and a few samples (ray_ppo.evaluate).")
+    ev.add_argument("model", help="a run directory, a checkpoint directory, a model directory or a model name")
+    ev.add_argument("--config", "-c", help="YAML config: the reward function, prompt column, sampling settings")
+    ev.add_argument("--data", help="prompt file (default: the config's data.path)")
+    ev.add_argument("--num-prompts", type=int, default=None, help="the file's first N prompts (default: all)")
+    ev.add_argument("--samples", type=int, default=None, metavar="K",
+                    help="sample K responses a prompt (mean@K, pass@K) instead of one greedy response")
+    ev.add_argument("--output", "-o", metavar="FILE.json", help="also write the result as JSON")
+    ev.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     config = sub.add_parser("config", help="list every config key with its value and what it means",
                             description="Print every config key, its value (the default, or FILE's and the "
                                         "overrides') and its one-line doc.")
@@ -125,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "address", None):
         _token_auth_if_set_up()  # before anything imports ray: it reads the mode once
     try:
-        return {"train": cmd_train, "tune": cmd_tune, "local": cmd_local, "toy-data": cmd_toy_data,
+        return {"train": cmd_train, "tune": cmd_tune, "local": cmd_local, "toy-data": cmd_toy_data, "eval": cmd_eval,
                 "config": cmd_config}[args.command](args)
     except (ConfigError, DataError, CheckpointError, RunDirError, FileNotFoundError) as e:
         print(f"ray-ppo {args.command}: error: {e}", file=sys.stderr)
@@ -407,6 +419,26 @@ def cmd_config(args) -> int:
     from ray_ppo.config_doc import describe_config
 
     print(describe_config(_load(args)))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import json
+
+    from ray_ppo.evaluate import SHOWN_SAMPLES, evaluate
+
+    cfg = load_config(args.config, args.overrides)
+    if args.num_prompts is not None and args.num_prompts <= 0:
+        raise ConfigError(f"--num-prompts must be > 0, got {args.num_prompts}")
+    if args.samples is not None and args.samples <= 0:
+        raise ConfigError(f"--samples must be > 0, got {args.samples}")
+    result = evaluate(cfg, args.model, args.data, args.num_prompts, samples_per_prompt=args.samples or 1,
+                      greedy=args.samples is None)
+    for sample in result.samples[:SHOWN_SAMPLES]:
+        print(f"  prompt {json.dumps(sample['prompt'])[:120]}\n  response {sample['response']!r} | reward {sample['reward']:g}")
+    print(result.line())
+    if args.output:
+        Path(args.output).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     return 0
 
 

@@ -14,6 +14,7 @@ the plain ``from_pretrained(path)``. The conversion runs once per file content, 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import sys
@@ -100,8 +101,9 @@ def convert_gguf(path: Path, directory: Path) -> Path:
     if importlib.util.find_spec("gguf") is None:
         raise ModelSourceError(f"reading {path.name} needs the gguf package; install it with: {GGUF_INSTALL}")
     quiet_transformers()
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with no_tqdm():  # transformers' GGUF reader draws a bar of its own, past quiet_transformers
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -111,3 +113,18 @@ def convert_gguf(path: Path, directory: Path) -> Path:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+
+@contextlib.contextmanager
+def no_tqdm():
+    """Inside: transformers' GGUF reader draws no progress bar (it calls tqdm itself, past
+    ``quiet_transformers``; the conversion prints its own line)."""
+    import transformers.modeling_gguf_pytorch_utils as reader
+
+    bar = reader.tqdm
+    reader.tqdm = lambda iterable, *args, **kwargs: iterable
+    try:
+        yield
+    finally:
+        reader.tqdm = bar
