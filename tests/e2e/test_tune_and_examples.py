@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from ray_processes import REPO, Cli, cluster_processes, kill_all
 
+from ray_ppo.cluster import free_port
 from ray_ppo.config import load_config
 
 pytestmark = pytest.mark.e2e
@@ -96,7 +97,10 @@ def head_node():
     port, dashboard = "6390", "8275"
     temp_dir = tempfile.mkdtemp(prefix="rp_head_", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
     start = [str(ray_bin), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}",
-             "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=8", "--disable-usage-stats"]
+             "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=8", "--disable-usage-stats",
+             # Not the default 52365: an agent of a cluster an earlier test stopped can hold it for a while,
+             # and then this head's agent serves no HTTP, so jobs hang (seen: "address already in use").
+             f"--dashboard-agent-listen-port={free_port()}"]
     # The job's entrypoint runs `python` from the head's PATH: put this venv first, as a cluster
     # image would have its Python with ray_ppo installed.
     env = {**os.environ, "PATH": f"{ray_bin.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
