@@ -29,7 +29,7 @@ after the maker started it; a rank pulls them a step before it trains them (``tr
 one version more; and the maker may still hold the version before the trainer's when it starts
 (a push reaches it after the step that made it), one more. ``--staleness auto`` (the default)
 gives each cell ``ppo.max_staleness`` = 2 + ceil(makers / b): the bound under which the makers
-never wait at admission while the trainer waits for them. Until the seventeenth session it was
+never wait at admission while the trainer waits for them. Before 2026-12-02 it was
 1 + ceil(makers / b) (1 with one maker), which leaves out the push's lag: the makers then waited
 at admission for each push to land, and every step paid its latency (one run of the 1-maker
 2-rank 1:1 cell: S=2 0.90 of the ideal, admission share 11%, trainer wait 22 ms per step; S=3
@@ -40,16 +40,16 @@ Makers wait for the trainer's first push before they generate (``maker.wait_for_
 Otherwise they fill the buffer up to the staleness bound while the worker group starts, and in a
 generation-bound cell the trainer drains that lead inside the measured window, faster than the
 makers' pace: with S=3 the 1-maker 1-rank 2:1 and 4:1 cells measured 1.07 and 1.04 of the ideal
-(seventeenth session, one round, since aborted).
+(2026-12-02, one round, since aborted).
 
 ``--prefetch`` sets ``trainer.prefetch`` (each rank pulls its next step's batch while a step
 trains; default on, as in the config); ``on,off`` runs both in every cell, interleaved.
 
 Where the time went, per measured step: trainer ``wait`` (pull: waiting for experience),
-``train``, ``push`` (how long rank 0's step was held by the push: since the sixteenth session a
+``train``, ``push`` (how long rank 0's step was held by the push: a
 background thread puts and hands over the buckets, so this is the hand-over), ``other`` (the
 rest of the step: gather, starting the metrics all-gather, handing the row to the report thread
-(since the eighteenth session the row is completed and recorded there, off the step's path), and
+(the row is completed and recorded there, off the step's path), and
 on the steps due the report to Ray Train; with 2 ranks it includes waiting for the slower rank at
 the step's collectives); per maker over the measured window (shares
 of makers x window; maker totals from the coordinator when the driver sees the window's first

@@ -46,7 +46,7 @@ def run_namespaces() -> set[str]:
 
 
 def actor_logs(class_name: str) -> list[str]:
-    """The texts of this session's worker log files whose actor is a ``class_name`` (Ray writes
+    """The texts of the Ray cluster's worker log files whose actor is a ``class_name`` (Ray writes
     ``:actor_name:<class>`` at the top of an actor's logs)."""
     logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
     texts = [f.read_text(errors="replace") for f in logs.glob("worker-*")]
