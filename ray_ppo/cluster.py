@@ -56,7 +56,11 @@ def start_local_cluster(num_cpus: int | None = None, sweep: bool = False, **init
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, **init_kwargs)
         return
     port = free_port()
-    with state_api_named(f"http://127.0.0.1:{port}"):
+    # Ray Train's placement-group cleaner calls the state API from a worker without an address: left
+    # to look for Ray, it raised "Found multiple active Ray instances" whenever another cluster ran on
+    # the machine, and the CPUs of a trial Tune stopped stayed reserved. Named in the environment the
+    # cluster's processes inherit, it reaches this cluster (a value the caller set is kept).
+    with scoped_env(API_SERVER_ENV, f"http://127.0.0.1:{port}", users_wins=True):
         ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
                  dashboard_port=port, log_to_driver=False, **init_kwargs)
     from ray_ppo.readiness import wait_for_state_api
@@ -69,19 +73,18 @@ API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
 
 
 @contextlib.contextmanager
-def state_api_named(url: str):
-    """Inside: ``$RAY_API_SERVER_ADDRESS`` is ``url``, so the cluster started here hands it to
-    every process it starts. Ray Train's placement-group cleaner calls the state API from a worker
-    without an address: left to look for Ray, it raised "Found multiple active Ray instances"
-    whenever another cluster ran on the machine, and the CPUs of a trial that Tune stopped stayed
-    reserved. A value the caller set is kept."""
-    previous = os.environ.get(API_SERVER_ENV)
-    os.environ.setdefault(API_SERVER_ENV, url)
+def scoped_env(key: str, value: str, users_wins: bool = False):
+    """Inside: ``os.environ[key] = value`` (kept as it was if ``users_wins`` and it is set); after: as before."""
+    previous = os.environ.get(key)
+    if not (users_wins and previous is not None):
+        os.environ[key] = value
     try:
         yield
     finally:
         if previous is None:
-            os.environ.pop(API_SERVER_ENV, None)
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
 
 
 def free_port() -> int:

@@ -21,11 +21,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
+from ray_ppo.cluster import scoped_env
 from ray_ppo.config import Config
 
 logger = logging.getLogger(__name__)
@@ -173,21 +173,6 @@ def ctrl_c_aborts():
     """
     with scoped_env("TUNE_DISABLE_SIGINT_HANDLER", "1"):
         yield
-
-
-@contextlib.contextmanager
-def scoped_env(key: str, value: str, users_wins: bool = False):
-    """Inside: ``os.environ[key] = value`` (kept as it was if ``users_wins`` and it is set); after: as before."""
-    previous = os.environ.get(key)
-    if not (users_wins and previous is not None):
-        os.environ[key] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = previous
 
 
 def wait_for_cleaner() -> None:
