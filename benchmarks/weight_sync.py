@@ -19,7 +19,7 @@ Three variants of the push, interleaved in every round:
 
 The real ``Coordinator`` actor relays the refs with ``_push_to`` (weights_start, one
 weights_chunk per bucket with the ref nested, weights_end). The receivers are small actors with
-the same concurrency groups as ``MakerWorker`` and its receiving code (``makers.receiver.WeightReceiver``)
+the same concurrency groups as ``MakerWorker`` and its receiving code (``ray_ppo.runtime.receiver.WeightReceiver``)
 and swap, holding a
 ``GPT2LMHeadModel`` of the pushed shape: a real ``MakerWorker`` builds its models from a Config,
 which would add a reference model, critic and tokenizer the sync path does not touch. Models: random weights in GPT-2 shapes from

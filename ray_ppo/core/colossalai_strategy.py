@@ -8,7 +8,7 @@ bf16 mixed precision and the plugin's own gradient clipping. The placements foll
 design's ``get_strategy_from_args`` ("cuda" and "cpu" Gemini placements are ``static`` with
 ``shard_param_frac=1`` and no / full offload in ColossalAI 0.5).
 
-This module imports colossalai; ``train.strategies.make_strategy`` imports it only when such a
+This module imports colossalai; ``ray_ppo.core.strategies.make_strategy`` imports it only when such a
 strategy is chosen. Written against ColossalAI 0.5.0 (its pins: torch<=2.5.1,
 transformers==4.51.3, peft<=0.13.2); ``make test-colossalai`` tests it in that environment.
 HybridAdam builds its CPU and CUDA kernels on first use unless colossalai was installed with

@@ -284,7 +284,7 @@ class PPOLearner:
         return state
 
     def load_state(self, state: dict) -> None:
-        """Restore what ``train.loop`` checkpoints: full optimizer states (strategy-aware),
+        """Restore what ``ray_ppo.runtime.loop`` checkpoints: full optimizer states (strategy-aware),
         schedulers and the minibatch RNG."""
         self.strategy.load_optimizer_state(self.actor, self.actor_optim, state["actor"])
         self.actor_sched.load_state_dict(state["actor_sched"])

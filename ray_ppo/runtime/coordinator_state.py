@@ -67,7 +67,7 @@ class RankBuffers:
         """Place as many of the chunk's groups as fit, each on the target rank with the most free
         space (ties round-robin), as one slice per rank; returns the slice that did not fit. A
         group (``chunk.group_size`` items, the responses to one prompt) is never split: buffer
-        sizes and batch sizes are multiples of it (``config._check_groups``)."""
+        sizes and batch sizes are multiples of it (``Config._groups_stay_whole``)."""
         load = {r: self.buffered(r) for r in targets}
         shares = dict.fromkeys(targets, 0)
         g = chunk.group_size

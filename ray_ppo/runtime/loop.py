@@ -2,8 +2,8 @@
 
 Each step reads top to bottom: pull -> train -> publish -> checkpoint -> report. The parts live
 with their kind: the weight publisher in ``ray_ppo.runtime.publish``, the checkpoint writer in
-``ray_ppo.core.checkpoint``, the statistics in ``train.metrics`` and ``train.monitor``, and the step's
-collectives, named for what they synchronise, in ``train.collectives``.
+``ray_ppo.core.checkpoint``, the statistics in ``ray_ppo.core.metrics`` and ``ray_ppo.runtime.monitor``, and the
+step's collectives, named for what they synchronise, in ``ray_ppo.core.collectives``.
 """
 
 from __future__ import annotations
