@@ -17,6 +17,7 @@ Ctrl-C stops a run within seconds with status 130 and a line saying how to resum
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import math
 import os
 import sys
@@ -44,6 +45,7 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ray-ppo", description="Detached PPO for language models on Ray.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('ray_ppo')}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="detached PPO on a Ray cluster (makers + coordinator + TorchTrainer)",
                            description="Run detached PPO: makers generate while a TorchTrainer trains. Writes "

@@ -164,3 +164,17 @@ def test_async_search_refuses_a_bad_budget_or_confirmation_before_starting_a_clu
     assert main(["tune", "--config", TINY, *options]) == EXIT_USAGE
     assert message in one_error_line(capsys, "tune")
     assert not started
+
+
+def test_version_is_the_projects_and_has_a_changelog_entry(capsys):
+    """``ray-ppo --version`` prints the installed distribution's version, which is pyproject.toml's
+    (a stale install fails here: ``make install`` reinstalls when pyproject.toml changes), and
+    CHANGELOG.md says what that version holds."""
+    import tomllib
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"ray-ppo {version}\n"
+    assert f"## [{version}]" in (ROOT / "CHANGELOG.md").read_text()
