@@ -14,7 +14,7 @@ the stalest items, and the median trainer step time (tis and decoupled pay one e
 ``--emulate`` runs each cell without Ray (``emulated_cell``): one process in which every batch is
 made by a copy of the policy and critic S versions old, i.e. the makers always as far ahead as
 the bound allows. It exists because a local Ray cluster could not start on the loaded shared
-machine these figures were taken on (benchmarks/README.md, section 7).
+machine these figures were taken on (benchmarks/README.md, "Stale experience").
 """
 
 from __future__ import annotations
