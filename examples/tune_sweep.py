@@ -31,7 +31,7 @@ def main() -> None:
              "ppo.eps_clip": tune.grid_search([float(v) for v in args.eps_clips.split(",")])}
     # No cluster is connected, so sweep() starts a local one, as `ray-ppo tune` does: with the
     # dashboard (on loopback), whose state API lets Ray Train free the CPUs of a trial that a
-    # scheduler stops early (README, "Sweeps with Ray Tune").
+    # scheduler stops early (docs/tune.md).
     outcome = sweep(base, space,
                     metric="reward_mean", mode="max", max_concurrent_trials=args.max_concurrent,
                     output_dir=args.output)

@@ -249,7 +249,7 @@ class MakerConfig(SamplingParams):
     @property
     def sampler_logprobs(self) -> bool:
         """``engine_logprobs`` resolved: null means true with hf, false with vllm (whose log-probs differ
-        from HF's: README, "Generating with vLLM")."""
+        from HF's: docs/vllm.md)."""
         return self.engine == "hf" if self.engine_logprobs is None else self.engine_logprobs
 
     @model_validator(mode="after")

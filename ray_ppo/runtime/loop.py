@@ -474,7 +474,7 @@ def _cancel_pull_ahead(w: _Worker) -> None:
 def coordinator_death_is_fatal():
     """Turn the death of the coordinator, seen by any call to it, into one clear error.
 
-    Decision (see README, Failure handling): the coordinator holds the experience buffers,
+    Decision (see docs/failures.md): the coordinator holds the experience buffers,
     the counters and the prompt position, so it is not restarted; the run ends and is resumed
     from its last checkpoint.
     """

@@ -5,7 +5,7 @@ with the HF maker, pushes into the engine, an interrupted push. Runs in the vLLM
 Tolerances: greedy tokens must be *equal*. vLLM's and HF's log-probs of the same tokens on the
 same fp32 weights are compared at ``LOGPROB_ATOL`` nats: the two run different kernels (vLLM's
 CPU backend: oneDNN matmuls on repacked weights and its own attention kernel; HF: PyTorch's
-matmul and SDPA), whose fp32 rounding differs; README, "Generating with vLLM", has the numbers.
+matmul and SDPA), whose fp32 rounding differs; docs/vllm.md, "Log-probs", has the numbers.
 """
 
 import importlib.util
