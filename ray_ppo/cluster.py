@@ -56,6 +56,7 @@ def start_local_cluster(num_cpus: int | None = None, sweep: bool = False, **init
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, **init_kwargs)
         return
     port = free_port()
+    _dashboard_startup_bound()
     # Ray Train's placement-group cleaner calls the state API from a worker without an address: left
     # to look for Ray, it raised "Found multiple active Ray instances" whenever another cluster ran on
     # the machine, and the CPUs of a trial Tune stopped stayed reserved. Named in the environment the
@@ -66,6 +67,27 @@ def start_local_cluster(num_cpus: int | None = None, sweep: bool = False, **init
     from ray_ppo.readiness import wait_for_state_api
 
     wait_for_state_api()
+
+
+DASHBOARD_STARTUP_ENV = "RAY_DASHBOARD_STARTUP_TIMEOUT_S"
+
+
+def _dashboard_startup_bound() -> None:
+    """``ray.init`` gives the dashboard ``RAY_DASHBOARD_STARTUP_TIMEOUT_S`` (60 s by default) to come
+    up and then fails the whole start ("Failed to start the dashboard"); beside two busy loops on 2
+    cores it took longer. Unless the user set that variable, the bound becomes the readiness bound
+    of every other wait on Ray's services (``ray_ppo.readiness.ready_timeout_s``). Ray reads the
+    variable once, when it is imported, so its module constant is raised too."""
+    from ray_ppo.readiness import ready_timeout_s
+
+    if DASHBOARD_STARTUP_ENV in os.environ:
+        return
+    bound = int(ready_timeout_s())
+    os.environ[DASHBOARD_STARTUP_ENV] = str(bound)  # for the processes this one starts
+    from ray._private import ray_constants
+
+    if getattr(ray_constants, DASHBOARD_STARTUP_ENV, bound) < bound:
+        setattr(ray_constants, DASHBOARD_STARTUP_ENV, bound)
 
 
 API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"

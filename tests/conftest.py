@@ -8,6 +8,10 @@ import pytest
 import torch
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Ray's own bound on the dashboard's start-up (60 s) ran out on a loaded 2-core machine, in every
+# process that starts a cluster with a dashboard: ray.init() in a test or a README snippet, ray start.
+# ray_ppo raises it for the clusters it starts (ray_ppo.cluster); the others read it from here.
+os.environ.setdefault("RAY_DASHBOARD_STARTUP_TIMEOUT_S", "600")
 torch.set_num_threads(1)
 
 
