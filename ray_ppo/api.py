@@ -34,6 +34,7 @@ from ray_ppo.cluster import start_local_cluster
 from ray_ppo.resources import ResourcePlan, check_fits, cluster_can_grow
 from ray_ppo.rundir import CheckpointPublisher
 from ray_ppo.samples import split_samples
+from ray_ppo.eval_records import split_evals
 from ray_ppo.tasks.toy import make_prompts
 from ray_ppo.runtime.loop import train_loop_per_worker
 
@@ -264,7 +265,7 @@ class PPOTrainer(TorchTrainer):
                 self._finished_loops.append(ref)
 
     def _on_metrics(self, metrics: dict) -> None:
-        self.history.append(split_samples(metrics)[0])
+        self.history.append(split_evals(split_samples(metrics)[0])[0])
         for callback in self.metrics_callbacks:
             callback(metrics)
 

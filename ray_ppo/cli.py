@@ -29,6 +29,7 @@ from ray_ppo.async_search import FIRST_RUNG
 from ray_ppo.config import ConfigError, ConfigWarning, load_config
 from ray_ppo.core.checkpoint import CheckpointError
 from ray_ppo.data import DataError
+from ray_ppo.eval_records import eval_summary, read_evals
 from ray_ppo.preflight import check_run, check_sweep_spec, read_sweep_file
 from ray_ppo.rundir import RunDirError
 from ray_ppo.tracking import counts_summary, read_metrics
@@ -202,8 +203,10 @@ def _summary(history: list[dict], wall_s: float, out_dir: Path) -> str:
     steps = f"{len(rows)} steps"
     if len(rows) > len(history):
         steps += f" (steps {history[0]['step']}-{history[-1]['step']} in this process, {len(history)} steps)"
+    evals = eval_summary(read_evals(out_dir))
     return (f"done: {steps} in {wall_s:.0f} s | reward {first:.3f} (first 10%) -> {last:.3f} (last 10%) "
-            f"| {samples_per_s:.1f} samples/s | {counts + ' | ' if counts else ''}run dir {out_dir}")
+            f"| {evals + ' | ' if evals else ''}{samples_per_s:.1f} samples/s | {counts + ' | ' if counts else ''}"
+            f"run dir {out_dir}")
 
 
 def _token_auth_if_set_up() -> None:

@@ -443,6 +443,40 @@ class LoggingConfig(_Section):
     """Every this many steps, write a few prompt/response/reward samples to samples.jsonl and TensorBoard text; 0 = never."""
 
 
+class EvalConfig(_Section):
+    """Held-out evaluation during training: a maker answers the prompts of ``eval.path`` with the
+    weights of a known step and the answers are scored (``ray_ppo.evaluate``)."""
+
+    path: Optional[Text] = Field(None, examples=["data/arithmetic_l2_eval.jsonl"],
+                                 json_schema_extra=_null("for no evaluation"))
+    """Prompt file to evaluate on (CSV, JSONL or Parquet; its data.prompt_column); null = no evaluation."""
+    every: int = Field(10, ge=0)
+    """Evaluate the weights of every this many steps, besides the base model (step 0) and the last step; 0 = only those two."""
+    num_prompts: int = Field(100, gt=0)
+    """How many prompts of eval.path (the first ones) each evaluation answers."""
+    greedy: bool = True
+    """Greedy decoding (one response a prompt); false samples with the maker's sampling settings."""
+    samples_per_prompt: int = Field(1, gt=0)
+    """Responses a prompt when sampling (greedy=false): accuracy is then mean@k and pass_at_k is reported."""
+    reward_fn: Optional[str] = Field(None, pattern=_REWARD_FN, examples=["ray_ppo.tasks.arithmetic:reward"],
+                                     json_schema_extra=_null("to use model.reward_fn"))
+    """Rule reward that scores the answers (module:function); a response is correct when it scores 1.0 or more."""
+    max_new_tokens: Optional[int] = Field(None, gt=0, json_schema_extra=_null("to use maker.max_new_tokens"))
+    """Tokens an answer may have."""
+
+    @model_validator(mode="after")
+    def _greedy_gives_one_response(self) -> EvalConfig:
+        if self.greedy and self.samples_per_prompt != 1:
+            raise ConfigError(
+                f"eval.greedy=true gives one response a prompt, not eval.samples_per_prompt={self.samples_per_prompt}; "
+                f"set eval.greedy=false to sample (pass@k), or eval.samples_per_prompt=1")
+        return self
+
+    def due(self, step: int, last: bool) -> bool:
+        """Whether the weights of ``step`` are evaluated: step 0, the last step, every ``every`` steps."""
+        return self.path is not None and (step == 0 or last or (self.every > 0 and step % self.every == 0))
+
+
 class ToyTaskConfig(_Section):
     """Parameters of the built-in toy task (ray_ppo.tasks.toy), used when data.path is null."""
 
@@ -479,6 +513,8 @@ class Config(_Section):
     """Routing and buffering of rollouts between makers and ranks."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Run directory and progress output."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Held-out evaluation during training."""
     toy: ToyTaskConfig = Field(default_factory=ToyTaskConfig)
     """Built-in toy task."""
 
@@ -542,6 +578,24 @@ class Config(_Section):
                 f"model.lora.critic=true, but algo.advantage={advantage} builds no critic; "
                 f"set model.lora.critic=false or algo.advantage=gae")
         return self
+
+    @model_validator(mode="after")
+    def _eval_settings(self) -> Config:
+        e, update_steps = self.eval, self.trainer.update_steps
+        if e.path is not None and not (e.reward_fn or self.model.reward_fn):
+            raise ConfigError(
+                f"eval.path={e.path!r} is scored by a rule reward, but eval.reward_fn and model.reward_fn "
+                f"are null; set eval.reward_fn=module:function (e.g. ray_ppo.tasks.arithmetic:reward)")
+        if e.every % update_steps:
+            raise ConfigError(
+                f"eval.every={e.every} is not a multiple of trainer.update_steps={update_steps}, so the weights of "
+                f"its steps never reach the makers; set eval.every={-(-e.every // update_steps) * update_steps}")
+        return self
+
+    @property
+    def eval_reward_fn(self) -> str | None:
+        """The rule reward that scores evaluations: eval.reward_fn, or model.reward_fn."""
+        return self.eval.reward_fn or self.model.reward_fn
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Config:

@@ -22,6 +22,7 @@ import torch
 
 from ray_ppo.config import Config, ConfigError
 from ray_ppo.data import Prompt, PromptEncoder, read_prompt_texts
+from ray_ppo.runtime.messages import EvalReport
 
 CORRECT = 1.0
 """A response whose reward is at least this counts as correct."""
@@ -53,6 +54,13 @@ class EvalResult:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def report(self, step: int, policy_version: int, maker_id: int, eval_s: float) -> EvalReport:
+        """This result as the evaluation of the weights of ``step`` during a run."""
+        return EvalReport(step=step, policy_version=policy_version, maker_id=maker_id, eval_s=eval_s,
+                          accuracy=self.accuracy, reward_mean=self.reward_mean, pass_at_k=self.pass_at_k,
+                          num_prompts=self.num_prompts, greedy=self.greedy,
+                          samples_per_prompt=self.samples_per_prompt, samples=tuple(self.samples))
+
 
 def resolve_model(model: str) -> str:
     """The model directory ``model`` stands for: a run directory's latest checkpoint's actor, a
@@ -70,46 +78,78 @@ def evaluate(cfg: Config, model: str | None = None, data: str | None = None, num
              samples_per_prompt: int = 1, greedy: bool = True) -> EvalResult:
     """Generate for the first ``num_prompts`` prompts of ``data`` (default ``data.path``) with
     ``model`` (default ``model.pretrained``) and score the responses with ``model.reward_fn``."""
-    from ray_ppo.core.models import load_actor, load_reward_fn, load_tokenizer
+    from ray_ppo.core.models import load_actor, load_tokenizer
 
-    if greedy and samples_per_prompt != 1:
-        raise ConfigError(f"greedy evaluation gives one response a prompt, not samples_per_prompt={samples_per_prompt}; "
-                          f"sample (greedy=False, ray-ppo eval --samples K) for pass@k")
     data = data or cfg.data.path
     if not data:
         raise ConfigError("nothing to evaluate on: give a prompt file (ray-ppo eval --data FILE, or data.path)")
     path = resolve_model(model or cfg.model.pretrained)
     has_tokenizer = (Path(path) / "tokenizer_config.json").is_file()
     tokenizer = load_tokenizer(path if has_tokenizer else (cfg.model.tokenizer or cfg.model.pretrained))
-    actor = load_actor(path, cfg.model.dtype).eval()
-    prompts = [p for p in read_prompt_texts(data, cfg.data.prompt_column, cfg.data.format) if p is not None]
-    prompts = prompts[:num_prompts] if num_prompts else prompts
-    encoder = PromptEncoder(tokenizer, cfg.data.max_prompt_len, cfg.data.chat_template)
-    reward_fn = load_reward_fn(cfg.model.reward_fn)
-    rows: list[tuple[Prompt, str, float]] = []
-    for start in range(0, len(prompts), cfg.maker.batch_size):
-        encoded = encoder.encode(prompts[start:start + cfg.maker.batch_size])
-        ids = [i for i in encoded.ids for _ in range(samples_per_prompt)]
-        batch_prompts = [p for p in encoded.prompts for _ in range(samples_per_prompt)]
-        responses = respond(actor, tokenizer, ids, cfg, greedy)
-        rows += zip(batch_prompts, responses, (float(r) for r in reward_fn(batch_prompts, responses)), strict=True)
-    return _result(rows, str(model or cfg.model.pretrained), str(data), samples_per_prompt, greedy)
+    evaluation = Evaluation(cfg, tokenizer, data, num_prompts, greedy, samples_per_prompt, cfg.model.reward_fn)
+    return evaluation.run(load_actor(path, cfg.model.dtype).eval(), model=str(model or cfg.model.pretrained))
 
 
-@torch.no_grad()
-def respond(actor, tokenizer, prompt_ids: Sequence[Sequence[int]], cfg: Config, greedy: bool) -> list[str]:
-    """Decoded responses (special tokens dropped) to left-padded prompts, each ending at its first end token."""
-    from ray_ppo.core.models import left_pad, response_mask, stop_token_ids
+class Evaluation:
+    """One evaluation set, read and encoded once, that any model (or a maker's vLLM engine) answers.
 
-    input_ids, attention_mask = left_pad(prompt_ids, tokenizer.pad_token_id)
-    sampling = {} if greedy else {"temperature": cfg.maker.temperature, "top_k": cfg.maker.top_k or None,
-                                  "top_p": cfg.maker.top_p}
-    ends = stop_token_ids(tokenizer, actor)
-    out = actor.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=cfg.maker.max_new_tokens,
-                         do_sample=not greedy, pad_token_id=tokenizer.pad_token_id, eos_token_id=list(ends), **sampling)
-    responses = out[:, input_ids.shape[1]:]
-    mask = response_mask(responses, list(ends))
-    return [tokenizer.decode(row[keep], skip_special_tokens=True) for row, keep in zip(responses, mask, strict=True)]
+    Responsibilities: read the first ``num_prompts`` prompts of ``data``, generate ``samples_per_prompt``
+    responses a prompt (greedy: one), score them with the rule reward ``reward_fn`` and sum them up
+    (``EvalResult``). ``ray-ppo eval`` builds one from its arguments; a maker builds one from the
+    ``eval`` section (``of_config``) and answers it with the weights it holds."""
+
+    def __init__(self, cfg: Config, tokenizer, data: str, num_prompts: int | None = None, greedy: bool = True,
+                 samples_per_prompt: int = 1, reward_fn: str | None = None, max_new_tokens: int | None = None):
+        from ray_ppo.core.models import load_reward_fn
+
+        if greedy and samples_per_prompt != 1:
+            raise ConfigError(f"greedy evaluation gives one response a prompt, not samples_per_prompt={samples_per_prompt}; "
+                              f"sample (greedy=False, ray-ppo eval --samples K) for pass@k")
+        if not reward_fn:
+            raise ConfigError(f"evaluating on {data!r} needs a rule reward: set eval.reward_fn or model.reward_fn")
+        prompts = [p for p in read_prompt_texts(data, cfg.data.prompt_column, cfg.data.format) if p is not None]
+        self.prompts = prompts[:num_prompts] if num_prompts else prompts
+        self.tokenizer, self.data, self.greedy, self.k = tokenizer, data, greedy, samples_per_prompt
+        self.encoder = PromptEncoder(tokenizer, cfg.data.max_prompt_len, cfg.data.chat_template)
+        self.reward_fn = load_reward_fn(reward_fn)
+        self.batch_size = cfg.maker.batch_size
+        self.sampling = cfg.maker.model_copy(update={"max_new_tokens": max_new_tokens or cfg.maker.max_new_tokens})
+
+    @classmethod
+    def of_config(cls, cfg: Config, tokenizer) -> Evaluation:
+        """The evaluation the ``eval`` section describes (``eval.path`` must be set)."""
+        e = cfg.eval
+        return cls(cfg, tokenizer, e.path, e.num_prompts, e.greedy, e.samples_per_prompt, cfg.eval_reward_fn,
+                   e.max_new_tokens)
+
+    def run(self, actor=None, engine=None, model: str = "") -> EvalResult:
+        """Answer every prompt with ``engine`` (a ``VllmEngine``) if given, else with ``actor``."""
+        from ray_ppo.core.models import stop_token_ids
+
+        ends = stop_token_ids(self.tokenizer, actor)
+        rows: list[tuple[Prompt, str, float]] = []
+        for start in range(0, len(self.prompts), self.batch_size):
+            encoded = self.encoder.encode(self.prompts[start:start + self.batch_size])
+            ids = [i for i in encoded.ids for _ in range(self.k)]
+            batch_prompts = [p for p in encoded.prompts for _ in range(self.k)]
+            responses = self._respond(ids, actor, engine, ends)
+            scores = (float(r) for r in self.reward_fn(batch_prompts, responses))
+            rows += zip(batch_prompts, responses, scores, strict=True)
+        return _result(rows, model, str(self.data), self.k, self.greedy)
+
+    @torch.no_grad()
+    def _respond(self, prompt_ids: Sequence[Sequence[int]], actor, engine, ends) -> list[str]:
+        """Decoded responses (special tokens dropped), each ending at its first end token."""
+        from ray_ppo.core.models import generate
+
+        pad = self.tokenizer.pad_token_id
+        if engine is not None:
+            rollout = engine.generate(prompt_ids, self.sampling, pad, ends, greedy=self.greedy)
+        else:
+            rollout = generate(actor, prompt_ids, self.sampling, pad, ends, greedy=self.greedy)
+        responses = rollout.sequences[:, rollout.prompt_len:]
+        return [self.tokenizer.decode(row[keep], skip_special_tokens=True)
+                for row, keep in zip(responses.cpu(), rollout.action_mask.cpu(), strict=True)]
 
 
 def _result(rows: list[tuple[Prompt, str, float]], model: str, data: str, k: int, greedy: bool) -> EvalResult:

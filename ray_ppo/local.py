@@ -16,6 +16,8 @@ from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, make_kl_controlle
 from ray_ppo.core.build import build_actor, build_critic_if_needed, build_experience_maker, resolve_config
 from ray_ppo.config import Config, ConfigError
 from ray_ppo.data import DataError, Prompt, PromptEncoder, read_prompt_texts
+from ray_ppo.eval_records import attach_evals, split_evals
+from ray_ppo.evaluate import Evaluation
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.tasks.toy import make_prompts
 from ray_ppo.core.learner import PPOLearner, drop_absent
@@ -61,6 +63,8 @@ def run_local(cfg: Config, prompts: Sequence[Prompt | None] | None = None,
     encoder = PromptEncoder(maker.tokenizer, cfg.data.max_prompt_len, cfg.data.chat_template)
     kl_ctl = make_kl_controller(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
     batches = prompt_batches(prompts, cfg.maker.batch_size, cfg.data.shuffle, cfg.seed)
+    evaluation = Evaluation.of_config(cfg, maker.tokenizer) if cfg.eval.path else None
+    reports = [_evaluate(evaluation, learner.actor, 0, 0)] if cfg.eval.due(0, last=False) else []
     history, start = [], time.perf_counter()
     for step in range(1, cfg.trainer.total_steps + 1):
         step_start = time.perf_counter()
@@ -76,11 +80,25 @@ def run_local(cfg: Config, prompts: Sequence[Prompt | None] | None = None,
         metrics.update(step=step, policy_version=step, kl_coef=kl_ctl.value, generate_s=generate_s,
                        train_s=time.perf_counter() - train_start, samples_per_s=len(items) / step_s,
                        elapsed_s=time.perf_counter() - start)
-        history.append(metrics)
+        if cfg.eval.due(step, last=step == cfg.trainer.total_steps):
+            reports.append(_evaluate(evaluation, learner.actor, step, step))
+        row, reports = attach_evals(metrics, reports), []
+        history.append(split_evals(row)[0])
         if on_metrics:
             due = samples_due(step, cfg.logging.samples_every)
-            on_metrics({**metrics, SAMPLES_KEY: pick_samples(items, maker.tokenizer, step)} if due else metrics)
+            on_metrics({**row, SAMPLES_KEY: pick_samples(items, maker.tokenizer, step)} if due else row)
     return history
+
+
+def _evaluate(evaluation: Evaluation, actor: torch.nn.Module, step: int, version: int):
+    """The ``eval`` section's evaluation of ``actor`` (the weights of ``step``), as a maker reports it."""
+    actor.eval()
+    start = time.perf_counter()
+    try:
+        result = evaluation.run(actor, model="local")
+    finally:
+        actor.train()
+    return result.report(step, version, maker_id=0, eval_s=time.perf_counter() - start)
 
 
 def _collect(maker, encoder: PromptEncoder, batches: Iterator[list], n: int, version: int,

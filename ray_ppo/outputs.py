@@ -14,6 +14,7 @@ def run_outputs(cfg: Config, out_dir: str | Path, resume_after_step: int | None 
                 progress: bool = True) -> tuple[list[Callable[[dict], None]], Callable[[list[dict]], None]]:
     """Per-step callbacks (run files and, with ``progress``, the progress bar or live line) and a
     closer that also draws ``curves.png``."""
+    from ray_ppo.eval_records import read_evals
     from ray_ppo.plots import plot_run
     from ray_ppo.tracking import LiveLine, Progress, RunDirectory, read_metrics
 
@@ -29,5 +30,5 @@ def run_outputs(cfg: Config, out_dir: str | Path, resume_after_step: int | None 
                 callback.close()
         run_dir.close()
         if history:
-            plot_run(read_metrics(out_dir / "metrics.jsonl"), out_dir / "curves.png")
+            plot_run(read_metrics(out_dir / "metrics.jsonl"), out_dir / "curves.png", read_evals(out_dir))
     return callbacks, close

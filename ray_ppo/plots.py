@@ -19,12 +19,17 @@ RUN_PANELS = (("reward_mean", "reward"), ("kl", "KL(pi || pi_ref), k1"), ("polic
 """(metric key, y-axis label) of the four panels of ``plot_run``; the metrics are defined in docs/metrics.md."""
 
 
-def plot_run(rows: list[dict], path: str | Path) -> Path:
-    """One PNG of a run's rows (``metrics.jsonl``): reward (± reward_std band), kl, policy and value loss by step.
+def plot_run(rows: list[dict], path: str | Path, evals: list[dict] | None = None) -> Path:
+    """One PNG of a run's rows (``metrics.jsonl``): reward (± reward_std band), kl, policy and value loss by step,
+    and with ``evals`` (``eval.jsonl``) a fifth panel, held-out accuracy by the step evaluated.
 
     A panel whose metric is missing from every row says so instead of drawing a curve.
     """
-    fig, axes = _figure(nrows=2, ncols=2, figsize=(11, 7), sharex=True)
+    done = sorted((e for e in evals or [] if e.get("error") is None), key=lambda e: e["step"])
+    fig, axes = _figure(nrows=3 if done else 2, ncols=2, figsize=(11, 10.5 if done else 7), sharex=True)
+    if done:
+        _eval_panel(axes[2, 0], done)
+        axes[2, 1].set_visible(False)
     for ax, (key, label) in zip(axes.flat, RUN_PANELS):
         steps, values = _series(rows, key)
         ax.set_title(key)
@@ -41,6 +46,15 @@ def plot_run(rows: list[dict], path: str | Path) -> Path:
         ax.set_xlabel("step")
     fig.suptitle(f"training curves ({len(rows)} steps)")
     return _save(fig, path)
+
+
+def _eval_panel(ax, evals: list[dict]) -> None:
+    steps = [e["step"] for e in evals]
+    ax.plot(steps, [e["accuracy"] for e in evals], marker="o")
+    ax.set_title("eval/accuracy")
+    ax.set_ylabel(f"held-out accuracy ({evals[-1]['num_prompts']} prompts)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
 
 
 def plot_sweep(trials: dict[str, list[dict]], path: str | Path, metric: str = "reward_mean") -> Path:

@@ -59,6 +59,10 @@ def check_run(cfg: Config, prompts: Any = None) -> None:
         check_reward_fn(m.reward_fn, found)
     if m.reward_fn and m.reward_pretrained:
         warn_unused_reward_fn(m.reward_fn)
+    if cfg.eval.path:
+        eval_prompts = probe_prompts(cfg.eval.path, None, cfg.data.prompt_column, "eval.path")
+        check_chat_messages(tokenizer, tokenizer_path, eval_prompts, cfg.eval.path, "eval.path")
+        check_reward_fn(cfg.eval_reward_fn, eval_prompts, "eval.reward_fn" if cfg.eval.reward_fn else "model.reward_fn")
 
 
 def warn_unused_reward_fn(reward_fn: str) -> None:
@@ -134,10 +138,11 @@ def check_chat_template(tokenizer, path: str) -> None:
                              f"set data.chat_template=false, or model.tokenizer to a chat model's tokenizer")
 
 
-def check_chat_messages(tokenizer, path: str, prompts: Sequence[Prompt], data_path: str | None) -> None:
+def check_chat_messages(tokenizer, path: str, prompts: Sequence[Prompt], data_path: str | None,
+                        key: str = "data.path") -> None:
     """Chat prompts need the tokenizer's chat template, whatever ``data.chat_template`` says."""
     if any(not isinstance(p, str) for p in prompts) and not getattr(tokenizer, "chat_template", None):
-        raise PreflightError(f"data.path={data_path!r} holds chat messages, but the tokenizer of {path!r} has no "
+        raise PreflightError(f"{key}={data_path!r} holds chat messages, but the tokenizer of {path!r} has no "
                              f"chat template to render them; set model.tokenizer to a chat model's tokenizer, or "
                              f"write the prompts as strings")
 
@@ -145,16 +150,16 @@ def check_chat_messages(tokenizer, path: str, prompts: Sequence[Prompt], data_pa
 # -- reward function ------------------------------------------------------------------------------
 
 
-def check_reward_fn(spec: str, prompts: Sequence[Prompt]) -> None:
-    """``spec`` imports, and answers a probe batch of ``prompts`` (up to ``PROBE_PROMPTS``, as the run
-    gives them; none: no probe) with one finite number per response."""
+def check_reward_fn(spec: str, prompts: Sequence[Prompt], key: str = "model.reward_fn") -> None:
+    """``spec`` (the setting ``key``) imports, and answers a probe batch of ``prompts`` (up to
+    ``PROBE_PROMPTS``, as the run gives them; none: no probe) with one finite number per response."""
     from ray_ppo.core.experience import reward_problem
     from ray_ppo.core.models.hf import load_reward_fn
 
     try:
         fn = load_reward_fn(spec)
     except ValueError as e:
-        raise PreflightError(f"model.reward_fn={spec!r} {_import_problem(e)}; set model.reward_fn to "
+        raise PreflightError(f"{key}={spec!r} {_import_problem(e)}; set {key} to "
                              f"module:function of an importable module (e.g. ray_ppo.tasks.toy:reward)") from None
     probe = list(prompts[:PROBE_PROMPTS])
     if not probe:
@@ -166,7 +171,7 @@ def check_reward_fn(spec: str, prompts: Sequence[Prompt]) -> None:
     except Exception as e:
         shapes = "strings" if all(isinstance(p, str) for p in probe) else \
             'prompts as lists of {"role", "content"} chat messages and responses as strings'
-        raise PreflightError(f"model.reward_fn={spec!r} raised {type(e).__name__}: {_first_line(e)} on a probe "
+        raise PreflightError(f"{key}={spec!r} raised {type(e).__name__}: {_first_line(e)} on a probe "
                              f"batch of {len(probe)} prompts (e.g. {probe[0]!r}); fix the function so it "
                              f"accepts (prompts, responses) lists of {shapes}") from None
     problem = reward_problem(scores, len(responses))
@@ -174,7 +179,7 @@ def check_reward_fn(spec: str, prompts: Sequence[Prompt]) -> None:
         message, i = problem
         where = f"for the probe prompt {probe[i]!r} (response {responses[i]!r})" if i is not None else \
             f"for a probe batch of {len(probe)} prompts"
-        raise PreflightError(f"model.reward_fn={spec!r} {message} {where}; it must return one finite float "
+        raise PreflightError(f"{key}={spec!r} {message} {where}; it must return one finite float "
                              f"per response")
 
 
@@ -201,48 +206,54 @@ def first_prompts(cfg: Config) -> list[Prompt]:
         from ray_ppo.tasks.toy import make_prompts
 
         return make_prompts(PROBE_PROMPTS, cfg.toy.prompt_len, cfg.toy.seed)
-    if "://" in d.path:
+    return probe_prompts(d.path, d.format, d.prompt_column)
+
+
+def probe_prompts(path: str, fmt: str | None, column: str, key: str = "data.path") -> list[Prompt]:
+    """Up to ``PROBE_PROMPTS`` non-blank prompts of the prompt file (or directory) ``path``, checked
+    as ``first_prompts`` says; errors name the setting ``key`` that holds ``path``."""
+    if "://" in path:
         return []
     from ray_ppo.data import infer_format
 
-    fmt = infer_format(d.path, d.format)
-    files = _data_files(Path(d.path), fmt)
+    fmt = infer_format(path, fmt)
+    files = _data_files(Path(path), fmt, key)
     found: list[Prompt] = []
     rows = 0
-    for path in files:
-        file_found, file_rows = _scan_file(path, fmt, d.prompt_column, d.path)
+    for file in files:
+        file_found, file_rows = _scan_file(file, fmt, column, path, key)
         found, rows = found + file_found, rows + file_rows
         if len(found) >= PROBE_PROMPTS:
             break
     if not rows:
-        raise DataPreflightError(f"data.path={d.path!r} has no rows (only a header, or no records); "
-                             f"add prompts to its {d.prompt_column!r} column, one per row")
+        raise DataPreflightError(f"{key}={path!r} has no rows (only a header, or no records); "
+                                 f"add prompts to its {column!r} column, one per row")
     if not found:
-        where = f"{d.path!r}" if len(files) == 1 else f"the {len(files)} files of {d.path!r}"
-        raise DataPreflightError(f"data.prompt_column={d.prompt_column!r} of {where} holds no non-blank prompt; "
-                             f"fill in the prompts, or set data.prompt_column to the column that holds them")
+        where = f"{path!r}" if len(files) == 1 else f"the {len(files)} files of {path!r}"
+        raise DataPreflightError(f"data.prompt_column={column!r} of {where} holds no non-blank prompt; "
+                                 f"fill in the prompts, or set data.prompt_column to the column that holds them")
     return found[:PROBE_PROMPTS]
 
 
-def _data_files(path: Path, fmt: str) -> list[Path]:
+def _data_files(path: Path, fmt: str, key: str = "data.path") -> list[Path]:
     if not path.exists():
-        raise DataPreflightError(f"data.path={str(path)!r} does not exist (resolved to {path.resolve()})")
+        raise DataPreflightError(f"{key}={str(path)!r} does not exist (resolved to {path.resolve()})")
     if path.is_file():
         return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith((".", "_")))
     if not files:
-        raise DataPreflightError(f"data.path={str(path)!r} is an empty directory; put {fmt} prompt files in it")
+        raise DataPreflightError(f"{key}={str(path)!r} is an empty directory; put {fmt} prompt files in it")
     return files
 
 
-def _scan_file(path: Path, fmt: str, column: str, shown: str) -> tuple[list[Prompt], int]:
+def _scan_file(path: Path, fmt: str, column: str, shown: str, key: str = "data.path") -> tuple[list[Prompt], int]:
     """Non-blank prompts (up to ``PROBE_PROMPTS``) of one file and the rows read for them, with one-line
     errors for what is unreadable or no prompt."""
     if path.stat().st_size == 0:
-        raise DataPreflightError(f"data.path={shown!r}: {path.name} is empty (0 bytes); give a {fmt} file with a "
+        raise DataPreflightError(f"{key}={shown!r}: {path.name} is empty (0 bytes); give a {fmt} file with a "
                              f"{column!r} column and one prompt per row")
     if fmt != "parquet" and b"\0" in path.open("rb").read(BINARY_SNIFF_BYTES):
-        raise DataPreflightError(f"data.path={shown!r}: {path.name} is binary, not {fmt} text; give a {fmt} file, "
+        raise DataPreflightError(f"{key}={shown!r}: {path.name} is binary, not {fmt} text; give a {fmt} file, "
                              f"or set data.format to the file's real format (csv, parquet, json)")
     found: list[Prompt] = []
     rows = 0
@@ -261,10 +272,10 @@ def _scan_file(path: Path, fmt: str, column: str, shown: str) -> tuple[list[Prom
     except DataError as e:  # a value that is no prompt
         raise DataPreflightError(str(e)) from None
     except UnicodeDecodeError:
-        raise DataPreflightError(f"data.path={shown!r}: {path.name} is not UTF-8 text ({_first_non_utf8(path)}); "
+        raise DataPreflightError(f"{key}={shown!r}: {path.name} is not UTF-8 text ({_first_non_utf8(path)}); "
                              f"re-save it as UTF-8") from None
     except Exception as e:  # pandas / pyarrow parse errors
-        raise DataPreflightError(f"data.path={shown!r}: {path.name} cannot be read as {fmt} ({type(e).__name__}: "
+        raise DataPreflightError(f"{key}={shown!r}: {path.name} cannot be read as {fmt} ({type(e).__name__}: "
                              f"{_first_line(e)}); check the file, or set data.format to its real format") from None
     return found, rows
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ray_ppo.config import Config, ConfigError
+from ray_ppo.eval_records import EvalFile, eval_line, split_evals
 from ray_ppo.samples import SamplesFile, split_samples
 
 LIVE_KEYS = (("reward_mean", "reward", "{:.3f}"), ("kl", "kl", "{:.4f}"), ("policy_version", "v", "{:.0f}"),
@@ -61,9 +62,10 @@ class TensorBoardWriter:
         self.summary_writer = self._writer  # for text summaries (samples)
 
     def __call__(self, metrics: dict) -> None:
+        """Every figure but the ``eval/...`` ones, which ``EvalFile`` writes at the step they evaluated."""
         step = int(metrics["step"])
         for key, value in metrics.items():
-            if key != "step" and _is_scalar(value):
+            if key != "step" and not key.startswith("eval/") and _is_scalar(value):
                 self._writer.add_scalar(key, value, global_step=step)
         self._writer.flush()
 
@@ -148,6 +150,8 @@ class RunDirectory:
         if resume_after_step is None:  # a new run: its files at once (a run that never steps is removed whole)
             self._open()
         self._samples = SamplesFile(self.path, self._tensorboard.summary_writer if self._tensorboard else None)
+        self._evals = EvalFile(self.path, self._tensorboard.summary_writer if self._tensorboard else None,
+                               self._samples, resume_after_step)
 
     def _open(self) -> None:
         """Write ``config.yaml`` and open ``metrics.jsonl``. A resumed run does it at its first
@@ -169,7 +173,9 @@ class RunDirectory:
         if self._metrics is None:
             self._open()
         metrics, samples = split_samples(metrics)
+        metrics, evals = split_evals(metrics)
         self._samples.write(samples)
+        self._evals.write(evals)
         self._metrics.write(json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n")
         self._metrics.flush()
         if self._tensorboard is not None:
@@ -181,6 +187,7 @@ class RunDirectory:
         if self._metrics is not None:
             self._metrics.close()
         self._samples.close()
+        self._evals.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
         for tracker in self._trackers:
@@ -198,6 +205,8 @@ class LiveLine:
         parts += [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in LIVE_KEYS if key in metrics]
         parts += [counts] if (counts := counts_text(metrics)) else []
         print(" | ".join(parts), file=self.stream, flush=True)
+        for report in split_evals(metrics)[1]:
+            print(eval_line(report), file=self.stream, flush=True)
 
 
 class Progress:
@@ -225,6 +234,8 @@ class Progress:
               if key in PROGRESS_KEYS and _is_scalar(metrics.get(key))),
             *([counts] if (counts := counts_text(metrics)) else [])]), refresh=False)
         self._bar.update(int(metrics["step"]) - self._bar.n)
+        for report in split_evals(metrics)[1]:
+            self._bar.write(eval_line(report), file=self.stream)
 
     def close(self) -> None:
         if self._bar is not None:

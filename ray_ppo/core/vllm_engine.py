@@ -114,14 +114,16 @@ class VllmEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, pad_token_id: int,
-                 eos_token_id: int | Sequence[int] | None) -> Rollout:
+                 eos_token_id: int | Sequence[int] | None, greedy: bool = False) -> Rollout:
         """One response per prompt, as ``ray_ppo.core.models.generate`` returns it (on the CPU), plus
         ``log_probs``: vLLM's log-prob of each sampled token (0 on padding). A response ends at its
-        first token in ``eos_token_id`` (one id or several), or at ``params.max_new_tokens``."""
+        first token in ``eos_token_id`` (one id or several), or at ``params.max_new_tokens``.
+        ``greedy``: the most likely token at each step (vLLM's temperature 0)."""
         ends = end_ids(eos_token_id)
         sampling = self._sampling_cls(
-            n=1, max_tokens=params.max_new_tokens, temperature=params.temperature,
-            top_k=params.top_k if params.top_k > 0 else -1, top_p=params.top_p, logprobs=0,
+            n=1, max_tokens=params.max_new_tokens, temperature=0.0 if greedy else params.temperature,
+            top_k=params.top_k if params.top_k > 0 and not greedy else -1, top_p=1.0 if greedy else params.top_p,
+            logprobs=0,
             stop_token_ids=ends or None, ignore_eos=not ends,
             detokenize=False)
         outputs = self._on_thread(self.llm.generate, [{"prompt_token_ids": list(p)} for p in prompts], sampling,

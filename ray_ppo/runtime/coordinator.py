@@ -9,6 +9,7 @@ Responsibilities:
   - drop, and count, items that became too stale while buffered;
   - relay weight pushes to makers as ObjectRefs (never tensors) and track each maker's version;
   - keep the run's counters, per-step metrics and maker failures;
+  - have a maker evaluate the weights of a step on the held-out prompts (``eval``), makers taking turns;
   - follow every prompt by identity until it is trained (``ray_ppo.runtime.ledger``): prompts whose
     items are discarded or lost are served again, so each is trained on exactly once.
 
@@ -30,7 +31,8 @@ from typing import Any
 from ray_ppo.runtime.coordinator_state import Admission, Mailbox, MakerBook, Push, PushRelay, RankBuffers
 from ray_ppo.data import PromptFeed
 from ray_ppo.runtime.ledger import PromptLedger
-from ray_ppo.runtime.messages import Counters, CoordinatorStatus, MakerStats, Prompt, PromptBatch, PushHeader
+from ray_ppo.runtime.messages import (Counters, CoordinatorStatus, EvalReport, MakerStats, Prompt, PromptBatch,
+                                     PushHeader)
 from ray_ppo.runtime.routing import receivers
 from ray_ppo.runtime.transport import ExperienceChunk
 
@@ -64,6 +66,8 @@ class Coordinator:
         self.pushed = asyncio.Condition()   # a bucket arrived, or a newer push started
         self.loading = asyncio.Lock()       # the prompt texts are read once
         self.push_tasks: set[asyncio.Task] = set()
+        self.eval_tasks: set[asyncio.Task] = set()
+        self.evals_asked = 0  # evaluations asked for; makers take turns by this count
         self.relays = 0  # relays started; each one's number goes with its calls to the maker
         self.mailbox = Mailbox()
         self.rank_pids: dict[int, int | None] = {}  # process of each trainer rank, for diagnostics
@@ -331,6 +335,39 @@ class Coordinator:
         """Each maker's (version, weight fingerprint)."""
         refs = {i: h.weights_fingerprint.remote() for i, h in self.makers.items()}
         return {i: await ref for i, ref in refs.items()}
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def request_eval(self, step: int, version: int) -> None:
+        """Have a maker evaluate the weights of ``step`` (push ``version``) in the background; its
+        ``EvalReport`` joins the mailbox (``evals_since``). Live makers take turns; an evaluation
+        that fails is reported with its error, and the run goes on."""
+        live = [i for i in sorted(self.makers) if not self.book.states[i].failed]
+        self.evals_asked += 1
+        if not live:
+            self.mailbox.evals.append(EvalReport(step=step, policy_version=version, error="no live maker to evaluate"))
+            return
+        maker_id = live[(self.evals_asked - 1) % len(live)]
+        task = asyncio.get_running_loop().create_task(self._evaluate(maker_id, step, version))
+        self.eval_tasks.add(task)
+        task.add_done_callback(self.eval_tasks.discard)
+
+    async def _evaluate(self, maker_id: int, step: int, version: int) -> None:
+        try:
+            report = await self.makers[maker_id].evaluate.remote(step, version)
+        except Exception as e:  # a RayTaskError carries the maker's own exception as its cause
+            cause = getattr(e, "cause", None) or e
+            first = (str(cause).strip().splitlines() or [""])[0]
+            report = EvalReport(step=step, policy_version=version, maker_id=maker_id,
+                                error=f"{type(cause).__name__}: {first}")
+        self.mailbox.evals.append(report)
+
+    async def evals_done(self) -> None:
+        """Return once every evaluation asked for has reported (the run's last step waits for its own)."""
+        while self.eval_tasks:
+            await asyncio.wait(set(self.eval_tasks))
+
+    def evals_since(self, index: int) -> list[EvalReport]:
+        return self.mailbox.evals[index:]
 
     # -- metrics and shutdown -------------------------------------------------------------------
     def record_metrics(self, metrics: dict) -> None:

@@ -331,3 +331,4 @@ class Mailbox:
     def __init__(self):
         self.metrics: list[dict] = []
         self.checkpoints: list[tuple[int, Any]] = []  # (step, ray.train.Checkpoint) as Ray Train stored them
+        self.evals: list[Any] = []  # EvalReport of each evaluation, in the order they finished

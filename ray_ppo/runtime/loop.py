@@ -37,6 +37,7 @@ from ray_ppo.core.learner import PPOLearner, drop_absent
 from ray_ppo.core.metrics import experience_metrics
 from ray_ppo.runtime.monitor import MakerMonitor, verify_makers
 from ray_ppo.core.strategies import make_strategy
+from ray_ppo.eval_records import EVALS_KEY, attach_evals
 from ray_ppo.runtime.transport import ExperienceChunk, Fetched, resolve
 
 
@@ -194,6 +195,8 @@ def _start_makers(w: _Worker, restored: bool, first_step: int) -> None:
         state = w.publisher.gather()
         if w.rank == 0:
             w.publisher.publish(state, w.version, w.kl_ctl.value)
+    if w.rank == 0 and not (restored or behind) and w.cfg.eval.due(0, last=False):  # the base model
+        w.coordinator.request_eval.remote(0, w.version)
 
 
 # -- the phases of a step ---------------------------------------------------------------------------
@@ -299,16 +302,22 @@ def _report(w: _Worker, plan: _StepPlan, over_ranks: Callable[[], dict[str, floa
 def _complete_row(w: _Worker, plan: _StepPlan, over_ranks: Callable[[], dict[str, float]], own: dict[str, float],
                   step_s: float, items: list[ExperienceItem], state: dict[str, torch.Tensor]) -> dict[str, float]:
     """The step's metrics over the ranks with this rank's own figures. Rank 0 adds the makers' view
-    (and, at the end, whether they hold the final weights) and records the row. In the report
+    (and, at the end, whether they hold the final weights), asks for the evaluation of this step's
+    weights when due (``eval``), adds the evaluations finished since its previous row (at the
+    end: every one asked for) and records the row. In the report
     thread: reads only what this step handed it (the version in ``own``, not ``w.version``)."""
     metrics = {**drop_absent(over_ranks()), **own}
     if w.rank == 0:
         metrics.update(w.monitor.metrics(step_s, plan.step))
         if plan.last:
             metrics["weights_in_sync"] = verify_makers(w.coordinator, int(own["policy_version"]), fingerprint(state))
+        if plan.push and w.cfg.eval.due(plan.step, plan.last):  # waited for: the coordinator runs calls out of order
+            ray.get(w.coordinator.request_eval.remote(plan.step, int(own["policy_version"])))
+        row = attach_evals(metrics, w.monitor.evals(wait=plan.last))  # the last row waits for its own
+        metrics = {k: v for k, v in row.items() if k != EVALS_KEY}
         due = samples_due(plan.step, w.cfg.logging.samples_every)
         samples = pick_samples(items, w.tokenizer, plan.step) if due else []
-        _record(w, {**metrics, SAMPLES_KEY: samples} if samples else metrics)
+        _record(w, {**row, SAMPLES_KEY: samples} if samples else row)
     return metrics
 
 

@@ -1,14 +1,16 @@
 """The maker: an ``ExperienceMaker`` in a loop, fed by the coordinator, taking weight pushes.
 
 ``MakerWorker`` is a plain class; ``maker_actor_class`` turns it into a threaded Ray actor with
-three concurrency groups of one thread each:
+four concurrency groups of one thread each:
 
   - ``compute``: ``run`` — fetch prompts -> make experience -> hand items to the sender;
   - ``experience_io``: ``send_loop`` — send items to the coordinator (blocks on back-pressure
     while ``run`` goes on generating the next batch);
   - ``model_io``: ``weights_start`` / ``weights_chunk`` / ``weights_end`` — stage a push while
     generation continues (each bucket is copied into fresh tensors as it arrives); only the
-    final swap, which rebinds the parameters to the staged tensors, takes the model lock.
+    final swap, which rebinds the parameters to the staged tensors, takes the model lock;
+  - ``eval``: ``evaluate`` — answer the ``eval`` section's held-out prompts with the weights of a
+    given version, under the model lock (this maker's generation of experience waits meanwhile).
 
 Every process that receives a maker's handle imports this module: Ray loads an actor's class to
 read its methods when it deserializes the handle. The coordinator holds the makers' handles and
@@ -31,13 +33,13 @@ import ray
 
 from ray_ppo.config import Config
 from ray_ppo.data import PromptEncoder
-from ray_ppo.runtime.messages import MakerStats, PushHeader, RunHandles
+from ray_ppo.runtime.messages import EvalReport, MakerStats, PushHeader, RunHandles
 from ray_ppo.runtime.transport import ExperienceChunk
 
 if TYPE_CHECKING:
     import torch
 
-CONCURRENCY_GROUPS = {"compute": 1, "experience_io": 1, "model_io": 1}
+CONCURRENCY_GROUPS = {"compute": 1, "experience_io": 1, "model_io": 1, "eval": 1}
 SEND_QUEUE_BATCHES = 2
 """Made batches that may wait for the sender before generation blocks."""
 
@@ -57,6 +59,7 @@ class MakerWorker:
         import torch
 
         from ray_ppo.core.build import build_experience_maker, maker_device
+        from ray_ppo.evaluate import Evaluation
         from ray_ppo.core.models.quantize import quantize_for_generation
         from ray_ppo.runtime.receiver import WeightReceiver
 
@@ -81,6 +84,11 @@ class MakerWorker:
         self.version = 0
         self.kl_coef: float | None = None  # the trainer's, with the weights of ``version``; None: ppo.kl_coef
         self.model_lock = threading.Lock()
+        # Clear while an evaluation waits for the model lock or holds it: the compute thread waits
+        # for it before each batch, since a lock is not fair and back-to-back batches would otherwise
+        # keep the evaluation waiting (seen: the base model's evaluation ran with the second push).
+        self.no_eval = threading.Event()
+        self.no_eval.set()
         self.outbox: queue.Queue = queue.Queue(maxsize=SEND_QUEUE_BATCHES)
         self.receiver = WeightReceiver(share=self.cfg.sync.zero_copy)
         self.made = 0
@@ -88,6 +96,8 @@ class MakerWorker:
         self.pause_s = 0.0
         self._unreported_pause_s = 0.0
         self.pushes_loaded = 0
+        # Read now, not at the first evaluation: the base model's must start before a push lands.
+        self.evaluation = Evaluation.of_config(self.cfg, self.maker.tokenizer) if self.cfg.eval.path else None
         if coordinator is not None and ray.is_initialized() and _was_restarted():
             # A restarted process: the coordinator counts what died with the old one and resends
             # the latest weights; admission keeps this maker idle until they are loaded.
@@ -163,6 +173,7 @@ class MakerWorker:
         the sender (back-pressure, counted by ``_queue``)."""
         items, made = [], {}
         if encoded.ids:
+            self.no_eval.wait()
             with self.model_lock:
                 items, run = self.maker.make_experience(encoded.ids, self.version, self.kl_coef, encoded.prompts)
             if prompt_ids:
@@ -259,6 +270,29 @@ class MakerWorker:
         self.pause_s += paused
         self._unreported_pause_s += paused
         return True
+
+    # -- eval -----------------------------------------------------------------------------------
+    @ray.method(concurrency_group="eval")
+    def evaluate(self, step: int, version: int) -> EvalReport:
+        """The ``eval`` section's evaluation of the weights of ``step``, push ``version`` (0: the
+        base model), once this maker holds them (a later push that came first answers instead: the
+        report names the version that did). The model lock is held throughout, so one version
+        answers every prompt; meanwhile this maker's experience waits, the other makers' does not."""
+        deadline = time.monotonic() + self.cfg.trainer.pull_timeout_s
+        while self.version < version:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"maker_{self.maker_id} was asked to evaluate push v{version} (step {step}) but "
+                                   f"still holds v{self.version} after {self.cfg.trainer.pull_timeout_s:.0f} s")
+            time.sleep(0.05)
+        self.no_eval.clear()
+        try:
+            with self.model_lock:
+                start = time.perf_counter()
+                result = self.evaluation.run(self.maker.actor, self.engine, model=f"maker_{self.maker_id}")
+                held = self.version
+        finally:
+            self.no_eval.set()
+        return result.report(step, held, self.maker_id, eval_s=time.perf_counter() - start)
 
     def weights_fingerprint(self) -> tuple[int, str]:
         """(version, fingerprint of the actor and critic weights) for consistency checks. With an

@@ -22,6 +22,7 @@ class MakerMonitor:
         self.last = {"tokens": 0.0, "generate_s": 0.0, "idle_s": 0.0}
         self.gaps_seen = 0
         self.engine_gaps = engine_gaps  # vLLM makers: relay their log-prob gap (engine_logprob_gap_*)
+        self.evals_seen = 0
 
     def metrics(self, step_s: float, step: int) -> dict[str, float]:
         """The makers' figures since the previous call (``step_s`` ago) and the counters, read from
@@ -44,6 +45,15 @@ class MakerMonitor:
                 "prompts_served": float(counters.prompts_served), "prompts_blank": float(counters.blank_prompts),
                 "prompts_truncated": float(counters.truncated_prompts), "prompts_lost": float(counters.lost),
                 **(self._logprob_gap() if self.engine_gaps else {})}
+
+    def evals(self, wait: bool = False) -> list:
+        """The ``EvalReport``s finished since the previous call; ``wait``: once every evaluation
+        asked for has finished (the run's last step)."""
+        if wait:
+            ray.get(self.coordinator.evals_done.remote())
+        reports = ray.get(self.coordinator.evals_since.remote(self.evals_seen))
+        self.evals_seen += len(reports)
+        return reports
 
     def _logprob_gap(self) -> dict[str, float]:
         """engine_logprob_gap_mean / _max over the tokens sampled by vLLM makers since the previous step."""

@@ -97,6 +97,8 @@ def test_tree_names_and_defaults_are_the_public_contract():
         "topology": {"routing": "round_robin", "buffer_size": 0, "transport": "inline"},
         "logging": {"output_dir": None, "progress": True, "tensorboard": True, "report_every": 10,
                     "wandb": False, "mlflow": False, "project": "ray_ppo", "samples_every": 10},
+        "eval": {"path": None, "every": 10, "num_prompts": 100, "greedy": True, "samples_per_prompt": 1,
+                 "reward_fn": None, "max_new_tokens": None},
         "toy": {"num_prompts": 512, "prompt_len": 6, "seed": 0},
     }
 
@@ -441,7 +443,7 @@ def test_every_field_has_a_one_line_doc(cls):
 
 def test_dotted_field_docs_cover_the_tree():
     docs = dotted_field_docs()
-    assert len(list(_config_classes())) == 13  # the sections, algo and maker.vllm included
+    assert len(list(_config_classes())) == 14  # the sections, algo and maker.vllm included
     assert docs["ppo.kl_coef"] == field_docs(PPOConfig)["kl_coef"]
     assert docs["model.lora.rank"] == field_docs(LoraConfig)["rank"]
     assert {key.split(".")[0] for key in docs} == set(field_docs(Config))

@@ -103,7 +103,8 @@ def model_device(model: nn.Module) -> torch.device:
 
 @torch.no_grad()
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams,
-             pad_token_id: int, eos_token_id: int | Sequence[int] | None, log_probs: bool = False) -> Rollout:
+             pad_token_id: int, eos_token_id: int | Sequence[int] | None, log_probs: bool = False,
+             greedy: bool = False) -> Rollout:
     """Sample one response per prompt with ``model.generate``; the rollout is on ``model``'s device.
     A response ends at its first token in ``eos_token_id`` (one id or several: ``stop_token_ids``
     gives a maker's) or at ``params.max_new_tokens``.
@@ -113,7 +114,8 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], params: Samplin
     from softmax(logits / temperature) cut by top-k / top-p, the policy whose log-probs PPO uses.
     ``log_probs``: also return log_softmax(logits / temperature) of each sampled token, read from
     generation's own logits (the numbers a forward pass over the sequences gives, up to float
-    rounding), so the caller needs no second pass."""
+    rounding), so the caller needs no second pass. ``greedy``: the most likely token at each step
+    instead (evaluation; ``params`` then give only ``max_new_tokens``)."""
     from transformers import LogitsProcessorList
 
     device = model_device(model)
@@ -121,10 +123,11 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], params: Samplin
     input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
     recorder = SampledLogProbs(params.temperature) if log_probs else None
     with _only_these_settings(model):
+        sampling = {} if greedy else dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
         out = model.generate(
-            input_ids=input_ids, attention_mask=prompt_mask, do_sample=True,
-            max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
-            top_p=params.top_p, pad_token_id=pad_token_id, eos_token_id=end_ids(eos_token_id) or None,
+            input_ids=input_ids, attention_mask=prompt_mask, do_sample=not greedy,
+            max_new_tokens=params.max_new_tokens, **sampling,
+            pad_token_id=pad_token_id, eos_token_id=end_ids(eos_token_id) or None,
             logits_processor=LogitsProcessorList([recorder] if recorder else []),
         )
     prompt_len = input_ids.shape[1]
