@@ -67,6 +67,9 @@ class SlowMonitor:
         assert self.release.wait(10)
         return {"maker_idle_ratio": 0.5}
 
+    def evals(self, wait=False):
+        return []  # no eval section: no evaluations
+
 
 class Rows:
     """The coordinator's ``record_metrics`` and Ray Train's ``report``, as the loop calls them."""
