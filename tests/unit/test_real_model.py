@@ -1,0 +1,108 @@
+"""The real-model comparison's own logic (``benchmarks/real_model.py``, ``benchmarks/peer_trl_grpo.py``):
+accuracy at a time, the time to reach an accuracy, issue 40's goal, reading both sides' run
+directories, and the mapping of configs/smollm2_grpo.yaml onto TRL's GRPOConfig. No TRL needed."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import peer_trl_grpo  # noqa: E402
+import real_model  # noqa: E402
+from real_model import Run  # noqa: E402
+
+CURVE = [(0.0, 0, 0.5), (250.0, 10, 0.6), (520.0, 20, 0.7), (910.0, 31, 0.65)]
+
+
+def test_at_takes_the_last_evaluation_at_or_before_the_time():
+    assert [real_model.at(CURVE, s) for s in (0, 249.9, 250, 600, 900, 1e9)] == [0.5, 0.5, 0.6, 0.7, 0.7, 0.65]
+
+
+def test_reach_s_is_the_first_evaluation_at_or_above_the_accuracy():
+    assert real_model.reach_s(CURVE, 0.6) == 250.0
+    assert real_model.reach_s(CURVE, 0.65) == 520.0  # the first, not the last one at 0.65
+    assert real_model.reach_s(CURVE, 0.5) == 0.0
+    assert real_model.reach_s(CURVE, 0.71) == float("inf")
+
+
+def test_goal_compares_medians_over_seeds():
+    trl = [Run("trl", s, [(0.0, 0, 0.5), (t, 30, acc)], sps) for s, t, acc, sps in
+           ((0, 900.0, 0.6, 1.0), (1, 1000.0, 0.7, 2.0), (2, 800.0, 0.8, 3.0))]
+    # target: median final accuracy 0.7; TRL's time: median 900 s; its samples/s: median 2.0
+    ours = [Run("ours", s, [(0.0, 0, 0.5), (t, 10, 0.7)], 2.4) for s, t in ((0, 600.0), (1, 675.0), (2, 800.0))]
+    g = real_model.goal(ours, trl)
+    assert (g.target, g.trl_s, g.ours_s, g.speed_ratio) == (0.7, 900.0, 675.0, pytest.approx(1.2))
+    assert g.met  # 675 = 0.75 x 900, and 2.4 = 1.2 x 2.0: both bounds inclusive
+    assert "met" in g.line() and "675 s = 0.75x" in g.line()
+
+
+@pytest.mark.parametrize("change", ["slower", "never", "fewer samples/s"])
+def test_goal_is_missed_when_either_bound_fails(change):
+    trl = [Run("trl", 0, [(0.0, 0, 0.5), (900.0, 30, 0.7)], 2.0)]
+    reach_s, final, sps = {"slower": (700.0, 0.7, 2.4), "never": (100.0, 0.69, 2.4),
+                           "fewer samples/s": (600.0, 0.7, 2.3)}[change]
+    g = real_model.goal([Run("ours", 0, [(0.0, 0, 0.5), (reach_s, 10, final)], sps)], trl)
+    assert not g.met and "missed" in g.line()
+    if change == "never":
+        assert g.ours_s == float("inf") and "reaches it at never" in g.line()
+
+
+def test_rows_give_the_accuracy_at_each_mark_and_the_last():
+    row, = real_model.rows([Run("ours", 3, CURVE, 1.5)])
+    assert row == ["ours", 3, 0.5, 0.6, 0.7, 0.7, 0.65, "31 (910 s)", "+0.150", 1.5]
+
+
+def test_read_run_tells_the_sides_apart(tmp_path):
+    ours = tmp_path / "seed_1"
+    ours.mkdir()
+    (ours / "config.yaml").write_text(yaml.safe_dump({"seed": 1, "trainer": {"train_batch_size": 32}}))
+    (ours / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "elapsed_s": 40.0 * s}) + "\n"
+                                                for s in (1, 2, 3)))
+    (ours / "eval.jsonl").write_text("".join(json.dumps({"step": s, "accuracy": a, "error": e}) + "\n" for s, a, e in
+                                             ((0, 0.5, None), (2, 0.0, "maker lost"), (3, 0.6, None))))
+    run = real_model.read_run(ours)
+    assert (run.side, run.seed, run.points, run.samples_per_s) == ("ours", 1, [(0.0, 0, 0.5), (120.0, 3, 0.6)],
+                                                                   3 * 32 / 120.0)
+    trl = tmp_path / "trl_seed_1"
+    trl.mkdir()
+    (trl / "trl.json").write_text(json.dumps({"seed": 1, "samples_per_s": 0.7}))
+    (trl / "eval.jsonl").write_text("".join(json.dumps({"step": s, "elapsed_s": t, "accuracy": a}) + "\n"
+                                            for s, t, a in ((0, 0.0, 0.5), (10, 300.0, 0.55))))
+    assert real_model.read_run(trl) == Run("trl", 1, [(0.0, 0, 0.5), (300.0, 10, 0.55)], 0.7)
+
+
+def test_trl_settings_carry_the_grpo_config():
+    from ray_ppo.config import load_config
+
+    s = peer_trl_grpo.trl_settings(load_config(peer_trl_grpo.CONFIG))
+    assert s["num_generations"] == 4 and s["per_device_train_batch_size"] == 16
+    assert s["steps_per_generation"] == 2 and s["gradient_accumulation_steps"] == 1  # 2 updates on each 32
+    assert s["max_steps"] == 200 * 2 and s["num_iterations"] == 1
+    assert (s["max_completion_length"], s["temperature"], s["learning_rate"], s["lr_scheduler_type"]) == \
+        (24, 1.0, 1e-5, "constant")
+    assert (s["beta"], s["epsilon"], s["max_grad_norm"], s["weight_decay"]) == (0.0, 0.2, 1.0, 0.0)
+    assert not s["gradient_checkpointing"] and not s["bf16"]
+    assert "loss_type" not in s and "scale_rewards" not in s  # TRL's defaults, as shipped
+
+
+def test_trl_settings_refuse_a_step_of_other_than_one_generation_batch():
+    from ray_ppo.config import load_config
+
+    cfg = load_config(peer_trl_grpo.CONFIG, ["trainer.train_batch_size=64"])  # ours: two batches of 8 prompts a step
+    with pytest.raises(SystemExit, match="must be maker.batch_size x maker.samples_per_prompt"):
+        peer_trl_grpo.trl_settings(cfg)
+
+
+def test_arithmetic_reward_reads_trls_conversational_completions():
+    from ray_ppo.tasks.arithmetic import reward
+
+    trl_reward = peer_trl_grpo.arithmetic_reward(reward)
+    prompt = [{"role": "user", "content": "What is 7 plus 5? Answer with a number."}]
+    completions = [[{"role": "assistant", "content": "7 + 5 = 12"}], [{"role": "assistant", "content": "13"}]]
+    assert trl_reward(prompts=[prompt, prompt], completions=completions, trainer_state=None) == [1.0, 0.0]
+    assert trl_reward.__name__ == "reward"
