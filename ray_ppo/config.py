@@ -451,7 +451,7 @@ class EvalConfig(_Section):
                                  json_schema_extra=_null("for no evaluation"))
     """Prompt file to evaluate on (CSV, JSONL or Parquet; its data.prompt_column); null = no evaluation."""
     every: int = Field(10, ge=0)
-    """Evaluate the weights of every this many steps, besides the base model (step 0) and the last step; 0 = only those two."""
+    """Evaluate the weights of every this many steps (with trainer.update_steps > 1: of the first push at or after each), besides the base model (step 0) and the last step; 0 = only those two."""
     num_prompts: int = Field(100, gt=0)
     """How many prompts of eval.path (the first ones) each evaluation answers."""
     greedy: bool = True
@@ -472,9 +472,14 @@ class EvalConfig(_Section):
                 f"set eval.greedy=false to sample (pass@k), or eval.samples_per_prompt=1")
         return self
 
-    def due(self, step: int, last: bool) -> bool:
-        """Whether the weights of ``step`` are evaluated: step 0, the last step, every ``every`` steps."""
-        return self.path is not None and (step == 0 or last or (self.every > 0 and step % self.every == 0))
+    def due(self, step: int, last: bool, update_steps: int = 1) -> bool:
+        """Whether the weights of ``step`` are evaluated: step 0, the last step, and the first push
+        at or after every ``every``-th step (the trainer pushes every ``update_steps`` steps)."""
+        if self.path is None:
+            return False
+        if step == 0 or last:
+            return True
+        return self.every > 0 and step // self.every > (step - update_steps) // self.every
 
 
 class ToyTaskConfig(_Section):
@@ -581,15 +586,11 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _eval_settings(self) -> Config:
-        e, update_steps = self.eval, self.trainer.update_steps
+        e = self.eval
         if e.path is not None and not (e.reward_fn or self.model.reward_fn):
             raise ConfigError(
                 f"eval.path={e.path!r} is scored by a rule reward, but eval.reward_fn and model.reward_fn "
                 f"are null; set eval.reward_fn=module:function (e.g. ray_ppo.tasks.arithmetic:reward)")
-        if e.every % update_steps:
-            raise ConfigError(
-                f"eval.every={e.every} is not a multiple of trainer.update_steps={update_steps}, so the weights of "
-                f"its steps never reach the makers; set eval.every={-(-e.every // update_steps) * update_steps}")
         return self
 
     @property

@@ -311,7 +311,7 @@ def _complete_row(w: _Worker, plan: _StepPlan, over_ranks: Callable[[], dict[str
         metrics.update(w.monitor.metrics(step_s, plan.step))
         if plan.last:
             metrics["weights_in_sync"] = verify_makers(w.coordinator, int(own["policy_version"]), fingerprint(state))
-        if plan.push and w.cfg.eval.due(plan.step, plan.last):  # waited for: the coordinator runs calls out of order
+        if plan.push and w.cfg.eval.due(plan.step, plan.last, w.cfg.trainer.update_steps):  # waited for: the coordinator runs calls out of order
             ray.get(w.coordinator.request_eval.remote(plan.step, int(own["policy_version"])))
         row = attach_evals(metrics, w.monitor.evals(wait=plan.last))  # the last row waits for its own
         metrics = {k: v for k, v in row.items() if k != EVALS_KEY}

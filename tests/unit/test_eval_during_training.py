@@ -35,14 +35,17 @@ def test_evaluation_is_due_at_step_0_every_n_steps_and_at_the_last_step():
     assert [s for s in range(11) if e.due(s, last=s == 10)] == [0, 4, 8, 10]
     assert [s for s in range(7) if Config.from_dict({"eval": {"path": PROMPTS, "every": 0}}).eval.due(s, s == 6)] == [0, 6]
     assert not any(Config().eval.due(s, last=True) for s in range(3))  # no eval.path: never
+    # A push every 4 steps: the first push at or after steps 10, 20, 30 (its weights reach the makers).
+    pushes = range(4, 41, 4)
+    assert [s for s in pushes if e.due(s, last=False, update_steps=4)] == [4, 8, 12, 16, 20, 24, 28, 32, 36, 40]
+    every_10 = Config.from_dict({"eval": {"path": PROMPTS, "every": 10}}).eval
+    assert [s for s in pushes if every_10.due(s, last=s == 40, update_steps=4)] == [12, 20, 32, 40]
 
 
 def test_bad_eval_settings_are_one_line_naming_the_fix():
     with pytest.raises(ConfigError, match=r"^eval.greedy=true gives one response a prompt, not eval.samples_per_prompt=4; "
                                           r"set eval.greedy=false"):
         Config.from_dict({"eval": {"samples_per_prompt": 4}})
-    with pytest.raises(ConfigError, match=r"eval.every=5 is not a multiple of trainer.update_steps=2.*set eval.every=6"):
-        Config.from_dict({"eval": {"path": PROMPTS, "every": 5}, "trainer": {"update_steps": 2}})
     with pytest.raises(ConfigError, match=r"eval.reward_fn and model.reward_fn are null; set eval.reward_fn="):
         Config.from_dict({"eval": {"path": PROMPTS}, "model": {"reward_fn": None, "reward_pretrained": "r"}})
     cfg = Config.from_dict({"eval": {"path": PROMPTS, "reward_fn": "ray_ppo.tasks.arithmetic:reward"}})
