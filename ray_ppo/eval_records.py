@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Any, Sequence
+
+from ray_ppo.jsonl import open_rows, read_rows
 
 EVALS_KEY = "evals"
 """Key of a metrics row that carries the evaluations finished since the previous row."""
@@ -66,10 +67,7 @@ def eval_summary(reports: Sequence[dict]) -> str:
 def read_evals(path: str | Path) -> list[dict]:
     """The evaluations of a run directory's ``eval.jsonl`` (none if it has no such file)."""
     path = Path(path) / EVAL_FILE if Path(path).is_dir() else Path(path)
-    if not path.exists():
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_rows(path) if path.exists() else []
 
 
 class EvalFile:
@@ -89,7 +87,7 @@ class EvalFile:
         if not reports:
             return
         if self._file is None:
-            self._open()
+            self._file = open_rows(self.path, self.resume_after_step)
         for report in reports:
             self._file.write(json.dumps(report) + "\n")
             if report["error"] is None:
@@ -99,23 +97,14 @@ class EvalFile:
                                          "eval": True} for s in report["samples"]])
         self._file.flush()
 
-    def _open(self) -> None:
-        if self.resume_after_step is None:
-            self._file = open(self.path, "w")
-            return
-        if self.path.exists():
-            kept = [r for r in read_evals(self.path) if r["step"] <= self.resume_after_step]
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            os.replace(tmp, self.path)
-        self._file = open(self.path, "a")
-
     def _figures(self, report: dict) -> None:
         if self.tensorboard is None:
             return
-        for key in ("accuracy", "reward_mean", "pass_at_k", "eval_s"):
-            if key != "pass_at_k" or report["samples_per_prompt"] > 1:
-                self.tensorboard.add_scalar(f"eval/{key.replace('eval_s', 's')}", report[key], global_step=report["step"])
+        tags = {"accuracy": "eval/accuracy", "reward_mean": "eval/reward_mean", "eval_s": "eval/s"}
+        if report["samples_per_prompt"] > 1:
+            tags["pass_at_k"] = "eval/pass_at_k"
+        for key, tag in tags.items():
+            self.tensorboard.add_scalar(tag, report[key], global_step=report["step"])
         self.tensorboard.flush()
 
     def close(self) -> None:

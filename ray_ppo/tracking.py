@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import math
 import numbers
-import os
 import sys
 from pathlib import Path
 from typing import TextIO
 
 from ray_ppo.config import Config, ConfigError
 from ray_ppo.eval_records import EvalFile, eval_line, split_evals
+from ray_ppo.jsonl import open_rows, read_rows
 from ray_ppo.samples import SamplesFile, split_samples
 
 LIVE_KEYS = (("reward_mean", "reward", "{:.3f}"), ("kl", "kl", "{:.4f}"), ("policy_version", "v", "{:.0f}"),
@@ -157,17 +157,7 @@ class RunDirectory:
         """Write ``config.yaml`` and open ``metrics.jsonl``. A resumed run does it at its first
         step, so a resume that fails before one leaves the run's record as it was."""
         (self.path / "config.yaml").write_text(self._config_yaml)
-        metrics = self.path / "metrics.jsonl"
-        if self._resume_after_step is not None and metrics.exists():
-            # Rows of steps after the checkpoint are redone. Replaced in one rename, so a run
-            # killed at any moment keeps the history up to the checkpoint.
-            kept = [r for r in read_metrics(metrics) if r.get("step", 0) <= self._resume_after_step]
-            tmp = metrics.with_name(f".{metrics.name}.tmp")
-            tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
-            os.replace(tmp, metrics)
-            self._metrics = open(metrics, "a")
-        else:
-            self._metrics = open(metrics, "w")
+        self._metrics = open_rows(self.path / "metrics.jsonl", self._resume_after_step)
 
     def __call__(self, metrics: dict) -> None:
         if self._metrics is None:
@@ -250,5 +240,4 @@ def _progress_bar(total_steps: int, stream: TextIO):
 
 def read_metrics(path: str | Path) -> list[dict]:
     """The rows of a ``metrics.jsonl`` file."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_rows(path)
