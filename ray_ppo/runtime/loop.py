@@ -37,7 +37,7 @@ from ray_ppo.core.learner import PPOLearner, drop_absent
 from ray_ppo.core.metrics import experience_metrics
 from ray_ppo.runtime.monitor import MakerMonitor, verify_makers
 from ray_ppo.core.strategies import make_strategy
-from ray_ppo.eval_records import EVALS_KEY, attach_evals
+from ray_ppo.eval_records import attach_evals, split_evals
 from ray_ppo.runtime.transport import ExperienceChunk, Fetched, resolve
 
 
@@ -314,7 +314,7 @@ def _complete_row(w: _Worker, plan: _StepPlan, over_ranks: Callable[[], dict[str
         if plan.push and w.cfg.eval.due(plan.step, plan.last, w.cfg.trainer.update_steps):  # waited for: the coordinator runs calls out of order
             ray.get(w.coordinator.request_eval.remote(plan.step, int(own["policy_version"])))
         row = attach_evals(metrics, w.monitor.evals(wait=plan.last))  # the last row waits for its own
-        metrics = {k: v for k, v in row.items() if k != EVALS_KEY}
+        metrics = split_evals(row)[0]
         due = samples_due(plan.step, w.cfg.logging.samples_every)
         samples = pick_samples(items, w.tokenizer, plan.step) if due else []
         _record(w, {**row, SAMPLES_KEY: samples} if samples else row)

@@ -158,12 +158,17 @@ class MakerWorker:
             self.outbox.put(None)
         return {"made": self.made, "version": self.version}
 
-    def _wait_for_first_push(self, poll_s: float = 0.05) -> None:
+    def _wait_for_first_push(self) -> None:
+        self._wait_for_push(lambda: self.pushes_loaded > 0, f"maker_{self.maker_id}: no weight push arrived within "
+                            f"{self.cfg.trainer.pull_timeout_s:.0f} s (maker.wait_for_weights=true)")
+
+    def _wait_for_push(self, loaded, problem: str, poll_s: float = 0.05) -> None:
+        """Poll until ``loaded()`` (a weight push has swapped in); after ``trainer.pull_timeout_s``
+        raise ``TimeoutError(problem)``."""
         deadline = time.monotonic() + self.cfg.trainer.pull_timeout_s
-        while self.pushes_loaded == 0:
+        while not loaded():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"maker_{self.maker_id}: no weight push arrived within "
-                                   f"{self.cfg.trainer.pull_timeout_s:.0f} s (maker.wait_for_weights=true)")
+                raise TimeoutError(problem)
             time.sleep(poll_s)
 
     def _make(self, prompts: list, prompt_ids: list[int], encoded, waited_s: float) -> tuple[list, MakerStats]:
@@ -278,12 +283,9 @@ class MakerWorker:
         base model), once this maker holds them (a later push that came first answers instead: the
         report names the version that did). The model lock is held throughout, so one version
         answers every prompt; meanwhile this maker's experience waits, the other makers' does not."""
-        deadline = time.monotonic() + self.cfg.trainer.pull_timeout_s
-        while self.version < version:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"maker_{self.maker_id} was asked to evaluate push v{version} (step {step}) but "
-                                   f"still holds v{self.version} after {self.cfg.trainer.pull_timeout_s:.0f} s")
-            time.sleep(0.05)
+        self._wait_for_push(lambda: self.version >= version, f"maker_{self.maker_id} was asked to evaluate push "
+                            f"v{version} (step {step}) while holding v{self.version}, and v{version} had not arrived "
+                            f"after {self.cfg.trainer.pull_timeout_s:.0f} s")
         self.no_eval.clear()
         try:
             with self.model_lock:
