@@ -1,27 +1,29 @@
 """Prompts: reading them (Ray Data or pandas) and encoding them into token ids.
 
-A prompt (``Prompt``, ``ray_ppo.runtime.messages``) is a string, or a chat: a list of
+A prompt (``Prompt``) is a string, or a chat: a list of
 ``{"role": str, "content": str}`` messages. It travels as the data gave it, from the reader
 through the coordinator and the makers to the reward function and the items; only the encoder
 turns it into token ids. Reading validates the input once, with errors that name the path or the
 columns present, and refuses a prompt of any other shape naming its row. Encoding skips blank
-prompts and truncates long ones, and counts both. ``PromptFeed`` serves the prompts to makers,
-by prompt identity (``ray_ppo.runtime.ledger``), for the coordinator.
+prompts and truncates long ones, and counts both. The coordinator serves the prompts to makers
+by prompt identity (``ray_ppo.runtime.feed``). Nothing here imports Ray or ``ray_ppo.runtime``:
+the local loop reads its prompts with this module alone.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Sequence
+from collections.abc import Iterable, Mapping
+from typing import Any, Sequence, Union
 
 import numpy as np
 
-from ray_ppo.runtime.ledger import PromptLedger
-from ray_ppo.runtime.messages import Prompt, PromptBatch
+
+Prompt = Union[str, list[dict[str, Any]]]
+"""A prompt as the data gives it: a text, or a chat, a list of messages, each a dict with a str
+``role`` and a str ``content`` (other keys are kept for the chat template)."""
 
 FORMATS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".json": "json", ".jsonl": "json"}
 
@@ -258,47 +260,6 @@ def read_prompt_texts(path: str, prompt_column: str, fmt: str | None = None) -> 
         raise DataError(f"cannot read data.path={path!r} as {fmt}: {e}") from e
     _check_column(list(frame.columns), prompt_column, path)
     return to_prompts(frame[prompt_column].tolist(), f"data.prompt_column={prompt_column!r} of {path!r}")
-
-
-class PromptFeed:
-    """Serves the prompt dataset's prompts in the ledger's order (``ray_ppo.runtime.ledger``), epoch after epoch.
-
-    The prompts are read once, in file order (Ray Data keeps the order only when asked:
-    ``execution_options.preserve_order``), and kept by the coordinator: a prompt id names a row,
-    so the same row must come back at the same index on every read, also after a resume.
-    ``read`` blocks: the coordinator runs it in a worker thread and hands the prompts to ``load``.
-    """
-
-    def __init__(self, read: Callable[[], list[Prompt | None]], ledger: PromptLedger):
-        self.read, self.ledger = read, ledger
-        self.prompts: list[Prompt | None] | None = None
-        self.first_prompt: Prompt | None = None  # the first prompt this feed served (where a resume restarted)
-        self.served = 0  # prompts handed out
-        self.epochs = 0  # full passes over the dataset started
-
-    @classmethod
-    def of_dataset(cls, dataset: Any, ledger: PromptLedger, column: str = "prompt") -> PromptFeed:
-        """A feed over the prompts in ``column`` of a Ray Dataset."""
-        return cls(functools.partial(read_texts, dataset, column), ledger)
-
-    @property
-    def loaded(self) -> bool:
-        return self.prompts is not None
-
-    def load(self, prompts: list[Prompt | None]) -> None:
-        self.prompts = prompts
-        self.ledger.configure(len(prompts))
-
-    def next(self, maker_id: int, n: int) -> PromptBatch:
-        """The next ``n`` prompts for ``maker_id`` (requeued ones first; the stream wraps into the
-        next epoch, so always ``n``)."""
-        ids = self.ledger.take(n, maker_id)
-        prompts = [self.prompts[self.ledger.row(pid)] for pid in ids]
-        if self.first_prompt is None:
-            self.first_prompt = prompts[0]
-        self.served += len(prompts)
-        self.epochs = self.ledger.epoch + 1
-        return PromptBatch(prompts, ids)
 
 
 def read_texts(dataset: Any, column: str = "prompt", batch_size: int = 4096) -> list[Prompt | None]:

@@ -1,7 +1,7 @@
 """Held-out evaluations on their way from the trainer to the run's files and the terminal.
 
 Rank 0 attaches the evaluations that finished since its previous metrics row (``EvalReport``s,
-``ray_ppo.runtime.messages``) to the row it records, under ``EVALS_KEY``, and the figures of the
+defined here, Ray-free, since the local loop makes them too) to the row it records, under ``EVALS_KEY``, and the figures of the
 latest one as ``eval/...`` keys, which ``metrics.jsonl``, the trackers, Ray Train's report (so Tune
 can sweep on ``eval/accuracy``) and the summary see. On the driver ``split_evals`` takes the
 reports off the row; ``EvalFile`` appends each to ``RUN_DIR/eval.jsonl`` (every evaluation, at the
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -21,6 +22,42 @@ from ray_ppo.jsonl import open_rows, read_rows
 EVALS_KEY = "evals"
 """Key of a metrics row that carries the evaluations finished since the previous row."""
 EVAL_FILE = "eval.jsonl"
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    """One evaluation of the weights of ``step`` (``MakerWorker.evaluate``); ``error`` instead of
+    figures when it failed (the run goes on; the report says why)."""
+
+    step: int
+    """The step whose weights were asked for (0: the base model)."""
+    policy_version: int = 0
+    """The version of the weights that answered (the push of ``step``, or a later one if it came first)."""
+    maker_id: int = -1
+    eval_s: float = 0.0
+    """Seconds the evaluation held the maker (its generation of experience waits meanwhile)."""
+    accuracy: float = 0.0
+    """Share of responses whose reward is at least ``ray_ppo.evaluate.CORRECT`` (with k samples: mean@k)."""
+    reward_mean: float = 0.0
+    pass_at_k: float = 0.0
+    num_prompts: int = 0
+    greedy: bool = True
+    samples_per_prompt: int = 1
+    samples: tuple[dict, ...] = ()
+    """The first few prompts with their response and reward."""
+    error: str | None = None
+
+    def metrics(self) -> dict[str, float]:
+        """The ``eval/...`` figures of a metrics row (none for a failed evaluation)."""
+        if self.error is not None:
+            return {}
+        figures = {"eval/accuracy": self.accuracy, "eval/reward_mean": self.reward_mean,
+                   "eval/step": float(self.step), "eval/policy_version": float(self.policy_version),
+                   "eval/num_prompts": float(self.num_prompts), "eval/s": self.eval_s}
+        if self.samples_per_prompt > 1:
+            figures["eval/pass_at_k"] = self.pass_at_k
+        return figures
+
 
 
 def attach_evals(row: dict, reports: Sequence[Any]) -> dict:

@@ -22,7 +22,7 @@ import torch
 
 from ray_ppo.config import Config, ConfigError
 from ray_ppo.data import Prompt, PromptEncoder, read_prompt_texts
-from ray_ppo.runtime.messages import EvalReport
+from ray_ppo.eval_records import EvalReport
 
 CORRECT = 1.0
 """A response whose reward is at least this counts as correct."""

@@ -14,7 +14,7 @@ Responsibilities:
     items are discarded or lost are served again, so each is trained on exactly once.
 
 ``Coordinator`` is a thin async shell: its state and every decision live in plain synchronous
-objects (``ray_ppo.runtime.coordinator_state``, ``ray_ppo.data.PromptFeed``, ``ray_ppo.runtime.ledger``), and it
+objects (``ray_ppo.runtime.coordinator_state``, ``ray_ppo.runtime.feed.PromptFeed``, ``ray_ppo.runtime.ledger``), and it
 only waits (for buffer space, items, admission, weight buckets) and wakes the waiters. It is a
 plain class whose methods are coroutines; ``ray.remote`` turns it into an async actor where it is
 created. All its methods run on one event loop (one concurrency group), so its state needs no
@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from ray_ppo.runtime.coordinator_state import Admission, Mailbox, MakerBook, Push, PushRelay, RankBuffers
-from ray_ppo.data import PromptFeed
+from ray_ppo.runtime.feed import PromptFeed
 from ray_ppo.runtime.ledger import PromptLedger
 from ray_ppo.runtime.messages import (Counters, CoordinatorStatus, EvalReport, MakerStats, Prompt, PromptBatch,
                                      PushHeader)

@@ -12,7 +12,7 @@ count. Each object has one job and each counter is changed in one place:
   - ``PushRelay``: the latest weight push and the refs of its buckets as they arrive;
   - ``Mailbox``: what rank 0 hands the driver (per-step metrics, stored checkpoints), in order.
 
-The prompt stream is ``ray_ppo.data.PromptFeed`` over a ``ray_ppo.runtime.ledger.PromptLedger``.
+The prompt stream is ``ray_ppo.runtime.feed.PromptFeed`` over a ``ray_ppo.runtime.ledger.PromptLedger``.
 """
 
 from __future__ import annotations

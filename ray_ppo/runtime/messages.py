@@ -24,12 +24,10 @@ pushes, passes the controller's value to ``ExperienceMaker.make_experience`` dir
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
-Prompt = Union[str, list[dict[str, Any]]]
-"""A prompt as the data gives it: a text, or a chat, a list of messages, each a dict with a str
-``role`` and a str ``content`` (other keys are kept for the chat template). ``ray_ppo.data`` reads
-and checks them."""
+from ray_ppo.data import Prompt  # noqa: F401  (a prompt as the data gives it; ``ray_ppo.data`` reads and checks them)
+from ray_ppo.eval_records import EvalReport  # noqa: F401  (made by ``ray_ppo.evaluate``, which the local loop runs too)
 
 
 @dataclass(frozen=True)
@@ -169,41 +167,6 @@ class CoordinatorStatus:
     """Process id of each trainer rank (from its last pull), for diagnostics."""
     node_id: str | None = None
     """The Ray node the coordinator runs on."""
-
-
-@dataclass(frozen=True)
-class EvalReport:
-    """One evaluation of the weights of ``step`` (``MakerWorker.evaluate``); ``error`` instead of
-    figures when it failed (the run goes on; the report says why)."""
-
-    step: int
-    """The step whose weights were asked for (0: the base model)."""
-    policy_version: int = 0
-    """The version of the weights that answered (the push of ``step``, or a later one if it came first)."""
-    maker_id: int = -1
-    eval_s: float = 0.0
-    """Seconds the evaluation held the maker (its generation of experience waits meanwhile)."""
-    accuracy: float = 0.0
-    """Share of responses whose reward is at least ``ray_ppo.evaluate.CORRECT`` (with k samples: mean@k)."""
-    reward_mean: float = 0.0
-    pass_at_k: float = 0.0
-    num_prompts: int = 0
-    greedy: bool = True
-    samples_per_prompt: int = 1
-    samples: tuple[dict, ...] = ()
-    """The first few prompts with their response and reward."""
-    error: str | None = None
-
-    def metrics(self) -> dict[str, float]:
-        """The ``eval/...`` figures of a metrics row (none for a failed evaluation)."""
-        if self.error is not None:
-            return {}
-        figures = {"eval/accuracy": self.accuracy, "eval/reward_mean": self.reward_mean,
-                   "eval/step": float(self.step), "eval/policy_version": float(self.policy_version),
-                   "eval/num_prompts": float(self.num_prompts), "eval/s": self.eval_s}
-        if self.samples_per_prompt > 1:
-            figures["eval/pass_at_k"] = self.pass_at_k
-        return figures
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ray_ppo.runtime.messages import Prompt
+from ray_ppo.data import Prompt
 
 LEVELS = (1, 2, 3)
 EVAL_SHARE = 0.2

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ray_ppo.data import prompt_text
-from ray_ppo.runtime.messages import Prompt
+from ray_ppo.data import Prompt
 
 TARGET_LEN = 8
 """Number of response tokens that count towards the reward."""

@@ -15,7 +15,7 @@ import torch
 
 from ray_ppo.core.algo import ExperienceItem
 from ray_ppo.runtime.coordinator import Coordinator
-from ray_ppo.data import PromptFeed
+from ray_ppo.runtime.feed import PromptFeed
 from ray_ppo.runtime.messages import Counters, LastPush, MakerStats, PushHeader
 from ray_ppo.runtime.transport import ExperienceChunk, resolve
 

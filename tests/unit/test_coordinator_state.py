@@ -1,4 +1,4 @@
-"""Unit tests of the coordinator's state objects (``ray_ppo.runtime.coordinator_state``, ``ray_ppo.data.PromptFeed``)
+"""Unit tests of the coordinator's state objects (``ray_ppo.runtime.coordinator_state``, ``ray_ppo.runtime.feed.PromptFeed``)
 and its messages: plain synchronous calls, no asyncio, no Ray."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from ray_ppo.runtime.coordinator_state import Admission, MakerBook, PushRelay, RankBuffers
-from ray_ppo.data import PromptFeed
+from ray_ppo.runtime.feed import PromptFeed
 from ray_ppo.runtime.ledger import PromptLedger
 from ray_ppo.runtime.messages import LastPush, MakerStats, MakerStatus, PushHeader
 from tests.unit.test_coordinator import item, items

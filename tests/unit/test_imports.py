@@ -1,4 +1,4 @@
-"""What imports what: the synchronous loop stays free of Ray, and no two modules of the package
+"""What imports what: the synchronous loop stays free of Ray and of ``ray_ppo.runtime``, and no two modules of the package
 import each other (directly or through others, counting imports inside functions too)."""
 
 import ast
@@ -11,8 +11,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = REPO_ROOT / "ray_ppo"
 
 
-def test_the_local_loop_does_not_import_ray():
-    code = "import ray_ppo.local, sys; assert 'ray' not in sys.modules, 'ray_ppo.local imported ray'"
+def test_the_local_loop_imports_neither_ray_nor_the_runtime():
+    """``ray-ppo local`` is the Ray-free loop: it imports no Ray and no ``ray_ppo.runtime`` module
+    (the prompt shape, evaluation reports and prompt reading it shares with the runtime live
+    outside it)."""
+    code = ("import ray_ppo.local, sys; assert 'ray' not in sys.modules, 'ray_ppo.local imported ray'; "
+            "runtime = sorted(m for m in sys.modules if m.startswith('ray_ppo.runtime')); "
+            "assert not runtime, f'ray_ppo.local imported {runtime}'")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
