@@ -38,7 +38,7 @@ import numpy as np
 import ray
 
 from ray_ppo.runtime.coordinator import Coordinator
-from ray_ppo.runtime.messages import MakerStats
+from ray_ppo.runtime.messages import MakerStats, PullRequest
 from ray_ppo.runtime.transport import ExperienceChunk, resolve
 
 BATCH = 32
@@ -121,7 +121,7 @@ class Rank:
         uids, last, calls = [], None, 0
         while True:
             try:
-                chunks = ray.get(coordinator.pull.remote(rank, n, 0, timeout_s))
+                chunks = ray.get(coordinator.pull.remote(PullRequest(rank, n, 0, timeout_s))).chunks
             except ray.exceptions.RayTaskError:  # no complete batch within timeout_s (items are put back)
                 if ray.get(done.get.remote()):
                     break  # the makers are done: what is left is drained by the driver
@@ -162,7 +162,7 @@ def run_once(groups, ranks, done, variant: str, num_makers: int, num_ranks: int,
     leftover = []
     for r, k in enumerate(status.buffered):
         if k:
-            leftover.extend(it.uid for it in resolve(ray.get(coord.pull.remote(r, k, 0, 5.0))).items)
+            leftover.extend(it.uid for it in resolve(ray.get(coord.pull.remote(PullRequest(r, k, 0, 5.0))).chunks).items)
     ray.get([groups[g].release.remote() for g in share])
     uids = [u for res in results for u in res[0]]
     t_end = max(res[1] for res in results if res[1] is not None)

@@ -1,8 +1,10 @@
 """The coordinator's state as plain, synchronous objects (no asyncio, no Ray).
 
-``ray_ppo.runtime.coordinator.Coordinator`` is the async actor shell around them: it waits (for buffer
-space, for items, for admission, for weight buckets) and calls these objects to decide and to
-count. Each object has one job and each counter is changed in one place:
+``CoordinatorState`` is the whole of it: one transaction (``on_...``) per remote call of the
+coordinator, owning every rule (admission, routing, groups, cancellation, the ledger's view).
+``ray_ppo.runtime.coordinator.Coordinator`` is the async actor shell around it: it waits (for
+buffer space, for items, for admission, for weight buckets) and calls one transaction per call or
+wake-up. The state is made of objects with one job each, and each counter is changed in one place:
 
   - ``RankBuffers``: per-rank bounded buffers of experience chunks and the item counters
     (``produced = consumed + in_flight + discarded + lost_in_transit`` by construction);
@@ -22,7 +24,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_ppo.runtime.messages import LastPush, MakerStats, MakerStatus, PushHeader
+from ray_ppo.runtime.feed import PromptFeed
+from ray_ppo.runtime.ledger import PromptLedger
+from ray_ppo.runtime.messages import (Counters, CoordinatorStatus, EvalReport, ItemsLost, LastPush, MakerStats,
+                                     MakerStatus, Prompt, PromptBatch, PullRequest, PushHeader)
+from ray_ppo.runtime.routing import receivers
 from ray_ppo.runtime.transport import ExperienceChunk
 
 
@@ -332,3 +338,264 @@ class Mailbox:
         self.metrics: list[dict] = []
         self.checkpoints: list[tuple[int, Any]] = []  # (step, ray.train.Checkpoint) as Ray Train stored them
         self.evals: list[Any] = []  # EvalReport of each evaluation, in the order they finished
+
+
+class PullCancelled(Exception):
+    """A pull in progress was cancelled (``CoordinatorState.on_cancel_pull`` or ``on_rewind``)."""
+
+
+@dataclass
+class Pull:
+    """A pull in progress (``CoordinatorState.on_pull``): its request and the chunks taken so far."""
+
+    request: PullRequest
+    out: list[ExperienceChunk] = field(default_factory=list)
+    got: int = 0
+
+
+@dataclass(frozen=True)
+class PromptAsk:
+    """A maker's ask for prompts (``CoordinatorState.on_ask``), stamped with its restart count: an
+    ask that outlives its maker's process is never served."""
+
+    maker_id: int
+    restarts: int
+
+
+class CoordinatorState:
+    """Responsibilities: the coordinator's whole state and every rule over it, as one transaction
+    per remote call (``on_...``), each leaving the accounting whole: buffers, admission, makers,
+    pushes, the prompt ledger and feed, the mailbox, the pulls in progress and the worker group.
+
+    Synchronous and Ray-free: ``ray_ppo.runtime.coordinator.Coordinator`` awaits (space, items,
+    admission, buckets, I/O) and calls one transaction per call or wake-up. ``may_...`` methods are
+    the conditions it waits on.
+    """
+
+    def __init__(self, num_ranks: int, num_makers: int, buffer_size: int, max_staleness: int,
+                 items_per_version: int, routing: str = "round_robin", prompt_batch_size: int = 16,
+                 samples_per_prompt: int = 1, initial_version: int = 0, ledger: PromptLedger | None = None,
+                 feed: PromptFeed | None = None):
+        self.num_ranks, self.num_makers, self.routing = num_ranks, num_makers, routing
+        self.buffers = RankBuffers(num_ranks, buffer_size)
+        self.admission = Admission(num_makers, max_staleness, items_per_version, prompt_batch_size,
+                                   samples_per_prompt, initial_version)
+        self.book = MakerBook(num_makers)
+        self.pushes = PushRelay()
+        self.mailbox = Mailbox()
+        self.ledger = ledger if ledger is not None else PromptLedger()
+        self.feed = feed
+        self.maker_ids: list[int] = []  # registered makers (their handles are the actor's)
+        self.rank_pids: dict[int, int | None] = {}  # process of each trainer rank, for diagnostics
+        self.pulling: set[tuple[int, int | None]] = set()    # (rank, pid) of each pull in progress
+        self.cancelled: set[tuple[int, int | None]] = set()  # of those, the ones cancelled
+        self.group = 0  # the trainer worker group whose pulls are served (``on_rewind`` starts the next)
+        self.finished = False
+        self.evals_asked = 0  # evaluations asked for; makers take turns by this count
+        self.relays = 0  # relays started; each one's number goes with its calls to the maker
+
+    def on_register(self, maker_ids: list[int]) -> None:
+        self.maker_ids = sorted(maker_ids)
+
+    # -- prompts ---------------------------------------------------------------------------------
+    def on_ask(self, maker_id: int) -> PromptAsk:
+        return PromptAsk(maker_id, self.book.states[maker_id].restarts)
+
+    def _outlived(self, ask: PromptAsk) -> bool:
+        """The maker restarted since it asked: the caller died with its old process."""
+        return self.book.states[ask.maker_id].restarts != ask.restarts
+
+    def may_answer(self, ask: PromptAsk) -> bool:
+        """The ask can be answered: with prompts (admitted), or with None (run over, maker restarted)."""
+        return self.finished or self._outlived(ask) or self.admitted(ask.maker_id)
+
+    def admitted(self, maker_id: int) -> bool:
+        return self.admission.admits(self.book.states[maker_id].version, self.buffers.in_flight)
+
+    def on_admit(self, ask: PromptAsk) -> bool:
+        """Reserve a batch for the ask (before the feed is read, so admission counts it at once);
+        False when the run is over or the maker restarted."""
+        if self.finished or self._outlived(ask):
+            return False
+        self.admission.reserve(ask.maker_id, self.admission.prompt_batch_size)
+        return True
+
+    def on_serve(self, ask: PromptAsk) -> PromptBatch | None:
+        """The reserved batch, from the loaded feed; None, its prompts served again, when the maker
+        restarted meanwhile (``on_maker_restarted`` counted the reservation as lost)."""
+        batch = self.feed.next(ask.maker_id, self.admission.prompt_batch_size)
+        if self._outlived(ask):
+            self.ledger.give_back(ask.maker_id, batch.ids)
+            return None
+        return batch
+
+    # -- experience ------------------------------------------------------------------------------
+    def on_send(self, maker_id: int, chunk: ExperienceChunk, stats: MakerStats) -> list[int]:
+        """A maker sent a batch's items: count them, return the reservation, record its stats and
+        its prompts. Returns the ranks they may go to (``on_place`` places them)."""
+        self.buffers.accept(chunk.count)
+        self.admission.reserve(maker_id, -stats.num_prompts)
+        self.book.record(maker_id, stats)
+        self.ledger.returned(maker_id, stats.prompt_ids, chunk.item_prompt_ids(), stats.truncated)
+        return receivers(self.routing, maker_id, self.num_makers, self.num_ranks)
+
+    def may_place(self, targets: list[int]) -> bool:
+        return self.finished or self.buffers.has_space(targets)
+
+    def on_place(self, rest: ExperienceChunk, targets: list[int]) -> ExperienceChunk:
+        """Buffer what fits of ``rest``; returns what did not (all of it once the run finished:
+        counted in flight)."""
+        return rest if self.finished else self.buffers.route(rest, targets)
+
+    def on_pull(self, request: PullRequest) -> Pull | None:
+        """A rank starts a pull; None (refused, nothing taken) when its worker group was replaced."""
+        if request.group is not None and request.group != self.group:
+            return None
+        self.admission.trainer_at(request.trainer_version)
+        self.rank_pids[request.rank] = request.pid
+        self.pulling.add(request.key)
+        return Pull(request)
+
+    def on_pull_attempt(self, pull: Pull) -> bool:
+        """Take what the rank's buffer holds for the pull (dropping, and serving again, what became
+        too stale); True once it holds its ``n`` items. Raises ``RuntimeError`` with the run's
+        diagnosis when a maker failed, ``PullCancelled`` when the pull was cancelled."""
+        request = pull.request
+        if error := self.book.failure():
+            raise RuntimeError(error)
+        if request.key in self.cancelled:
+            raise PullCancelled
+        if stale := self.buffers.drop_stale(request.rank, self.admission.oldest_allowed_at(request.version)):
+            self.ledger.requeue(stale)
+        pull.got += self.buffers.take(request.rank, request.n - pull.got, pull.out)
+        return pull.got == request.n
+
+    def on_pull_committed(self, pull: Pull) -> list[ExperienceChunk]:
+        """The pull leaves with its items: they are consumed at its version, their prompts trained
+        at its step."""
+        request = pull.request
+        self.buffers.commit(request.n)
+        self.admission.consumed(request.n, request.version)
+        self.ledger.consumed((pid for chunk in pull.out for pid in chunk.item_prompt_ids()), request.step)
+        self._end(pull)
+        return pull.out
+
+    def on_pull_abandoned(self, pull: Pull) -> None:
+        """The pull gave up (cancelled, failed, timed out): what it took goes back, in order."""
+        self.buffers.put_back(pull.request.rank, pull.out)
+        pull.out, pull.got = [], 0
+        self._end(pull)
+
+    def _end(self, pull: Pull) -> None:
+        self.pulling.discard(pull.request.key)
+        self.cancelled.discard(pull.request.key)
+
+    def on_cancel_pull(self, rank: int, pid: int | None) -> bool:
+        """Cancel the pull of ``rank`` in process ``pid`` if it is in progress; True if it was."""
+        if (rank, pid) not in self.pulling:
+            return False
+        self.cancelled.add((rank, pid))
+        return True
+
+    def on_hand_back(self, rank: int, chunks: list[ExperienceChunk], for_version: int) -> None:
+        """Chunks pulled ahead, to train at ``for_version``, for a step that did not run: back to the
+        head of the rank's buffer, their prompts buffered again."""
+        n = self.buffers.handed_back(rank, chunks)
+        self.admission.unconsumed(n, for_version)
+        self.ledger.unconsumed(pid for chunk in chunks for pid in chunk.item_prompt_ids())
+
+    def on_items_lost(self, lost: ItemsLost) -> None:
+        """Pulled items whose payload died with their maker: not consumed; their prompts served again."""
+        self.buffers.lost(lost.n)
+        self.admission.unconsumed(lost.n, lost.for_version)
+        self.ledger.requeue(lost.prompt_ids)
+
+    # -- makers ----------------------------------------------------------------------------------
+    def on_maker_restarted(self, maker_id: int) -> Push | None:
+        """A maker's new process: what the old one held is lost (counted, served again), its weights
+        are the initial ones. Returns the latest push, for the actor to relay to it (None if none)."""
+        self.admission.drop(maker_id)
+        self.ledger.maker_lost(maker_id)
+        self.book.restarted(maker_id)
+        return self.pushes.latest if maker_id in self.maker_ids else None
+
+    def on_maker_failed(self, maker_id: int, error: str) -> None:
+        """The next pull attempt raises the run's diagnosis."""
+        self.book.fail(maker_id, error)
+
+    # -- weights ---------------------------------------------------------------------------------
+    def on_push_start(self, header: PushHeader) -> Push:
+        self.admission.trainer_at(header.version)
+        return self.pushes.start(header)
+
+    def on_push_bucket(self, version: int, index: int, ref: Any) -> bool:
+        """Bucket ``index`` of push ``version``; False (ignored) if a newer push started."""
+        return self.pushes.add(version, index, ref)
+
+    def on_relay(self) -> int:
+        """A relay of a push to one maker starts; returns its number."""
+        self.relays += 1
+        return self.relays
+
+    def on_relay_ended(self, maker_id: int, push: Push, loaded: bool) -> None:
+        if loaded:
+            self.book.loaded(maker_id, push.version)
+
+    def on_relay_failed(self, maker_id: int, push: Push, error: str) -> None:
+        self.book.fail(maker_id, f"weight push v{push.version} failed: {error}")
+
+    # -- evaluation ------------------------------------------------------------------------------
+    def on_eval_request(self, step: int, version: int) -> int | None:
+        """The live maker whose turn it is to evaluate; None (the failure reported) when none lives."""
+        live = [i for i in self.maker_ids if not self.book.states[i].failed]
+        self.evals_asked += 1
+        if not live:
+            self.mailbox.evals.append(EvalReport(step=step, policy_version=version, error="no live maker to evaluate"))
+            return None
+        return live[(self.evals_asked - 1) % len(live)]
+
+    def on_eval_report(self, report: EvalReport) -> None:
+        self.mailbox.evals.append(report)
+
+    # -- the run ---------------------------------------------------------------------------------
+    def on_rewind(self, step: int) -> int:
+        """A worker group starts (also a run's first) from the checkpoint of ``step``: prompts
+        trained after it are served again. Pulls of earlier groups belong to processes that died
+        (the new group pulls only after this): had they taken items for a dead caller, a step the
+        new group redoes would count them as trained, so those in progress are cancelled (they put
+        their items back), and those still on their way are refused (``on_pull``: an old group
+        number). Returns the new group's number."""
+        self.ledger.rewind(step)
+        self.cancelled |= self.pulling
+        self.admission.restart()  # nothing the dead group pulled was trained by the new one
+        self.group += 1
+        return self.group
+
+    def on_finish(self) -> None:
+        """Makers get no more prompts; sends waiting for space return."""
+        self.finished = True
+
+    def counters(self, step: int | None = None) -> Counters:
+        """Item counts (this coordinator's) and prompt counts (the run's, from the ledger, which a
+        resumed run carries on); ``prompts_trained`` counts prompts trained at steps up to ``step``."""
+        b, counts = self.buffers, self.ledger.counts
+        return Counters(produced=b.produced, consumed=b.consumed, discarded=b.discarded, lost=counts["lost"],
+                        lost_in_transit=b.lost_in_transit, in_flight=b.in_flight,
+                        prompts_served=counts["taken"], blank_prompts=counts["blank"],
+                        truncated_prompts=counts["truncated"], epochs=self.feed.epochs if self.feed else 0,
+                        prompts_trained=self.ledger.trained_by(step), prompts_requeued=counts["requeued"])
+
+    def first_prompt(self) -> Prompt | None:
+        return self.feed.first_prompt if self.feed else None
+
+    def data_state(self, step: int | None = None) -> dict:
+        """Where a run resumed from the checkpoint of ``step`` continues the prompt stream."""
+        return {**self.ledger.state(step), "first_prompt": self.first_prompt()}
+
+    def status(self, step: int | None = None, node_id: str | None = None) -> CoordinatorStatus:
+        return CoordinatorStatus(
+            counters=self.counters(step), trainer_version=self.admission.trainer_version,
+            data={**self.ledger.summary(), "first_prompt": self.first_prompt()},
+            buffered=tuple(self.buffers.buffered(r) for r in range(self.num_ranks)),
+            makers=self.book.snapshot(self.admission.reserved), pushes=self.pushes.count,
+            last_push=self.pushes.last, rank_pids=dict(self.rank_pids), node_id=node_id)

@@ -27,7 +27,7 @@ from ray_ppo.core.build import build_actor, build_critic_if_needed, tokenizer_pa
 from ray_ppo.core.checkpoint import CheckpointWriter, restore_point, restored_critic
 from ray_ppo.config import Config
 from ray_ppo.core.models import load_tokenizer
-from ray_ppo.runtime.messages import RunHandles
+from ray_ppo.runtime.messages import ItemsLost, PullRequest, RunHandles
 from ray_ppo.runtime.publish import WeightPublisher
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.core.sync import fingerprint
@@ -361,7 +361,7 @@ def _rewind_prompts(coordinator: Any, step: int, rank: int, device: torch.device
 def _pull_call(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, step: int,
                for_version: int | None = None, group: int | None = None) -> ray.ObjectRef:
     """The coordinator's ``pull`` of ``n`` items for ``step``, sent (not awaited)."""
-    return coordinator.pull.remote(rank, n, version, timeout_s, os.getpid(), step, for_version, group)
+    return coordinator.pull.remote(PullRequest(rank, n, version, timeout_s, os.getpid(), step, for_version, group))
 
 
 def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, step: int,
@@ -392,15 +392,16 @@ def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, s
             raise RuntimeError(f"the coordinator cancelled rank {rank}'s pull for step {step}: "
                                "this worker group was replaced")
         if fetched.lost:
-            ray.get(coordinator.lost_in_transit.remote(rank, fetched.lost, fetched.lost_prompt_ids, version))
+            ray.get(coordinator.lost_in_transit.remote(ItemsLost(rank, fetched.lost, tuple(fetched.lost_prompt_ids), version)))
         items += fetched.items
     return items, batch
 
 
 def _fetch(ref: ray.ObjectRef) -> tuple[list[ExperienceChunk] | None, Fetched | None]:
-    """The chunks a pull returned and their items (None, None for a cancelled pull)."""
-    chunks = ray.get(ref)
-    return chunks, (resolve(chunks) if chunks is not None else None)
+    """The chunks a pull returned and their items (None, None for a pull that brought nothing:
+    cancelled, or from a replaced worker group)."""
+    reply = ray.get(ref)
+    return (reply.chunks, resolve(reply.chunks)) if reply.pulled else (None, None)
 
 
 def _pull_ahead(w: _Worker, step: int, version: int) -> _PullAhead:

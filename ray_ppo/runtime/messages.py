@@ -6,6 +6,8 @@ field fails where it is written instead of silently reading as zero.
 
   - ``PromptBatch``    coordinator -> maker: the prompts of one work item (each a ``Prompt``);
   - ``MakerStats``     maker -> coordinator: what making one batch cost and skipped;
+  - ``PullRequest``    trainer rank -> coordinator: items for a step; ``PullReply`` the answer;
+  - ``ItemsLost``      trainer rank -> coordinator: pulled items whose payload died with their maker;
   - ``PushHeader``     trainer rank 0 -> coordinator -> maker: what a weight push carries besides
                        its buckets;
   - ``CoordinatorStatus`` coordinator -> trainer rank 0 and driver: counters, versions, maker states;
@@ -64,6 +66,66 @@ class MakerStats:
     """Seconds generation was paused for weight swaps since the previous batch."""
     logprob_gap: tuple[float, float, int] | None = None
     """With an inference engine: (sum, max, tokens) of |engine - HF| log-probs of the sampled tokens."""
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """``n`` items for trainer rank ``rank`` (``Coordinator.pull``)."""
+
+    rank: int
+    n: int
+    trainer_version: int
+    """The rank's policy version now."""
+    timeout_s: float
+    """How long the coordinator waits for items before it answers with its stall diagnosis."""
+    pid: int | None = None
+    """The rank's process: a cancel (``cancel_pull``) names the pull by (rank, pid)."""
+    step: int | None = None
+    """The step the items are trained at (their prompts count as trained at it)."""
+    for_version: int | None = None
+    """The version the items train at, when later than ``trainer_version`` (a pull ahead)."""
+    group: int | None = None
+    """The worker group the rank belongs to (``Coordinator.rewind``'s number); a replaced group's
+    pull is refused."""
+
+    @property
+    def version(self) -> int:
+        """The policy version the pulled items are trained at."""
+        return self.trainer_version if self.for_version is None else self.for_version
+
+    @property
+    def key(self) -> tuple[int, int | None]:
+        return self.rank, self.pid
+
+
+PULLED, CANCELLED, REPLACED = "pulled", "cancelled", "replaced"
+
+
+@dataclass(frozen=True)
+class PullReply:
+    """What a pull brought: ``chunks`` holding its ``n`` items (``outcome`` PULLED), or nothing,
+    because it was cancelled while it waited (CANCELLED: ``cancel_pull``, or a rewind) or came
+    from a worker group a rewind replaced (REPLACED)."""
+
+    chunks: list = field(default_factory=list)
+    """``ray_ppo.runtime.transport.ExperienceChunk``s; ``resolve`` fetches their items."""
+    outcome: str = PULLED
+
+    @property
+    def pulled(self) -> bool:
+        return self.outcome == PULLED
+
+
+@dataclass(frozen=True)
+class ItemsLost:
+    """Rank ``rank`` pulled ``n`` items, to train at ``for_version``, whose payload died with their
+    maker (``Coordinator.lost_in_transit``): not consumed after all; their prompts are served again."""
+
+    rank: int
+    n: int
+    prompt_ids: tuple[int, ...] = ()
+    """One per lost item."""
+    for_version: int | None = None
 
 
 @dataclass(frozen=True)

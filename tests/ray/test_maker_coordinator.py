@@ -13,7 +13,7 @@ from ray_ppo.api import resolve_config
 from ray_ppo.config import load_config
 from ray_ppo.runtime.coordinator import Coordinator
 from ray_ppo.runtime.maker import MakerWorker, maker_actor_class
-from ray_ppo.runtime.messages import MakerStats, PromptBatch, PushHeader
+from ray_ppo.runtime.messages import MakerStats, PromptBatch, PullRequest, PushHeader
 from ray_ppo.core.models import Critic, load_actor
 from ray_ppo.core.sync import fingerprint, make_buckets
 from ray_ppo.runtime.loop import _pull
@@ -161,7 +161,7 @@ def test_slow_trainer_makes_makers_wait_and_loses_nothing(ray_session, cfg, acto
 
     pulled = []
     for _ in range(4):
-        pulled += resolve(ray.get(coordinator.pull.remote(0, 8, 0, 30))).items
+        pulled += resolve(ray.get(coordinator.pull.remote(PullRequest(0, 8, 0, 30))).chunks).items
     final = ray.get(coordinator.finish.remote())
     summaries = ray.get(loops, timeout=30)
     counters = ray.get(coordinator.status.remote()).counters

@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 from ray_ppo.config import Config, ConfigError
-from ray_ppo.runtime.messages import MakerStats
+from ray_ppo.runtime.messages import MakerStats, PullRequest
 from ray_ppo.runtime.transport import ExperienceChunk, resolve
 from tests.unit.test_coordinator import coordinator, counters, item
 
@@ -52,7 +52,7 @@ def test_groups_stay_whole_on_one_rank_and_in_one_pull(group_size):
             if status[rank] < 2 * n:
                 await asyncio.sleep(0)
                 continue
-            out = resolve(await coord.pull(rank, 2 * n, 0, timeout_s=1.0)).items
+            out = resolve((await coord.pull(PullRequest(rank, 2 * n, 0, timeout_s=1.0))).chunks).items
             pulled += len(out)
             groups = [group_of(it.uid) for it in out]
             for g in set(groups):
