@@ -27,7 +27,7 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -123,14 +123,25 @@ def _load_optimizer(directory: Path) -> dict:
         raise CheckpointError(f"checkpoint file {path} is corrupt or truncated: {type(e).__name__}: {e}") from None
 
 
-def load_trainer_state(directory: str | Path) -> tuple[dict, dict, dict, dict]:
-    """(actor state, critic state, optimizer state, run state) of a checkpoint, validated; the
-    critic state is None in a critic-free run's checkpoint."""
+class TrainerState(NamedTuple):
+    """What a checkpoint holds for the trainer (``load_trainer_state``)."""
+
+    actor: dict
+    """The actor's state dict."""
+    critic: dict | None
+    """The critic's state dict; None in a critic-free run's checkpoint."""
+    optimizer: dict
+    run: dict
+    """The run state: step, policy version, KL controller, data position (``read_state``)."""
+
+
+def load_trainer_state(directory: str | Path) -> TrainerState:
+    """A checkpoint's trainer state, validated."""
     directory = Path(directory)
     run_state = read_state(directory)
     actor = load_tensors(directory / TRAINER_DIR / "actor.safetensors")
     critic = load_tensors(directory / CRITIC_FILE) if run_state.get("has_critic", True) else None
-    return actor, critic, _load_optimizer(directory), run_state
+    return TrainerState(actor, critic, _load_optimizer(directory), run_state)
 
 
 class CheckpointWriter:
@@ -164,7 +175,7 @@ class CheckpointWriter:
         return directory
 
 
-def restore_point(checkpoint: Any, resume_from: str | None) -> tuple[dict, dict, dict, dict] | None:
+def restore_point(checkpoint: Any, resume_from: str | None) -> TrainerState | None:
     """The state to resume from, validated: ``checkpoint`` (this run's latest ``ray.train.Checkpoint``,
     when Ray Train restarted the worker group under ``FailureConfig``) if given, else the
     ``resume_from`` directory; None for a fresh run."""

@@ -24,7 +24,7 @@ import torch
 
 from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, KLController, make_kl_controller
 from ray_ppo.core.build import build_actor, build_critic_if_needed, tokenizer_path
-from ray_ppo.core.checkpoint import CheckpointWriter, restore_point, restored_critic
+from ray_ppo.core.checkpoint import CheckpointWriter, TrainerState, restore_point, restored_critic
 from ray_ppo.config import Config
 from ray_ppo.core.models import load_tokenizer
 from ray_ppo.runtime.messages import ItemsLost, PullRequest, RunHandles
@@ -160,22 +160,21 @@ def _start_worker(loop_config: dict) -> tuple[_Worker, int]:
                 pusher=_Background("push") if rank == 0 else None, reporter=_Background("report"))
     first_step = 1
     if restored:
-        optim_state, run_state = restored[2], restored[3]
-        learner.load_state(optim_state)
-        w.kl_ctl.load_state_dict(run_state["kl_ctl"])
-        first_step, w.version = run_state["step"] + 1, run_state["policy_version"]
+        learner.load_state(restored.optimizer)
+        w.kl_ctl.load_state_dict(restored.run["kl_ctl"])
+        first_step, w.version = restored.run["step"] + 1, restored.run["policy_version"]
     _start_makers(w, restored is not None, first_step)
     return w, first_step
 
 
-def _build_learner(cfg: Config, device: torch.device, rank: int, restored: tuple | None,
+def _build_learner(cfg: Config, device: torch.device, rank: int, restored: TrainerState | None,
                    learner_factory: Any) -> PPOLearner:
     """Actor and critic (with the checkpoint's weights when resuming) under the configured strategy."""
     actor, critic = build_actor(cfg), build_critic_if_needed(cfg)
     if restored:
-        actor.load_state_dict(restored[0])
+        actor.load_state_dict(restored.actor)
         if critic is not None:
-            critic.load_state_dict(restored_critic(restored[1], cfg))
+            critic.load_state_dict(restored_critic(restored.critic, cfg))
     strategy = make_strategy(cfg.trainer.strategy, device, cfg.trainer.max_grad_norm)
     learner_factory = learner_factory or PPOLearner  # benchmarks may simulate the update
     return learner_factory(actor, critic, strategy, cfg, seed=cfg.seed + rank)
