@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo demo-real test install docs clean bench bench-peer
+.PHONY: demo demo-real test install docs lint clean bench bench-peer
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ install: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
+# Lint and import order (pyproject.toml [tool.ruff]); `ruff check --fix` repairs the import order.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
 # A second `make demo` replaces the first one's runs/demo (ray-ppo refuses a run directory that
 # holds a run unless told --overwrite).
 demo: $(STAMP)
@@ -41,6 +45,7 @@ demo-real: $(STAMP)
 # in an environment of its own (see test-colossalai and test-vllm below), then the main environment's
 # tests, so CI keeps all of them alive. The slowest tests are listed at the end (the suite's budget is 20 min).
 test: $(STAMP)
+	$(MAKE) lint
 	$(MAKE) docs
 	$(MAKE) test-colossalai
 	$(MAKE) test-vllm

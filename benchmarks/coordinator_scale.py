@@ -31,12 +31,11 @@ import pstats
 import sys
 import time
 
-import _common  # noqa: F401  (sys.path)
-from _common import init_ray, median, table
-
 import numpy as np
 import ray
 
+import _common  # noqa: F401  (sys.path)
+from _common import init_ray, median, table
 from ray_ppo.runtime.coordinator import Coordinator
 from ray_ppo.runtime.messages import MakerStats, PullRequest
 from ray_ppo.runtime.transport import ExperienceChunk, resolve
@@ -47,6 +46,7 @@ P_LEN, R_LEN = 16, 24
 
 def make_items(maker_id: int, batch_index: int, batch: int = BATCH):
     import torch
+
     from ray_ppo.core.algo import ExperienceItem
 
     rng = np.random.default_rng(maker_id * 100003 + batch_index)
@@ -69,7 +69,7 @@ class BenchCoordinator(Coordinator):
         import os
         import resource
         with open("/proc/self/status") as f:
-            rss = next(int(l.split()[1]) / 1024 for l in f if l.startswith("VmRSS:"))
+            rss = next(int(ln.split()[1]) / 1024 for ln in f if ln.startswith("VmRSS:"))
         return {"pid": os.getpid(), "rss_mb": rss, "cpu_s": time.process_time(),
                 "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 

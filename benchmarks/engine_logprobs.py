@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 
 import torch
+
 from _common import table
 
 SETTINGS = [  # (logprobs_mode, temperature, top_k)
@@ -36,8 +37,8 @@ def perturb(model, scale: float = 0.5, seed: int = 0) -> None:
 def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     torch.set_num_threads(2)
-    from ray_ppo.core.vllm_engine import VllmEngine, engine_actor_state, hf_weights
     from ray_ppo.core.models import SamplingParams, action_log_probs, load_actor, resolve_pretrained
+    from ray_ppo.core.vllm_engine import VllmEngine, engine_actor_state, hf_weights
 
     path = resolve_pretrained("tiny-vllm")
     actor = load_actor(path).eval()

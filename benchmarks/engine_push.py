@@ -38,8 +38,9 @@ import sys
 import tempfile
 import time
 
-from _common import median, table
 from engine import NEW_TOKENS, PROMPT_LEN, build_model, prompts
+
+from _common import median, table
 
 VARIANTS = ("packed", "unpacked")
 
@@ -72,8 +73,8 @@ def _load_in_place(worker, weights):
 def run_variant(kind: str, variant: str, rounds: int) -> dict:
     """One variant of one model, in this process."""
     import torch
-
     import vllm._custom_ops as ops
+
     from ray_ppo.core.models import SamplingParams
     from ray_ppo.core.vllm_engine import VllmEngine, hf_weights, transposed_weights
 

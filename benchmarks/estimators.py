@@ -33,7 +33,6 @@ from pathlib import Path
 
 import _common
 from _common import rss_mb, table
-
 from ray_ppo.choices import ADVANTAGES
 
 ESTIMATORS = ADVANTAGES
@@ -167,7 +166,7 @@ def memory(args) -> None:
             for estimator in ("gae", "grpo"):
                 out = subprocess.run([sys.executable, __file__, "--memory-child", role, estimator, pretrained],
                                      capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(_common.ROOT)})
-                line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+                line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
                 if not line:
                     raise SystemExit(f"memory {role} {estimator} failed:\n{out.stderr[-3000:]}")
                 r = json.loads(line[0][7:])

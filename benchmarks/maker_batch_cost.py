@@ -9,7 +9,8 @@ items of the toy task's shape), tagging them with prompt ids, packing them for t
 (``ExperienceChunk.of``, inline); and the swap of a push into the tiny actor and critic, as
 ``MakerWorker.weights_end`` does it: prepared while generation goes on (``prepare_swap`` of
 staged copies), then applied under the model lock (``PreparedSwap.apply``: what pauses generation).
-Medians over ``--repeats``. Compare with the maker shares of ``overlap_sim.py`` (benchmarks/README.md, "Simulated-device overlap"):
+Medians over ``--repeats``. Compare with the maker shares of ``overlap_sim.py`` (benchmarks/README.md,
+"Simulated-device overlap"):
 what a step there spends beyond these is contention, not work.
 """
 

@@ -107,7 +107,7 @@ def main():
                 for _ in range(args.repeats):
                     out = subprocess.run([sys.executable, __file__, "--child", role, pretrained], capture_output=True,
                                          text=True, env={**os.environ, "PYTHONPATH": str(_common.ROOT)})
-                    line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+                    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
                     if not line:
                         print(out.stderr[-3000:], file=sys.stderr)
                         raise SystemExit(f"{role} {name} failed")

@@ -25,7 +25,6 @@ import tempfile
 
 from _common import init_ray, median, table, tiny_config
 
-
 SETTINGS = {
     "generation-dominated": {"maker.max_new_tokens": 48, "trainer.ppo_epochs": 1, "trainer.mini_batch_size": 64},
     "training-dominated": {"maker.max_new_tokens": 8, "trainer.ppo_epochs": 8},
@@ -62,6 +61,7 @@ def detached(setting, steps, skip):
 
 def synchronous(setting, steps, skip, threads):
     import torch
+
     from ray_ppo.local import run_local
     with tempfile.TemporaryDirectory() as out:
         cfg = config(setting, steps, out, threads)

@@ -71,11 +71,10 @@ import sys
 import tempfile
 import time
 
-import _common  # noqa: F401
-from _common import init_ray, median, table, tiny_config
-
 import ray
 
+import _common  # noqa: F401
+from _common import init_ray, median, table, tiny_config
 from ray_ppo.core.learner import PPOLearner
 from ray_ppo.testing import WaitingExperienceMaker
 
@@ -157,7 +156,8 @@ def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, 
     steps_s = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(h[skip - 1:], kept)]
     wait = median([m["trainer_idle_ratio"] * s for m, s in zip(kept, steps_s)])
     push = median([m["push_s"] for m in kept])
-    return {"t_gen": t_gen, "t_train": t_train, "step_s": step_s, "median_step_s": median(steps_s), "wait": wait, "train": t_train, "push": push,
+    return {"t_gen": t_gen, "t_train": t_train, "step_s": step_s, "median_step_s": median(steps_s), "wait": wait,
+            "train": t_train, "push": push,
             "other": median([s - m["trainer_idle_ratio"] * s - m["train_s"] - m["push_s"] for m, s in zip(kept, steps_s)]),
             "gen_share": sum(s["generate_s"] for s in states) / wall,
             "admission": sum(s["admission_s"] for s in states) / wall,
@@ -209,7 +209,8 @@ def print_table(cells, runs, ratios, args, rounds: int, elapsed_s: float) -> Non
         ideal_speedup = (m["t_gen"] + m["t_train"]) / ideal_step
         speedup = (m["t_gen"] + m["t_train"]) / m["step_s"]
         ratio_ideal = ideal_step / m["step_s"]
-        rows.append([ranks, makers, r, "on" if prefetch else "off", int(m["max_staleness"]), m["t_gen"], m["t_train"], ideal_step, m["step_s"], m["median_step_s"],
+        rows.append([ranks, makers, r, "on" if prefetch else "off", int(m["max_staleness"]), m["t_gen"], m["t_train"],
+                     ideal_step, m["step_s"], m["median_step_s"],
                      ideal_speedup, speedup,
                      ratio_ideal, "met" if ratio_ideal >= 0.95 else "missed",
                      m["wait"], m["train"], m["push"], m["other"],
@@ -218,8 +219,8 @@ def print_table(cells, runs, ratios, args, rounds: int, elapsed_s: float) -> Non
     print(f"\nSimulated-device overlap: T_train {args.train_s:g} s, {ITEMS_PER_RANK} items per rank per step, "
           f"{PROMPTS_PER_BATCH} prompts per generation batch, {args.steps} steps of which the first {args.skip} "
           f"excluded, median of {rounds} interleaved rounds ({elapsed_s / 60:.1f} min)\n", flush=True)
-    print(table(["ranks", "makers", "T_gen:T_train", "prefetch", "max_staleness", "T_gen s", "T_train s", "ideal step s", "step s (mean)",
-                 "step s (median)",
+    print(table(["ranks", "makers", "T_gen:T_train", "prefetch", "max_staleness", "T_gen s", "T_train s", "ideal step s",
+                 "step s (mean)", "step s (median)",
                  "ideal speedup", "speedup vs sync", "ratio / ideal", ">= 0.95", "trainer wait s", "train s",
                  "push s", "other s", "maker gen share", "maker admission share", "maker back-pressure share",
                  "maker pause share", "staleness", "weights in sync"], rows), flush=True)

@@ -67,7 +67,6 @@ from pathlib import Path
 
 import _common
 from _common import median, table, tiny_config
-
 from ray_ppo.async_search import sign_flip_p
 
 VARIANTS = ("trl", "trl+gc.freeze", "ours sync", "ours detached")

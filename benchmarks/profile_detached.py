@@ -38,9 +38,9 @@ import time
 from pathlib import Path
 
 import yaml
+from overlap import SETTINGS
 
 from _common import init_ray, table, tiny_config
-from overlap import SETTINGS
 
 CATEGORIES = [  # (name, markers: any one in a frame's "function (file)" text); checked leaf first
     ("generation", ["generate (transformers", "_sample (transformers", "core/experience.py", "/maker.py"]),

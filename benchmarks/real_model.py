@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
 from _common import ROOT, table
 
 CONFIG = ROOT / "configs" / "smollm2_grpo.yaml"

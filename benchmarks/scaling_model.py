@@ -60,7 +60,9 @@ def main():
     ap.add_argument("--stage-gbs", type=float, default=5.0, help="a maker's staging copy rate (measured)")
     ap.add_argument("--nic-gbs", type=float, default=12.5, help="object transfer out of rank 0's node (assumed 100 Gb/s)")
     ap.add_argument("--nccl-gbs", type=float, default=25.0, help="NCCL/RDT broadcast bus bandwidth (assumed)")
-    ap.add_argument("--startup-s", type=float, default=17.7, help="fixed start-up of fit() to the first trained step (benchmarks/startup.py: 17.7 s, tiny model, 2 cores, 2026-12-03)")
+    ap.add_argument("--startup-s", type=float, default=17.7,
+                    help="fixed start-up of fit() to the first trained step (benchmarks/startup.py: "
+                         "17.7 s, tiny model, 2 cores, 2026-12-03)")
     a = ap.parse_args()
     rows = [project(model, gpus, a) for model in MODELS for gpus in (8, 64, 512)]
     print(f"Projection: {GLOBAL_BATCH} samples of {PROMPT}+{RESPONSE} tokens per step, push every step, "

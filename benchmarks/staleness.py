@@ -58,14 +58,14 @@ def emulated_cell(staleness: int, mode: str, steps: int, root: str) -> list[dict
 
     import torch
 
-    from ray_ppo.core.algo import ExperienceBatch
     from ray_ppo.api import resolve_config
+    from ray_ppo.core.algo import ExperienceBatch
     from ray_ppo.core.build import build_actor, build_critic_if_needed, build_experience_maker
-    from ray_ppo.data import PromptEncoder, read_prompt_texts
-    from ray_ppo.local import _collect, prompt_batches
     from ray_ppo.core.learner import PPOLearner, drop_absent
     from ray_ppo.core.metrics import experience_metrics
     from ray_ppo.core.strategies import LocalStrategy
+    from ray_ppo.data import PromptEncoder, read_prompt_texts
+    from ray_ppo.local import _collect, prompt_batches
 
     cfg = resolve_config(_common.tiny_config(f"{root}/s{staleness}-{mode}", {
         "trainer.total_steps": steps, "trainer.train_batch_size": 32, "trainer.mini_batch_size": 16,
@@ -107,7 +107,8 @@ def row(staleness: int, mode: str, history: list[dict]) -> list:
     return [staleness, mode, mean_of(history, "reward_mean", slice(None, WINDOW)),
             mean_of(history, "reward_mean", slice(-WINDOW, None)), mean_of(history, "staleness_mean"),
             max((m["staleness_max"] for m in history), default=float("nan")),
-            mean_of(history, "is_weight_mean"), max((m.get("is_weight_max", float("nan")) for m in history), default=float("nan")),
+            mean_of(history, "is_weight_mean"),
+            max((m.get("is_weight_max", float("nan")) for m in history), default=float("nan")),
             mean_of(history, "is_capped_frac"), mean_of(history, "behaviour_kl"),
             f"{mean_of(history, f'behaviour_kl_stale_{stalest}'):.3g} (s={stalest})" if stalest is not None else "n/a",
             statistics.median(m["train_s"] for m in history)]

@@ -36,7 +36,6 @@ import psutil
 
 import _common  # noqa: F401
 from _common import ROOT, init_ray, median, table
-
 from ray_ppo.core.build import build_experience_maker
 from ray_ppo.core.learner import PPOLearner
 

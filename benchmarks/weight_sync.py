@@ -42,18 +42,17 @@ import sys
 import threading
 import time
 
-import _common  # noqa: F401
-from _common import init_ray, median, table
-
 import numpy as np
 import ray
 import torch
 
+import _common  # noqa: F401
+from _common import init_ray, median, table
 from ray_ppo.config import SyncConfig
-from ray_ppo.runtime.coordinator import Coordinator
-from ray_ppo.runtime.receiver import WeightReceiver
-from ray_ppo.runtime.messages import PushHeader
 from ray_ppo.core.sync import assign_state, bucket_nbytes, fingerprint, make_buckets, push_size, split_state, tied_aliases
+from ray_ppo.runtime.coordinator import Coordinator
+from ray_ppo.runtime.messages import PushHeader
+from ray_ppo.runtime.receiver import WeightReceiver
 
 SHAPES = {"100M": dict(n_layer=4, n_embd=256, n_head=4), "1G": dict(n_layer=16, n_embd=1024, n_head=16),
           "500M": dict(n_layer=8, n_embd=1024, n_head=16)}
@@ -244,8 +243,8 @@ def main():
                     key = (n, variant)
                     res[(key, "e2e")].append(elapsed)
                     res[(key, "put")].append(put_s)
-                    res[(key, "per")].append(median([nbytes / (l["end"] - l["start"]) for l in logs]))
-                    res[(key, "pause")].append(max(l["pause_s"] for l in logs))
+                    res[(key, "per")].append(median([nbytes / (log["end"] - log["start"]) for log in logs]))
+                    res[(key, "pause")].append(max(log["pause_s"] for log in logs))
                     res["nbytes"] = [nbytes]
             for n in makers:
                 if n <= args.naive_max_makers and rep:
@@ -266,7 +265,8 @@ def main():
                          median(res[(key, "per")]) / 1e9, memcpy_gbs, nbytes / e2e / 1e9 / memcpy_gbs,
                          1e3 * median(res[(key, "put")]), 1e3 * median(res[(key, "pause")]), 1e3 * local_s,
                          median(res[(key, "pause")]) / local_s,
-                         nbytes * n / naive / 1e9 if naive == naive else naive, {True: "yes", False: "NO"}.get(equal.get(key), "not checked")])
+                         nbytes * n / naive / 1e9 if naive == naive else naive,
+                         {True: "yes", False: "NO"}.get(equal.get(key), "not checked")])
         for r in receivers:
             ray.kill(r)
         del trainer, local, state, plain

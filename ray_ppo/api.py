@@ -22,21 +22,21 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ray_ppo.cluster import start_local_cluster
+from ray_ppo.config import Config
 from ray_ppo.core.build import resolve_config
 from ray_ppo.core.checkpoint import validate_checkpoint
-from ray_ppo.config import Config
-from ray_ppo.runtime.coordinator import CoordinatorActor
 from ray_ppo.data import check_prompt_column, read_prompt_dataset
-from ray_ppo.runtime.maker import maker_actor_class
-from ray_ppo.runtime.messages import CoordinatorStatus, RunHandles
+from ray_ppo.eval_records import split_evals
 from ray_ppo.preflight import check_run
-from ray_ppo.cluster import start_local_cluster
 from ray_ppo.resources import ResourcePlan, check_fits, cluster_can_grow
 from ray_ppo.rundir import CheckpointPublisher
-from ray_ppo.samples import split_samples
-from ray_ppo.eval_records import split_evals
-from ray_ppo.tasks.toy import make_prompts
+from ray_ppo.runtime.coordinator import CoordinatorActor
 from ray_ppo.runtime.loop import train_loop_per_worker
+from ray_ppo.runtime.maker import maker_actor_class
+from ray_ppo.runtime.messages import CoordinatorStatus, RunHandles
+from ray_ppo.samples import split_samples
+from ray_ppo.tasks.toy import make_prompts
 
 ACTOR_READY_TIMEOUT_S = 300.0
 """How long ``fit()`` waits for the coordinator to register vLLM makers (only they are awaited
@@ -296,7 +296,7 @@ class PPOTrainer(TorchTrainer):
             scheduling_strategy=on_driver_node()).remote(
             num_ranks=cfg.trainer.num_workers, num_makers=cfg.maker.num_makers, buffer_size=cfg.buffer_size,
             max_staleness=cfg.ppo.max_staleness, routing=cfg.topology.routing, prompts=dataset, prompt_column=prompt_column,
-            items_per_version=cfg.trainer.update_steps * cfg.trainer.train_batch_size * cfg.trainer.num_workers,
+            items_per_version=cfg.items_per_version,
             prompt_batch_size=cfg.maker.batch_size, shuffle=cfg.data.shuffle, seed=cfg.seed,
             initial_version=self.resume_state["policy_version"] if self.resume_state else 0,
             data_start=self.resume_state.get("data") if self.resume_state else None,

@@ -399,7 +399,6 @@ def _ranking(trials: list[dict], keys: list[str], metric: str, mode: str) -> str
 
 def cmd_local(args) -> int:
     from ray_ppo.local import run_local
-
     from ray_ppo.rundir import claim_run_dir
 
     cfg = _load(args)

@@ -72,6 +72,14 @@ __all__ = [
 ]
 
 
+def staleness_budget(max_staleness: int, items_per_version: int, lag: int = 0) -> int:
+    """The admission rule's budget: items made at a maker version ``lag`` versions behind the
+    trainer's stay usable for ``max_staleness - lag + 1`` more versions, so the trainer consumes at
+    most that many versions' worth of them (``items_per_version`` each). The config check and the
+    coordinator's admission (``ray_ppo.runtime.coordinator_state.Admission``) both use it."""
+    return (max_staleness - lag + 1) * items_per_version
+
+
 class ConfigError(ValueError):
     """An invalid config. The message is one line: the field, the bad value and the fix."""
 
@@ -230,7 +238,9 @@ class MakerConfig(SamplingParams):
     """What generates: hf (Hugging Face generate) or vllm (a vLLM engine in each maker; the vllm extra)."""
     engine_logprobs: Optional[bool] = Field(None, examples=[False], json_schema_extra=_null(
         "for true with maker.engine=hf, false with vllm"))
-    """Behaviour log-probs from the sampler itself: HF generate's own logits (the same numbers as a forward pass, up to float rounding) or vLLM's log-probs; false = recompute them with a forward pass of the maker's HF actor."""
+    """Behaviour log-probs from the sampler itself: HF generate's own logits (the same numbers as a forward
+    pass, up to float rounding) or vLLM's log-probs; false = recompute them with a forward pass of the maker's
+    HF actor."""
     vllm: VllmConfig = Field(default_factory=VllmConfig)
     """Options of the vLLM engine."""
     samples_per_prompt: int = Field(1, gt=0)
@@ -313,7 +323,8 @@ class TrainerConfig(_Section):
     pull_timeout_s: float = Field(120.0, gt=0)
     """Seconds a rank waits for a training batch from the makers before failing."""
     prefetch: bool = True
-    """Pull the next step's batch while this step trains (for the version that step trains at, so ppo.max_staleness holds); false pulls at the start of each step."""
+    """Pull the next step's batch while this step trains (for the version that step trains at, so
+    ppo.max_staleness holds); false pulls at the start of each step."""
     max_nonfinite_updates: int = Field(10, ge=0)
     """Optimizer updates in a row skipped for a non-finite loss or gradient before the run fails."""
 
@@ -372,7 +383,8 @@ class PPOConfig(_Section):
     max_staleness: int = Field(1, ge=0)
     """An item generated at policy version v is trained on at version <= v + max_staleness."""
     off_policy: OffPolicy = "decoupled"
-    """Correction for stale experience: none (clip around the maker's log-probs), tis (truncated IS) or decoupled (decoupled PPO)."""
+    """Correction for stale experience: none (clip around the maker's log-probs), tis (truncated IS) or
+    decoupled (decoupled PPO)."""
     tis_cap: float = Field(2.0, ge=1)
     """ppo.off_policy=tis: importance weights pi_old / pi_behaviour are truncated to this value (>= 1)."""
     decoupled_cap: float = Field(5.0, ge=1)
@@ -383,7 +395,8 @@ class PPOConfig(_Section):
     loss_agg: LossAgg = "token_mean"
     """Policy-loss reduction: token_mean (mean over all tokens), seq_mean_token_sum or seq_mean_token_mean."""
     kl_in: KlIn = "reward"
-    """Where the KL to the reference goes: reward (per-token penalty in the rewards) or loss (kl_coef * KL added to the policy loss)."""
+    """Where the KL to the reference goes: reward (per-token penalty in the rewards) or loss (kl_coef * KL
+    added to the policy loss)."""
 
     @property
     def importance_cap(self) -> float:
@@ -404,11 +417,13 @@ class SyncConfig(_Section):
     """Weight pushes from the trainer to the makers."""
 
     bucket_mb: float = Field(256.0, gt=0)
-    """Size of one weight-transfer bucket in MiB (each costs a relay call per maker: 1 GB to 2 CPU makers ran at 33% of memcpy with 64, 48-52% with 256)."""
+    """Size of one weight-transfer bucket in MiB; each bucket costs one relay call per maker, so small
+    buckets slow a push (benchmarks/README.md, "Weight sync")."""
     lora_only: bool = False
     """Push only the LoRA adapter weights (needs model.lora.rank > 0)."""
     zero_copy: bool = True
-    """CPU makers use pushed weights where Ray's object store holds them (read-only, one copy per node shared by its makers) instead of copying each; false = every maker copies them into its own memory."""
+    """CPU makers use pushed weights where Ray's object store holds them (read-only, one copy per node shared
+    by its makers) instead of copying each; false = every maker copies them into its own memory."""
 
 
 class TopologyConfig(_Section):
@@ -419,7 +434,8 @@ class TopologyConfig(_Section):
     buffer_size: int = Field(0, ge=0)
     """Per-rank buffer capacity in items; 0 = 2 * trainer.train_batch_size."""
     transport: Transport = "inline"
-    """How a maker's packed batch reaches a rank: inline (through the coordinator's calls) or ref (read from the maker's object store)."""
+    """How a maker's packed batch reaches a rank: inline (through the coordinator's calls) or ref (read from
+    the maker's object store)."""
 
 
 class LoggingConfig(_Section):
@@ -432,7 +448,8 @@ class LoggingConfig(_Section):
     tensorboard: bool = True
     """Also write TensorBoard event files to the run directory (needs the tensorboard package)."""
     report_every: int = Field(10, gt=0)
-    """Call ray.train.report every this many steps, at checkpoints and at the last step (each report waits for Ray Train's controller poll)."""
+    """Call ray.train.report every this many steps, at checkpoints and at the last step (each report waits for
+    Ray Train's controller poll)."""
     wandb: bool = False
     """Also log every metric to Weights & Biases (needs the wandb package; project = logging.project)."""
     mlflow: bool = False
@@ -451,7 +468,8 @@ class EvalConfig(_Section):
                                  json_schema_extra=_null("for no evaluation"))
     """Prompt file to evaluate on (CSV, JSONL or Parquet; its data.prompt_column); null = no evaluation."""
     every: int = Field(10, ge=0)
-    """Evaluate the weights of every this many steps (with trainer.update_steps > 1: of the first push at or after each), besides the base model (step 0) and the last step; 0 = only those two."""
+    """Evaluate the weights of every this many steps (with trainer.update_steps > 1: of the first push at or
+    after each), besides the base model (step 0) and the last step; 0 = only those two."""
     num_prompts: int = Field(100, gt=0)
     """How many prompts of eval.path (the first ones) each evaluation answers."""
     greedy: bool = True
@@ -560,9 +578,9 @@ class Config(_Section):
     def _makers_can_be_admitted(self) -> Config:
         """A maker batch must fit within what the staleness bound lets the trainer consume, else no
         maker is ever admitted."""
-        m, t, staleness = self.maker, self.trainer, self.ppo.max_staleness
+        m, staleness = self.maker, self.ppo.max_staleness
         items = m.batch_size * m.samples_per_prompt
-        capacity = (staleness + 1) * t.update_steps * t.train_batch_size * t.num_workers
+        capacity = staleness_budget(staleness, self.items_per_version)
         if items > capacity:
             raise ConfigError(
                 f"maker.batch_size={m.batch_size} x maker.samples_per_prompt={m.samples_per_prompt} "
@@ -646,6 +664,13 @@ class Config(_Section):
     def buffer_size(self) -> int:
         """Per-rank buffer capacity in items: topology.buffer_size, or 2 * trainer.train_batch_size."""
         return self.topology.buffer_size or 2 * self.trainer.train_batch_size
+
+    @property
+    def items_per_version(self) -> int:
+        """Items the trainer consumes per policy version: each of ``trainer.update_steps`` steps
+        trains ``trainer.train_batch_size`` items on each of ``trainer.num_workers`` ranks."""
+        t = self.trainer
+        return t.update_steps * t.train_batch_size * t.num_workers
 
     @property
     def total_updates(self) -> int:

@@ -13,13 +13,12 @@ the local loop reads its prompts with this module alone.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterable, Mapping
 from typing import Any, Sequence, Union
 
 import numpy as np
-
 
 Prompt = Union[str, list[dict[str, Any]]]
 """A prompt as the data gives it: a text, or a chat, a list of messages, each a dict with a str

@@ -12,17 +12,17 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from ray_ppo.config import Config, ConfigError
 from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, make_kl_controller
 from ray_ppo.core.build import build_actor, build_critic_if_needed, build_experience_maker, resolve_config
-from ray_ppo.config import Config, ConfigError
+from ray_ppo.core.learner import PPOLearner, drop_absent
+from ray_ppo.core.metrics import experience_metrics
+from ray_ppo.core.strategies import LocalStrategy
 from ray_ppo.data import DataError, Prompt, PromptEncoder, read_prompt_texts
 from ray_ppo.eval_records import attach_evals, split_evals
 from ray_ppo.evaluate import Evaluation
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.tasks.toy import make_prompts
-from ray_ppo.core.learner import PPOLearner, drop_absent
-from ray_ppo.core.metrics import experience_metrics
-from ray_ppo.core.strategies import LocalStrategy
 
 MAX_EMPTY_BATCHES = 1000
 """Consecutive prompt batches without a usable prompt before the loop gives up."""

@@ -89,7 +89,8 @@ def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward
 
     Trials run side by side as far as ``max_concurrent_trials`` allows (default: as many as the
     cluster's CPUs fit, see ``trial_plan``) and queue otherwise; more than the cluster can hold
-    side by side is refused (``ray_ppo.resources.ResourceError``) unless an autoscaler may add nodes. Random sampling (``tune.choice``
+    side by side is refused (``ray_ppo.resources.ResourceError``) unless an autoscaler may add nodes. Random
+    sampling (``tune.choice``
     and the like) is seeded by the config's ``seed``, so the same sweep samples the same settings;
     a ``search_alg`` given replaces Tune's generator, and its own seeding. The run's files go to
     ``output_dir`` (default ``runs/<name>-sweep``): ``trials/<id>/`` per trial, plus
@@ -105,9 +106,9 @@ def sweep(base: Config, param_space: Mapping[str, Any], *, metric: str = "reward
     from ray import tune
 
     from ray_ppo.api import resolve_config
+    from ray_ppo.cluster import start_local_cluster
     from ray_ppo.plots import plot_sweep, write_trials_csv
     from ray_ppo.preflight import check_run
-    from ray_ppo.cluster import start_local_cluster
     from ray_ppo.resources import check_fits, cluster_can_grow
     from ray_ppo.tracking import read_metrics
 

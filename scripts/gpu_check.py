@@ -123,8 +123,8 @@ def maker_row(overrides: dict, device: str, batch: int, new_tokens: int) -> dict
     import torch
 
     from ray_ppo.config import Config
-    from ray_ppo.runtime.device_checks import bad_item_fields
     from ray_ppo.core.sync import fingerprint
+    from ray_ppo.runtime.device_checks import bad_item_fields
     from ray_ppo.tasks.toy import make_prompts
 
     cfg = Config().with_overrides({**overrides, "maker.num_gpus": 1 if device == "cuda" else 0,
@@ -164,8 +164,8 @@ def maker_row(overrides: dict, device: str, batch: int, new_tokens: int) -> dict
 def push_new_weights(worker) -> tuple[dict, int, bool]:
     """Push perturbed copies of the maker's weights as a trainer does; (the trainer's full state,
     bytes pushed, whether ``weights_end`` loaded it)."""
-    from ray_ppo.runtime.device_checks import deliver_push, perturbed_push
     from ray_ppo.core.sync import bucket_nbytes
+    from ray_ppo.runtime.device_checks import deliver_push, perturbed_push
 
     full, buckets = perturbed_push(worker, scale=0.01, bucket_mb=BUCKET_MB)
     return full, sum(bucket_nbytes(b) for b in buckets), deliver_push(worker, 1, buckets)

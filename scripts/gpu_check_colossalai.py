@@ -88,10 +88,10 @@ def measure(name: str, steps: int) -> dict:
     """Build, train ``steps`` timed steps after a warm-up one, push once; the row of the table."""
     import torch
 
-    from ray_ppo.core.sync import bucket_nbytes, make_buckets
     from ray_ppo.config import Config
     from ray_ppo.core.learner import PPOLearner
     from ray_ppo.core.strategies import make_strategy
+    from ray_ppo.core.sync import bucket_nbytes, make_buckets
 
     init_process_group()
     device = torch.device("cuda", 0)

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from ray_ppo.core.algo import needs_critic
 from ray_ppo.config import Config, ConfigError
+from ray_ppo.core.algo import needs_critic
 from ray_ppo.core.experience import ExperienceMaker
-from ray_ppo.core.models.lora import apply_lora
-from ray_ppo.core.models.hf import disable_dropout
 from ray_ppo.core.models import Critic, RewardModel, load_actor, load_reward_fn, load_tokenizer
+from ray_ppo.core.models.hf import disable_dropout
+from ray_ppo.core.models.lora import apply_lora
 from ray_ppo.core.models.tiny import resolve_pretrained
 
 

@@ -31,8 +31,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ray_ppo.core.build import build_actor, build_critic_if_needed, tokenizer_path
 from ray_ppo.config import Config
+from ray_ppo.core.build import build_actor, build_critic_if_needed, tokenizer_path
 from ray_ppo.core.models import load_tokenizer
 from ray_ppo.core.sync import split_state
 

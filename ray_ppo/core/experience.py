@@ -21,8 +21,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, compute_advantages, compute_kl
 from ray_ppo.config import Config
+from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, compute_advantages, compute_kl
 from ray_ppo.core.models import (
     RewardFn,
     Rollout,

@@ -10,30 +10,30 @@ Plain class, no Ray: the synchronous local loop and the Ray Train loop both driv
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import nn
 
+from ray_ppo.config import Config
 from ray_ppo.core.algo import (
     ExperienceBatch,
     aggregate_loss,
     behaviour_kl,
     compute_kl,
-    importance_weights,
-    kl_by_staleness,
-    raw_weights,
-    weight_stats,
     entropy_from_logits,
     explained_variance,
+    importance_weights,
+    kl_by_staleness,
     log_probs_from_logits,
     masked_mean,
     masked_whiten,
     policy_loss,
+    raw_weights,
     value_loss,
+    weight_stats,
 )
-from ray_ppo.config import Config
 from ray_ppo.core.models import action_logits, action_values
 from ray_ppo.core.strategies import Strategy
-
 
 STALE_KL_PREFIX = "behaviour_kl_stale_"
 """``behaviour_kl_stale_<s>``: KL(behaviour || proximal) over the items of staleness s (nan where

@@ -18,10 +18,10 @@ vLLM is imported only here, and only when a maker builds an engine.
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Mapping, Sequence
 
 import torch

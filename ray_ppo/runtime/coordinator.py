@@ -28,11 +28,22 @@ import os
 import time
 from typing import Any
 
-from ray_ppo.runtime.coordinator_state import CoordinatorState, Push, PullCancelled
+from ray_ppo.runtime.coordinator_state import CoordinatorState, PullCancelled, Push
 from ray_ppo.runtime.feed import PromptFeed
 from ray_ppo.runtime.ledger import PromptLedger
-from ray_ppo.runtime.messages import (CANCELLED, REPLACED, Counters, CoordinatorStatus, EvalReport, ItemsLost, MakerStats,
-                                     PromptBatch, PullReply, PullRequest, PushHeader)
+from ray_ppo.runtime.messages import (
+    CANCELLED,
+    REPLACED,
+    CoordinatorStatus,
+    Counters,
+    EvalReport,
+    ItemsLost,
+    MakerStats,
+    PromptBatch,
+    PullReply,
+    PullRequest,
+    PushHeader,
+)
 from ray_ppo.runtime.transport import ExperienceChunk
 
 HEALTH_CHECK_S = 5.0
@@ -247,7 +258,8 @@ class Coordinator:
                     await self.pushed.wait_for(lambda: index in push.bucket_refs or pushes.superseded(push))
                 if pushes.superseded(push):
                     return
-                chunks.append(handle.weights_chunk.remote(push.version, index, [push.bucket_refs[index]], relay))  # nested: the maker fetches it
+                bucket = [push.bucket_refs[index]]  # nested: the maker fetches it
+                chunks.append(handle.weights_chunk.remote(push.version, index, bucket, relay))
             await asyncio.gather(*chunks)
             loaded = await handle.weights_end.remote(push.version, relay)
         except Exception as e:

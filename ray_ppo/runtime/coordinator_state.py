@@ -24,10 +24,22 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray_ppo.config import staleness_budget
 from ray_ppo.runtime.feed import PromptFeed
 from ray_ppo.runtime.ledger import PromptLedger
-from ray_ppo.runtime.messages import (Counters, CoordinatorStatus, EvalReport, ItemsLost, LastPush, MakerStats,
-                                     MakerStatus, Prompt, PromptBatch, PullRequest, PushHeader)
+from ray_ppo.runtime.messages import (
+    CoordinatorStatus,
+    Counters,
+    EvalReport,
+    ItemsLost,
+    LastPush,
+    MakerStats,
+    MakerStatus,
+    Prompt,
+    PromptBatch,
+    PullRequest,
+    PushHeader,
+)
 from ray_ppo.runtime.routing import receivers
 from ray_ppo.runtime.transport import ExperienceChunk
 
@@ -172,8 +184,9 @@ class Admission:
     def admits(self, maker_version: int, in_flight: int) -> bool:
         """Whether a maker at ``maker_version`` may take a batch, counting ``in_flight`` items and
         every reserved prompt."""
-        v, V, S = maker_version, self.trainer_version, self.max_staleness
-        capacity = (v + S - V + 1) * self.items_per_version - self.consumed_at_version - sum(self.ahead.values())
+        lag = self.trainer_version - maker_version
+        capacity = (staleness_budget(self.max_staleness, self.items_per_version, lag)
+                    - self.consumed_at_version - sum(self.ahead.values()))
         pending = (self.total_reserved + self.prompt_batch_size) * self.samples_per_prompt
         return in_flight + pending <= capacity
 

@@ -11,8 +11,8 @@ from typing import Any, Iterable
 
 import torch
 
-from ray_ppo.runtime.messages import PushHeader
 from ray_ppo.core.sync import Bucket, bucket_nbytes, join_state, make_buckets, push_aliases
+from ray_ppo.runtime.messages import PushHeader
 
 
 def perturbed_push(worker: Any, scale: float, bucket_mb: float, seed: int = 1) -> tuple[dict[str, torch.Tensor], list[Bucket]]:

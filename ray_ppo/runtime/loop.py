@@ -22,23 +22,22 @@ import ray
 import ray.train
 import torch
 
+from ray_ppo.config import Config
 from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, KLController, make_kl_controller
 from ray_ppo.core.build import build_actor, build_critic_if_needed, tokenizer_path
 from ray_ppo.core.checkpoint import CheckpointWriter, TrainerState, restore_point, restored_critic
-from ray_ppo.config import Config
-from ray_ppo.core.models import load_tokenizer
-from ray_ppo.runtime.messages import ItemsLost, PullRequest, RunHandles
-from ray_ppo.runtime.publish import WeightPublisher
-from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
-from ray_ppo.core.sync import fingerprint
-from ray_ppo.core.collectives import (all_reduce_metrics, broadcast_from_rank_0, broadcast_time_up,
-                                      start_all_reduce_metrics)
+from ray_ppo.core.collectives import all_reduce_metrics, broadcast_from_rank_0, broadcast_time_up, start_all_reduce_metrics
 from ray_ppo.core.learner import PPOLearner, drop_absent
 from ray_ppo.core.metrics import experience_metrics
-from ray_ppo.runtime.monitor import MakerMonitor, verify_makers
+from ray_ppo.core.models import load_tokenizer
 from ray_ppo.core.strategies import make_strategy
+from ray_ppo.core.sync import fingerprint
 from ray_ppo.eval_records import attach_evals, split_evals
+from ray_ppo.runtime.messages import ItemsLost, PullRequest, RunHandles
+from ray_ppo.runtime.monitor import MakerMonitor, verify_makers
+from ray_ppo.runtime.publish import WeightPublisher
 from ray_ppo.runtime.transport import ExperienceChunk, Fetched, resolve
+from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 
 
 @dataclass
@@ -310,7 +309,8 @@ def _complete_row(w: _Worker, plan: _StepPlan, over_ranks: Callable[[], dict[str
         metrics.update(w.monitor.metrics(step_s, plan.step))
         if plan.last:
             metrics["weights_in_sync"] = verify_makers(w.coordinator, int(own["policy_version"]), fingerprint(state))
-        if plan.push and w.cfg.eval.due(plan.step, plan.last, w.cfg.trainer.update_steps):  # waited for: the coordinator runs calls out of order
+        if plan.push and w.cfg.eval.due(plan.step, plan.last, w.cfg.trainer.update_steps):
+            # waited for: the coordinator runs one caller's calls out of order
             ray.get(w.coordinator.request_eval.remote(plan.step, int(own["policy_version"])))
         row = attach_evals(metrics, w.monitor.evals(wait=plan.last))  # the last row waits for its own
         metrics = split_evals(row)[0]

@@ -59,13 +59,14 @@ class MakerWorker:
         import torch
 
         from ray_ppo.core.build import build_experience_maker, maker_device
-        from ray_ppo.evaluate import Evaluation
         from ray_ppo.core.models.quantize import quantize_for_generation
+        from ray_ppo.evaluate import Evaluation
         from ray_ppo.runtime.receiver import WeightReceiver
 
         self.cfg = Config.from_dict(config)
         torch.set_num_threads(self.cfg.maker.torch_threads)
-        torch.manual_seed(self.cfg.seed + 1000 * (maker_id + 1))
+        self.seed = self.cfg.seed + 1000 * (maker_id + 1)  # each maker samples its own stream, reproducibly
+        torch.manual_seed(self.seed)
         if isinstance(coordinator, RunHandles):
             coordinator = coordinator.coordinator()
         self.maker_id, self.coordinator = maker_id, coordinator
@@ -111,7 +112,7 @@ class MakerWorker:
         """maker.engine=vllm: a vLLM engine in this process generates; the HF models score."""
         from ray_ppo.core.vllm_engine import build_engine
 
-        engine = build_engine(self.cfg, self.cfg.model.pretrained, self.cfg.seed + 1000 * (self.maker_id + 1),
+        engine = build_engine(self.cfg, self.cfg.model.pretrained, self.seed,
                               on_gpu=self.device.type == "cuda")
         self.maker.engine, self.maker.engine_logprobs = engine, self.cfg.maker.sampler_logprobs
         return engine
@@ -303,7 +304,8 @@ class MakerWorker:
         from ray_ppo.core.vllm_engine import engine_actor_state
 
         with self.model_lock:
-            actor_state = self.float_actor.state_dict() if self.engine is None else engine_actor_state(self.engine, self.float_actor)
+            actor_state = (self.float_actor.state_dict() if self.engine is None
+                           else engine_actor_state(self.engine, self.float_actor))
             return self.version, fingerprint(join_state(actor_state, self._critic_state()))
 
     def _critic_state(self) -> dict[str, torch.Tensor]:

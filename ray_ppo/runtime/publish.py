@@ -11,10 +11,10 @@ from typing import Any
 import ray
 import torch
 
-from ray_ppo.runtime.messages import PushHeader
+from ray_ppo.core.learner import PPOLearner
 from ray_ppo.core.models.lora import trainable_names
 from ray_ppo.core.sync import join_state, make_buckets, push_aliases, push_size
-from ray_ppo.core.learner import PPOLearner
+from ray_ppo.runtime.messages import PushHeader
 
 
 class WeightPublisher:

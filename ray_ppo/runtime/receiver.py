@@ -20,8 +20,8 @@ from typing import Mapping
 import ray
 import torch
 
-from ray_ppo.runtime.messages import PushHeader
 from ray_ppo.core.sync import StagedPush, replaced_tensors
+from ray_ppo.runtime.messages import PushHeader
 
 
 class WeightReceiver:

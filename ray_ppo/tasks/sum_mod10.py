@@ -16,8 +16,7 @@ import random
 from pathlib import Path
 from typing import Sequence
 
-from ray_ppo.data import prompt_text
-from ray_ppo.data import Prompt
+from ray_ppo.data import Prompt, prompt_text
 from ray_ppo.tasks.toy import write_prompts
 
 TARGET_LEN = 4

@@ -15,8 +15,7 @@ import random
 from pathlib import Path
 from typing import Sequence
 
-from ray_ppo.data import prompt_text
-from ray_ppo.data import Prompt
+from ray_ppo.data import Prompt, prompt_text
 
 TARGET_LEN = 8
 """Number of response tokens that count towards the reward."""

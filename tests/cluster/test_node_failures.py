@@ -38,8 +38,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from scenario import (END_MARGIN_S, POLL_S, coordinator_status, fit_recording_error,  # noqa: E402
-                      record_end_of_fit, wait_for)
+from scenario import END_MARGIN_S, POLL_S, coordinator_status, fit_recording_error, record_end_of_fit, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).parents[2]

@@ -13,8 +13,8 @@ import ray
 from ray.train import FailureConfig, RunConfig
 
 from ray_ppo.api import PPOTrainer
-from ray_ppo.core.checkpoint import validate_checkpoint
 from ray_ppo.config import load_config
+from ray_ppo.core.checkpoint import validate_checkpoint
 from ray_ppo.runtime.messages import CoordinatorStatus
 from ray_ppo.testing import WaitingExperienceMaker
 

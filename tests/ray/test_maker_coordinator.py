@@ -11,12 +11,12 @@ import torch
 
 from ray_ppo.api import resolve_config
 from ray_ppo.config import load_config
-from ray_ppo.runtime.coordinator import Coordinator
-from ray_ppo.runtime.maker import MakerWorker, maker_actor_class
-from ray_ppo.runtime.messages import MakerStats, PromptBatch, PullRequest, PushHeader
 from ray_ppo.core.models import Critic, load_actor
 from ray_ppo.core.sync import fingerprint, make_buckets
+from ray_ppo.runtime.coordinator import Coordinator
 from ray_ppo.runtime.loop import _pull
+from ray_ppo.runtime.maker import MakerWorker, maker_actor_class
+from ray_ppo.runtime.messages import MakerStats, PromptBatch, PullRequest, PushHeader
 from ray_ppo.runtime.transport import ExperienceChunk, resolve
 from ray_ppo.testing import WaitingExperienceMaker
 

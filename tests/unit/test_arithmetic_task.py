@@ -8,8 +8,16 @@ import pytest
 
 from ray_ppo.cli import main
 from ray_ppo.data import read_prompt_texts
-from ray_ppo.tasks.arithmetic import (LEVELS, Problem, extract_answer, level_problems, make_problems, parse_problem,
-                                      reward, split_of)
+from ray_ppo.tasks.arithmetic import (
+    LEVELS,
+    Problem,
+    extract_answer,
+    level_problems,
+    make_problems,
+    parse_problem,
+    reward,
+    split_of,
+)
 
 
 @pytest.mark.parametrize("level", LEVELS)

@@ -8,11 +8,11 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
+import chat_rewards
 import pandas as pd
 import pytest
 import torch
 
-import chat_rewards
 from ray_ppo.config import Config
 from ray_ppo.core.algo import ExperienceItem
 from ray_ppo.core.algo.experience import unpack

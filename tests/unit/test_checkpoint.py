@@ -20,7 +20,8 @@ def checkpoint(tmp_path):
     directory = tmp_path / "ckpt"
     actor = {"w": torch.randn(4, 3), "b": torch.zeros(3, dtype=torch.bfloat16)}
     critic = {"v": torch.randn(5)}
-    optim = {"actor": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+    optim = {"actor": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}},
+                       "param_groups": [{"lr": 0.1, "params": [0]}]},
              "generator": torch.Generator().manual_seed(1).get_state()}
     write_trainer_state(directory, actor, critic, optim, {"step": 7, "policy_version": 7, "data": {"epoch": 0, "position": 96}})
     return directory, actor, critic, optim
@@ -153,8 +154,8 @@ def test_a_full_disk_on_the_trainer_leaves_no_partial_checkpoint(tmp_path, monke
     from pathlib import Path
 
     import ray_ppo.core.checkpoint as checkpoint_module
-    from ray_ppo.core.build import build_actor, build_critic
     from ray_ppo.config import load_config
+    from ray_ppo.core.build import build_actor, build_critic
     from ray_ppo.core.sync import join_state
 
     cfg = load_config(Path(__file__).parents[2] / "configs" / "tiny.yaml")

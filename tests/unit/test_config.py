@@ -82,12 +82,14 @@ def test_tree_names_and_defaults_are_the_public_contract():
                   "top_p": 1.0, "quantization": None, "num_cpus": 0.5, "num_gpus": 0.0, "torch_threads": 1,
                   "wait_for_weights": False, "max_restarts": 3, "node_resource": None,
                   "engine": "hf", "engine_logprobs": None,
-                  "vllm": {"gpu_memory_utilization": 0.3, "kv_cache_gib": 1.0, "enforce_eager": True, "dtype": None}, "samples_per_prompt": 1},
+                  "vllm": {"gpu_memory_utilization": 0.3, "kv_cache_gib": 1.0, "enforce_eager": True, "dtype": None},
+                  "samples_per_prompt": 1},
         "trainer": {"strategy": "ddp", "num_workers": 1, "use_gpu": False, "cpus_per_worker": 1.0, "node_resource": None,
                     "total_steps": 50, "time_budget_s": 0.0, "update_steps": 1, "train_batch_size": 32, "mini_batch_size": 16,
                     "ppo_epochs": 1, "actor_lr": 1e-5, "critic_lr": 1e-5, "weight_decay": 0.0,
                     "lr_schedule": "constant", "warmup_steps": 0, "max_grad_norm": 1.0, "torch_threads": 1,
-                    "checkpoint_every": 0, "keep_checkpoints": 2, "max_failures": 0, "pull_timeout_s": 120.0, "prefetch": True, "max_nonfinite_updates": 10},
+                    "checkpoint_every": 0, "keep_checkpoints": 2, "max_failures": 0, "pull_timeout_s": 120.0, "prefetch": True,
+                    "max_nonfinite_updates": 10},
         "ppo": {"kl_coef": 0.05, "kl_estimator": "k1", "kl_target": None, "kl_horizon": 10000, "eps_clip": 0.2,
                 "dual_clip": None, "value_clip": 0.2, "entropy_coef": 0.0, "gamma": 1.0, "lam": 0.95,
                 "whiten_advantages": True, "max_staleness": 1, "off_policy": "decoupled", "tis_cap": 2.0,
@@ -473,7 +475,7 @@ def test_shipped_configs_validate(colossalai_available):
 def test_code_that_dispatches_on_a_choice_knows_exactly_the_config_s_names():
     torch = pytest.importorskip("torch")
     from ray_ppo import choices
-    from ray_ppo.core.algo import ADVANTAGE_ESTIMATORS, OFF_POLICY_MODES, LOSS_AGGREGATIONS, functional
+    from ray_ppo.core.algo import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_MODES, functional
     from ray_ppo.core.models import hf, quantize
 
     assert tuple(functional.KL_ESTIMATORS) == choices.KL_ESTIMATORS

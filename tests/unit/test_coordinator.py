@@ -16,7 +16,17 @@ import torch
 from ray_ppo.core.algo import ExperienceItem
 from ray_ppo.runtime.coordinator import Coordinator
 from ray_ppo.runtime.feed import PromptFeed
-from ray_ppo.runtime.messages import CANCELLED, REPLACED, Counters, ItemsLost, LastPush, MakerStats, PullReply, PullRequest, PushHeader
+from ray_ppo.runtime.messages import (
+    CANCELLED,
+    REPLACED,
+    Counters,
+    ItemsLost,
+    LastPush,
+    MakerStats,
+    PullReply,
+    PullRequest,
+    PushHeader,
+)
 from ray_ppo.runtime.transport import ExperienceChunk, resolve
 
 SHORT_S = 0.1  # long enough for any runnable task to run; the blocked ones stay blocked
@@ -482,7 +492,8 @@ def test_a_rewind_cancels_the_pulls_of_the_worker_group_that_died():
         await coord.rewind(3)  # the restarted group's rank 0, before any of its ranks pulls
         assert (await asyncio.wait_for(dead, timeout=2.0)).outcome == CANCELLED
         await coord.send(0, items(4), NO_STATS)  # what the dead pull would have taken goes to the new group
-        assert uids(await coord.pull(PullRequest(0, 4, trainer_version=0, timeout_s=1.0, pid=8, step=4))) == [f"m0-{i}" for i in range(4)]
+        got = await coord.pull(PullRequest(0, 4, trainer_version=0, timeout_s=1.0, pid=8, step=4))
+        assert uids(got) == [f"m0-{i}" for i in range(4)]
 
     asyncio.run(main())
 
@@ -492,12 +503,13 @@ def test_a_pull_of_a_replaced_worker_group_arriving_after_the_rewind_takes_nothi
         coord = coordinator()
         first = await coord.rewind(0)   # the first worker group starts
         await coord.send(0, items(4), NO_STATS)
-        assert uids(await coord.pull(PullRequest(0, 2, trainer_version=0, timeout_s=1.0, pid=7, step=1, group=first))) == ["m0-0", "m0-1"]
+        got = await coord.pull(PullRequest(0, 2, trainer_version=0, timeout_s=1.0, pid=7, step=1, group=first))
+        assert uids(got) == ["m0-0", "m0-1"]
         second = await coord.rewind(0)  # it died; the restarted group's rank 0
         assert second == first + 1
         # the dead rank's pull, sent before it died, arrives now: refused at once, nothing taken
-        refused = await asyncio.wait_for(coord.pull(PullRequest(0, 2, trainer_version=0, timeout_s=5.0, pid=7, step=2, group=first)),
-                                         timeout=1.0)
+        late = PullRequest(0, 2, trainer_version=0, timeout_s=5.0, pid=7, step=2, group=first)
+        refused = await asyncio.wait_for(coord.pull(late), timeout=1.0)
         assert (refused.outcome, refused.chunks) == (REPLACED, [])
         assert coord.status().buffered == (2,) and counters(coord).consumed == 2
         got = await coord.pull(PullRequest(0, 2, trainer_version=0, timeout_s=1.0, pid=8, step=1, group=second))
@@ -847,7 +859,11 @@ def test_a_bucket_lost_with_its_owner_drops_the_push_and_keeps_the_weights(monke
     assert received.end(1) is None  # incomplete: the caller's swap never happens
     received.start(header(2, 1), None)
     staged = []
-    monkeypatch.setattr(receiver_module.StagedPush, "add", lambda self, index, bucket: (staged.append(bucket), self.seen.add(index)))
+    def add(self, index, bucket):
+        staged.append(bucket)
+        self.seen.add(index)
+
+    monkeypatch.setattr(receiver_module.StagedPush, "add", add)
     received.chunk(2, 0, ["fine"])
     assert received.end(2) is not None and staged == [("bucket", "fine")]
 

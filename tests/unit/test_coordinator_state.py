@@ -12,8 +12,8 @@ from ray_ppo.runtime.coordinator_state import Admission, MakerBook, PushRelay, R
 from ray_ppo.runtime.feed import PromptFeed
 from ray_ppo.runtime.ledger import PromptLedger
 from ray_ppo.runtime.messages import LastPush, MakerStats, MakerStatus, PushHeader
-from tests.unit.test_coordinator import item, items
 from ray_ppo.runtime.transport import ExperienceChunk
+from tests.unit.test_coordinator import item, items
 
 
 def identity_holds(b: RankBuffers) -> bool:

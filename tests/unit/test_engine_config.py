@@ -7,10 +7,10 @@ import importlib.util
 import pytest
 import torch
 
-from ray_ppo.core.build import build_actor
 from ray_ppo.config import Config, ConfigError, MakerConfig, load_config
-from ray_ppo.core.vllm_engine import hf_weights
+from ray_ppo.core.build import build_actor
 from ray_ppo.core.models import load_actor, resolve_pretrained
+from ray_ppo.core.vllm_engine import hf_weights
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 

@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
+from ray_ppo.config import Config
 from ray_ppo.core.algo import ExperienceBatch
 from ray_ppo.core.build import build_experience_maker
-from ray_ppo.config import Config
-from ray_ppo.local import run_local
-from ray_ppo.tasks import sum_mod10, toy
 from ray_ppo.core.learner import PPOLearner
 from ray_ppo.core.strategies import LocalStrategy
+from ray_ppo.local import run_local
+from ray_ppo.tasks import sum_mod10, toy
 
 SMALL = {"trainer.total_steps": 2, "trainer.train_batch_size": 8, "trainer.mini_batch_size": 4,
          "maker.batch_size": 4, "maker.max_new_tokens": 4}

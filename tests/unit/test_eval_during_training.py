@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 from ray_ppo.config import Config, ConfigError, load_config
-from ray_ppo.eval_records import EVALS_KEY, EvalFile, attach_evals, eval_line, eval_summary, read_evals, split_evals
+from ray_ppo.eval_records import EVALS_KEY, EvalReport, attach_evals, eval_line, eval_summary, read_evals, split_evals
 from ray_ppo.local import run_local
 from ray_ppo.runtime.coordinator import Coordinator
-from ray_ppo.eval_records import EvalReport
 from ray_ppo.tracking import LiveLine, RunDirectory
 
 REPO = Path(__file__).parents[2]

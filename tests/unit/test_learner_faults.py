@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from ray_ppo.config import Config
 from ray_ppo.core.algo import ExperienceBatch
 from ray_ppo.core.build import build_actor, build_critic, build_experience_maker
-from ray_ppo.config import Config
 from ray_ppo.core.learner import PPOLearner
 from ray_ppo.core.strategies import LocalStrategy
 

@@ -5,12 +5,12 @@ import copy
 import pytest
 import torch
 
-from ray_ppo.core.build import build_actor, build_experience_maker
 from ray_ppo.config import Config
-from ray_ppo.runtime.maker import _check_keys
-from ray_ppo.runtime.messages import PushHeader
+from ray_ppo.core.build import build_actor, build_experience_maker
 from ray_ppo.core.models.lora import trainable_names
 from ray_ppo.core.sync import make_buckets, unpack_bucket
+from ray_ppo.runtime.maker import _check_keys
+from ray_ppo.runtime.messages import PushHeader
 
 
 @pytest.fixture
@@ -89,8 +89,8 @@ def test_lora_reference_is_the_base_model(cfg):
 def test_lora_only_pushes_through_a_maker_swap_in_only_the_adapters(cfg):
     """The maker's own push path (staged copies, then a swap of the parameters): base weights
     keep their tensors, adapters and value head take the pushed values, twice in a row."""
-    from ray_ppo.runtime.maker import MakerWorker
     from ray_ppo.core.sync import join_state
+    from ray_ppo.runtime.maker import MakerWorker
 
     worker = MakerWorker(0, cfg.to_dict(), coordinator=None)
     trainer_actor, trainer_critic = copy.deepcopy(worker.float_actor), copy.deepcopy(worker.maker.critic)

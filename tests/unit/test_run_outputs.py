@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from ray_ppo.core.algo import ExperienceItem
 from ray_ppo.cli import _summary, main
 from ray_ppo.config import Config, _schema
+from ray_ppo.core.algo import ExperienceItem
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 from ray_ppo.tracking import LiveLine, RunDirectory, counts_summary, read_metrics
 

@@ -106,5 +106,6 @@ def test_mlflow_gets_params_and_metrics(tmp_path, monkeypatch):
 def test_missing_package_is_one_clear_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
     cfg = Config().with_overrides({"logging.wandb": True, "logging.tensorboard": False})
-    with pytest.raises(ConfigError, match=r"^logging.wandb=true needs the wandb package: pip install wandb, or set logging.wandb=false$"):
+    message = r"^logging.wandb=true needs the wandb package: pip install wandb, or set logging.wandb=false$"
+    with pytest.raises(ConfigError, match=message):
         RunDirectory(tmp_path, cfg)

@@ -4,8 +4,6 @@ Imports torch and the standard library only (no Ray, no transformers), so everyt
 unit-testable in-process.
 """
 
-from ray_ppo.core.algo.experience import PER_TOKEN_FIELDS, ExperienceBatch, ExperienceItem
-from ray_ppo.core.packed import PackedItems
 from ray_ppo.core.algo.estimators import (
     ADVANTAGE_ESTIMATORS,
     broadcast_to_tokens,
@@ -16,6 +14,7 @@ from ray_ppo.core.algo.estimators import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
+from ray_ppo.core.algo.experience import PER_TOKEN_FIELDS, ExperienceBatch, ExperienceItem
 from ray_ppo.core.algo.functional import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
@@ -48,6 +47,7 @@ from ray_ppo.core.algo.off_policy import (
     tis_weights,
     weight_stats,
 )
+from ray_ppo.core.packed import PackedItems
 
 __all__ = [
     "PER_TOKEN_FIELDS",

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ray_ppo.core.algo.functional import compute_gae, kl_penalized_rewards, masked_whiten
 from ray_ppo.choices import ADVANTAGES as ADVANTAGE_ESTIMATORS
+from ray_ppo.core.algo.functional import compute_gae, kl_penalized_rewards, masked_whiten
 
 
 def needs_critic(estimator: str) -> bool:

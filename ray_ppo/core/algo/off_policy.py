@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from ray_ppo.choices import OFF_POLICY as OFF_POLICY_MODES  # noqa: F401  (re-exported by ray_ppo.core.algo)
 from ray_ppo.core.algo.functional import masked_mean
-from ray_ppo.choices import OFF_POLICY as OFF_POLICY_MODES
 
 
 def _check_cap(cap: float) -> None:
