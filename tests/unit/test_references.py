@@ -1,0 +1,127 @@
+"""Names written in prose resolve: every dotted ``ray_ppo.…`` name in a docstring, comment or string
+of the code, and in the Markdown docs, names a module, class, function or attribute that exists, and
+no text names the packages the code has left (``train.``, ``makers.``). A rename that forgets the
+prose fails here instead of sending a reader to nothing."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import io
+import re
+import textwrap
+import tokenize
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CODE_DIRS = ("ray_ppo", "benchmarks", "examples", "scripts", "tests")
+DOCS = ("README.md", "docs", "benchmarks/README.md", "configs")  # not CHANGELOG.md: history names what was
+
+NAME = re.compile(r"(?<![\w./-])ray_ppo(?:\.[A-Za-z_]\w*)+(?![\w-])")
+SHORT = re.compile(r"(?<![\w./-])(?:core|runtime)(?:\.[A-Za-z_]\w*)+(?![\w-])")  # ``runtime.loop``: ray_ppo's own
+GONE = re.compile(r"(?<![\w./-])(?:train|makers)\.(?:metrics|monitor|collectives|loop|strategies|receiver|maker)\b")
+"""Module paths of packages that were folded into ``ray_ppo.core`` and ``ray_ppo.runtime``."""
+
+
+def prose(path: Path, strings: bool = True) -> str:
+    """The comments and docstrings of a Python file, and its other string literals if ``strings``
+    (the package's error messages name modules too; the tests' strings are data, some of it wrong
+    on purpose)."""
+    source = path.read_text()
+    pieces = [token.string for token in tokenize.generate_tokens(io.StringIO(source).readline)
+              if token.type == tokenize.COMMENT or strings and token.type == tokenize.STRING]
+    documented = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    pieces += [ast.get_docstring(node) or "" for node in ast.walk(ast.parse(source)) if isinstance(node, documented)]
+    return "\n".join(pieces)
+
+
+def texts() -> dict[str, str]:
+    out = {}
+    for folder in CODE_DIRS:
+        for path in sorted((REPO_ROOT / folder).rglob("*.py")):
+            out[str(path.relative_to(REPO_ROOT))] = prose(path, strings=folder != "tests")
+    for entry in DOCS:
+        path = REPO_ROOT / entry
+        for doc in sorted(path.rglob("*.md") if path.is_dir() else [path]):
+            out[str(doc.relative_to(REPO_ROOT))] = doc.read_text()
+    return out
+
+
+def instance_attributes(cls: type) -> set[str]:
+    """``self.<name>`` assignments in the class's methods, and its annotated fields."""
+    names = set(getattr(cls, "__annotations__", {}))
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return names
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            names.add(node.attr)
+    return names
+
+
+def resolves(dotted: str) -> bool:
+    """An importable module, then attributes of it (a class's instance attributes count)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        module = ".".join(parts[:cut])
+        try:
+            obj = importlib.import_module(module)
+        except ImportError:
+            if cut == len(parts) and importlib.util.find_spec(parts[0]) and _module_file(module):
+                return True  # a module whose optional dependency is missing here (colossalai)
+            continue
+        for name in parts[cut:]:
+            if hasattr(obj, name):
+                obj = getattr(obj, name)
+            elif inspect.isclass(obj) and name in instance_attributes(obj):
+                obj = None  # an instance attribute: nothing further to check below it
+                break
+            else:
+                return False
+        return True
+    return False
+
+
+def _module_file(module: str) -> bool:
+    path = REPO_ROOT.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def names_in(text: str) -> set[str]:
+    found = {m.group(0).rstrip(".") for m in NAME.finditer(text)}
+    found |= {"ray_ppo." + m.group(0).rstrip(".") for m in SHORT.finditer(text)}
+    return {name for name in found if not name.endswith(("_py", ".py", ".md", ".yaml"))}
+
+
+@pytest.fixture(scope="module")
+def all_texts() -> dict[str, str]:
+    return texts()
+
+
+def test_the_scan_sees_names_and_catches_a_wrong_one(all_texts):
+    names = set().union(*(names_in(text) for text in all_texts.values()))
+    assert {"ray_ppo.runtime.coordinator_state", "ray_ppo.runtime.ledger"} <= names and len(names) > 60
+    assert resolves("ray_ppo.runtime.coordinator.Coordinator.pull")
+    assert resolves("ray_ppo.runtime.coordinator.Coordinator.state")  # set in __init__
+    assert not resolves("ray_ppo.runtime.coordinator.Coordinator.no_such_method")
+    assert not resolves("ray_ppo.train.loop")
+
+
+def test_every_dotted_name_in_prose_resolves(all_texts):
+    broken = {}
+    for where, text in all_texts.items():
+        bad = sorted(name for name in names_in(text) if not resolves(name))
+        if bad:
+            broken[where] = bad
+    assert not broken, "names that do not exist: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in broken.items())
+
+
+def test_no_text_names_a_package_the_code_left(all_texts):
+    stale = {where: sorted(set(GONE.findall(text))) for where, text in all_texts.items() if GONE.search(text)}
+    stale.pop("tests/unit/test_references.py", None)
+    assert not stale, f"old module paths (now under ray_ppo.core / ray_ppo.runtime): {stale}"
