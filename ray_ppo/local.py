@@ -44,7 +44,7 @@ def prompt_batches(prompts: Sequence[Prompt | None], batch_size: int, shuffle: b
 def run_local(cfg: Config, prompts: Sequence[Prompt | None] | None = None,
               on_metrics: Callable[[dict], None] | None = None) -> list[dict]:
     """Train ``cfg.trainer.total_steps`` synchronous PPO steps; returns the per-step metrics.
-    ``prompts`` (each a ``ray_ppo.runtime.messages.Prompt``: a text or a list of chat messages)
+    ``prompts`` (each a ``ray_ppo.data.Prompt``: a text or a list of chat messages)
     default to ``data.path``'s, else the toy task's."""
     cfg = resolve_config(cfg)
     if cfg.maker.engine != "hf":  # the loop's maker shares the learner's live weights: nothing to push

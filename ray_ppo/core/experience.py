@@ -133,7 +133,7 @@ class ExperienceMaker:
         ``samples_per_prompt`` items per prompt, each prompt's items next to each other. Rewards
         are shaped with ``kl_coef``, the trainer's current coefficient (its KL controller owns it:
         ``ray_ppo.runtime.messages``); None means the initial ``ppo.kl_coef``. ``prompts``: each
-        prompt as the data gave it (``ray_ppo.runtime.messages.Prompt``), which the reward function
+        prompt as the data gave it (``ray_ppo.data.Prompt``), which the reward function
         receives and each item carries (``ExperienceItem.prompt``); None: the reward function
         receives the decoded ``prompt_ids``."""
         n = self.group_size

@@ -26,7 +26,7 @@ def reward(prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]:
 
     Args:
         prompts: each response's prompt as the data gave it: a text, or a list of chat messages
-            (``ray_ppo.runtime.messages.Prompt``), whose last message's content is the text read.
+            (``ray_ppo.data.Prompt``), whose last message's content is the text read.
         responses: decoded responses, special tokens removed.
 
     Returns:

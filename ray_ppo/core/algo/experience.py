@@ -51,7 +51,7 @@ class ExperienceItem:
     """Identity of the prompt the item answers (``ray_ppo.runtime.ledger``; several items may share one);
     -1 outside a prompt stream."""
     prompt: str | list[dict] | None = None
-    """The prompt the item answers as the data gave it (``ray_ppo.runtime.messages.Prompt``: a text
+    """The prompt the item answers as the data gave it (``ray_ppo.data.Prompt``: a text
     or a list of chat messages); None for an item made from token ids alone."""
 
     @classmethod
