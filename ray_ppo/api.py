@@ -214,7 +214,9 @@ class PPOTrainer(TorchTrainer):
 
     def _register_sigint_handler(self, controller) -> None:
         """Ray Train's own handler swallows Ctrl-C (it aborts the run and later exits with status
-        0 or 1, without a word). Keep Python's: ``fit()`` sees a ``KeyboardInterrupt`` and aborts."""
+        0 or 1, without a word). Keep Python's: ``fit()`` sees a ``KeyboardInterrupt`` and aborts.
+        The one override of a Ray-private method in the package; ``tests/unit/test_ray_adapter.py``
+        fails if a Ray upgrade renames it or stops calling it."""
         self._controller = controller
 
     def _abort_controller(self) -> None:
