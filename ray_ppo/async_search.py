@@ -41,10 +41,8 @@ ASYNC_SPACE: dict[str, list] = {
 """What ``--async-search`` searches unless ``--grid`` gives the space."""
 METRIC = "reward_mean"
 FIRST_RUNG = 0.5
-"""ASHA's first stop, as a share of the budget. A quarter stopped trials on noise on the toy task:
-at 7.5 of 30 s no setting had learned yet (rewards 0.05-0.11), and the setting that reached 0.83
-at the budget was stopped there in one search (0.102 against 0.105) and kept in another (0.102
-against 0.061); at half the budget it stood at 0.21 against 0.08-0.18."""
+"""ASHA's first stop, as a share of the budget: earlier, before any setting has learned, trials
+are stopped on noise (benchmarks/README.md, "Tune picks the async knobs")."""
 EXACT_TEST_MAX_SEEDS = 16
 """The sign-flip test enumerates 2^n sign patterns; above this many seeds the summary gives no p."""
 

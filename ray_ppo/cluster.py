@@ -38,8 +38,8 @@ def start_local_cluster(num_cpus: int | None = None, sweep: bool = False, **init
     # waits for that poll; a faster poll keeps reports cheap on a local cluster.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     # Ray Train starts a PreemptionWatcher actor per worker group to poll for draining nodes: a
-    # local cluster has none to drain, and the watcher's process costs ~2.6 s of CPU at every
-    # fit() start on a 2-core machine. A cluster attached to keeps it.
+    # local cluster has none to drain, and the watcher's process costs seconds of CPU at every
+    # fit() start on a small machine. A cluster attached to keeps it.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     cpus = local_cpus(num_cpus)
     # The raylet starts at most min(cores, num_cpus) worker processes at a time and, once 4x that

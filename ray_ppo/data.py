@@ -146,8 +146,8 @@ class PromptEncoder:
         return out
 
     def _tokenize(self, prompts: list[Prompt]) -> list[list[int]]:
-        """Token ids of each prompt; plain texts in one tokenizer call (64 toy prompts: 0.6 ms, against
-        2.3 ms for one call per prompt)."""
+        """Token ids of each prompt; plain texts in one tokenizer call (a batched call is several
+        times cheaper than one call per prompt)."""
         plain = [isinstance(p, str) and not self.chat_template for p in prompts]
         texts = [p for p, is_plain in zip(prompts, plain) if is_plain]
         text_ids = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])

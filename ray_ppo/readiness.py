@@ -5,8 +5,7 @@
     job_id = submit_job(client, entrypoint=...)    # the head's job agent takes the job
 
 A cluster's dashboard, state API and job agent come up seconds after ``ray.init`` or
-``ray start`` returns, and minutes after on a machine busy with other work (seen: a job agent
-that was not up after 120 s with the load at 10-26 on 2 cores). Each wait here is bounded by
+``ray start`` returns, and minutes after on a machine busy with other work. Each wait here is bounded by
 ``ready_timeout_s()``, which ``RAY_PPO_SERVICE_READY_TIMEOUT_S`` sets.
 """
 

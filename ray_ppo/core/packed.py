@@ -2,7 +2,7 @@
 
 This module imports neither torch nor the rest of ``ray_ppo.core.algo``: the coordinator, which
 only buffers and routes packed batches, unpickles them without paying for a torch import in its
-process (~2.5 s of CPU at every ``fit()`` on a 2-core machine). Packing reads the items' tensors
+process (seconds of CPU at every ``fit()`` on a small machine). Packing reads the items' tensors
 through their own methods; ``ray_ppo.core.algo.experience.unpack`` rebuilds the items where
 they are trained.
 """

@@ -70,7 +70,7 @@ class VllmEngine:
     several threads (start-up, generation in ``compute``, pushes in ``model_io``), and vLLM's CPU
     attention aborts the process when a kernel runs with another OpenMP thread count than its
     metadata was planned with (``cpu_attn_impl.hpp: Check failed: input->metadata->thread_num ==
-    thread_num (2 vs. 1)``, seen in a fresh-clone CI run with 2 makers): the threads' counts differ
+    thread_num (2 vs. 1)``): the threads' counts differ
     (vLLM sets its own on the thread that starts it; Ray's OMP_NUM_THREADS=1 holds elsewhere)."""
 
     def __init__(self, model_path: str, dtype: str, seed: int, max_model_len: int,
@@ -96,9 +96,9 @@ class VllmEngine:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_cache_gib)))  # whole GiB only
             # vLLM's sampler torch.compiles small ops (the sampled token's rank for log-probs, top-k/top-p)
             # with inductor, which on a CPU is a C++ build at the first call of each shape specialisation:
-            # 20-60 s on 2 cores, in the middle of a batch, while the maker holds its model lock, so weight
-            # pushes queue behind it (a fresh-clone CI run ended out of sync, another stalled 300 s). The
-            # ops are cheap eager, and enforce_eager already keeps the model itself uncompiled.
+            # tens of seconds on a small machine, in the middle of a batch, while the maker holds its model
+            # lock, so weight pushes would queue behind it. The ops are cheap eager, and enforce_eager
+            # already keeps the model itself uncompiled.
             torch.compiler.set_stance("force_eager")
         try:
             self.llm = vllm.LLM(model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,

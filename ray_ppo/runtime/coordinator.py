@@ -374,8 +374,8 @@ class CoordinatorActor(Coordinator):
     blocking gets in async actors cannot tell the threads apart and would warn anyway, so it is
     turned off in this process, as Ray Train turns it off for its controller. It is set here and
     not as the actor's ``runtime_env``: an actor with a runtime_env of its own cannot take one of
-    Ray's prestarted worker processes and waits for a new one to start, 2-3 s longer on 2 cores
-    (benchmarks/README, Start-up).
+    Ray's prestarted worker processes and waits for a new one to start (benchmarks/README.md,
+    "Start-up", measures what that costs).
     """
 
     def __init__(self, *args: Any, **kwargs: Any):

@@ -213,9 +213,9 @@ class Admission:
     def restart(self) -> None:
         """A worker group starts from a checkpoint (``Coordinator.rewind``): what earlier groups
         pulled at the trainer's version or ahead of it was never trained by this one (its prompts
-        are served again), so it needs as many items again. Without this, a group that died after
-        pulling at version V, before pushing V + 1, left a successor at V (its checkpoint's version
-        equal to the makers') with no admission left: the makers waited and the run timed out."""
+        are served again), so it needs as many items again: a group that died after pulling at
+        version V, before pushing V + 1, would otherwise leave a successor at V (its checkpoint's
+        version equal to the makers') with no admission left, and the makers would wait forever."""
         self.consumed_at_version = 0
         self.ahead = {}
 

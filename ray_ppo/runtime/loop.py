@@ -286,9 +286,8 @@ def _report(w: _Worker, plan: _StepPlan, over_ranks: Callable[[], dict[str, floa
     """Hand the step's metrics row to the report thread, which completes it while the next step
     runs (``_complete_row``); every rank reports it to Ray Train when due, waiting for it then.
     Off the step's path: the metrics all-gather (started by every rank, so no rank waits there for
-    the slowest one) and rank 0's calls to the coordinator, which made its steps ~10 ms longer
-    than the other ranks' (status read, metrics row), and with them every rank's at the next
-    collective."""
+    the slowest one) and rank 0's calls to the coordinator (status read, metrics row), which would
+    lengthen rank 0's step, and with it every rank's at the next collective."""
     _wait_for_report(w)  # the previous step's row, done a step ago; a failure of it is raised here
     w.reporting = w.reporter.submit(_complete_row, w, plan, over_ranks, own, step_s, items, state)
     if plan.last or plan.checkpoint or plan.step % w.cfg.logging.report_every == 0:
@@ -432,9 +431,9 @@ def _pull_ahead(w: _Worker, step: int, version: int) -> _PullAhead:
 class _Background:
     """A daemon thread (a failed step leaves nothing to join) that runs the calls handed to it,
     one after another; each call's result or error comes from its future. One lives as long as
-    the loop: a thread started per call held the step 2-6 ms on a busy machine, since
-    ``Thread.start`` waits for the new thread, which then keeps the GIL through its call's first
-    Python work (up to ``sys.getswitchinterval()``, 5 ms). Not a ``ThreadPoolExecutor``: its
+    the loop, since a thread started per call would hold the step: ``Thread.start`` waits for the
+    new thread, which then keeps the GIL through its call's first Python work (up to
+    ``sys.getswitchinterval()``). Not a ``ThreadPoolExecutor``: its
     threads are joined at interpreter exit, so a pull blocked until its timeout would hold a
     failed worker's exit."""
 
