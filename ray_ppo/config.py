@@ -16,12 +16,10 @@ driver can load a config without torch or Ray.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import re
-import types
 from pathlib import Path
-from typing import Annotated, Any, Iterator, Literal, Mapping, Optional, Sequence, Union, get_args, get_origin
+from typing import Annotated, Any, Iterator, Mapping, Optional, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -45,6 +43,7 @@ from ray_ppo.choices import (
     StrategyName,
     Transport,
 )
+from ray_ppo.config_errors import ConfigError, ErrorRenderer, not_a_mapping, unwrap, walk
 
 __all__ = [
     "ADVANTAGES",
@@ -78,13 +77,6 @@ def staleness_budget(max_staleness: int, items_per_version: int, lag: int = 0) -
     most that many versions' worth of them (``items_per_version`` each). The config check and the
     coordinator's admission (``ray_ppo.runtime.coordinator_state.Admission``) both use it."""
     return (max_staleness - lag + 1) * items_per_version
-
-
-class ConfigError(ValueError):
-    """An invalid config. The message is one line: the field, the bad value and the fix."""
-
-    def __init__(self, message: str):
-        super().__init__(re.sub(r"\s*\n\s*", " ", str(message)))
 
 
 class ConfigWarning(UserWarning):
@@ -238,9 +230,7 @@ class MakerConfig(SamplingParams):
     """What generates: hf (Hugging Face generate) or vllm (a vLLM engine in each maker; the vllm extra)."""
     engine_logprobs: Optional[bool] = Field(None, examples=[False], json_schema_extra=_null(
         "for true with maker.engine=hf, false with vllm"))
-    """Behaviour log-probs from the sampler itself: HF generate's own logits (the same numbers as a forward
-    pass, up to float rounding) or vLLM's log-probs; false = recompute them with a forward pass of the maker's
-    HF actor."""
+    """Behaviour log-probs from the sampler itself: HF generate's own logits (the same numbers as a forward pass, up to float rounding) or vLLM's log-probs; false = recompute them with a forward pass of the maker's HF actor."""
     vllm: VllmConfig = Field(default_factory=VllmConfig)
     """Options of the vLLM engine."""
     samples_per_prompt: int = Field(1, gt=0)
@@ -323,8 +313,7 @@ class TrainerConfig(_Section):
     pull_timeout_s: float = Field(120.0, gt=0)
     """Seconds a rank waits for a training batch from the makers before failing."""
     prefetch: bool = True
-    """Pull the next step's batch while this step trains (for the version that step trains at, so
-    ppo.max_staleness holds); false pulls at the start of each step."""
+    """Pull the next step's batch while this step trains (for the version that step trains at, so ppo.max_staleness holds); false pulls at the start of each step."""
     max_nonfinite_updates: int = Field(10, ge=0)
     """Optimizer updates in a row skipped for a non-finite loss or gradient before the run fails."""
 
@@ -383,8 +372,7 @@ class PPOConfig(_Section):
     max_staleness: int = Field(1, ge=0)
     """An item generated at policy version v is trained on at version <= v + max_staleness."""
     off_policy: OffPolicy = "decoupled"
-    """Correction for stale experience: none (clip around the maker's log-probs), tis (truncated IS) or
-    decoupled (decoupled PPO)."""
+    """Correction for stale experience: none (clip around the maker's log-probs), tis (truncated IS) or decoupled (decoupled PPO)."""
     tis_cap: float = Field(2.0, ge=1)
     """ppo.off_policy=tis: importance weights pi_old / pi_behaviour are truncated to this value (>= 1)."""
     decoupled_cap: float = Field(5.0, ge=1)
@@ -395,8 +383,7 @@ class PPOConfig(_Section):
     loss_agg: LossAgg = "token_mean"
     """Policy-loss reduction: token_mean (mean over all tokens), seq_mean_token_sum or seq_mean_token_mean."""
     kl_in: KlIn = "reward"
-    """Where the KL to the reference goes: reward (per-token penalty in the rewards) or loss (kl_coef * KL
-    added to the policy loss)."""
+    """Where the KL to the reference goes: reward (per-token penalty in the rewards) or loss (kl_coef * KL added to the policy loss)."""
 
     @property
     def importance_cap(self) -> float:
@@ -417,13 +404,11 @@ class SyncConfig(_Section):
     """Weight pushes from the trainer to the makers."""
 
     bucket_mb: float = Field(256.0, gt=0)
-    """Size of one weight-transfer bucket in MiB; each bucket costs one relay call per maker, so small
-    buckets slow a push (benchmarks/README.md, "Weight sync")."""
+    """Size of one weight-transfer bucket in MiB; each bucket costs one relay call per maker, so small buckets slow a push."""
     lora_only: bool = False
     """Push only the LoRA adapter weights (needs model.lora.rank > 0)."""
     zero_copy: bool = True
-    """CPU makers use pushed weights where Ray's object store holds them (read-only, one copy per node shared
-    by its makers) instead of copying each; false = every maker copies them into its own memory."""
+    """CPU makers use pushed weights where Ray's object store holds them (read-only, one copy per node shared by its makers) instead of copying each; false = every maker copies them into its own memory."""
 
 
 class TopologyConfig(_Section):
@@ -434,8 +419,7 @@ class TopologyConfig(_Section):
     buffer_size: int = Field(0, ge=0)
     """Per-rank buffer capacity in items; 0 = 2 * trainer.train_batch_size."""
     transport: Transport = "inline"
-    """How a maker's packed batch reaches a rank: inline (through the coordinator's calls) or ref (read from
-    the maker's object store)."""
+    """How a maker's packed batch reaches a rank: inline (through the coordinator's calls) or ref (read from the maker's object store)."""
 
 
 class LoggingConfig(_Section):
@@ -448,8 +432,7 @@ class LoggingConfig(_Section):
     tensorboard: bool = True
     """Also write TensorBoard event files to the run directory (needs the tensorboard package)."""
     report_every: int = Field(10, gt=0)
-    """Call ray.train.report every this many steps, at checkpoints and at the last step (each report waits for
-    Ray Train's controller poll)."""
+    """Call ray.train.report every this many steps, at checkpoints and at the last step (each report waits for Ray Train's controller poll)."""
     wandb: bool = False
     """Also log every metric to Weights & Biases (needs the wandb package; project = logging.project)."""
     mlflow: bool = False
@@ -468,8 +451,7 @@ class EvalConfig(_Section):
                                  json_schema_extra=_null("for no evaluation"))
     """Prompt file to evaluate on (CSV, JSONL or Parquet; its data.prompt_column); null = no evaluation."""
     every: int = Field(10, ge=0)
-    """Evaluate the weights of every this many steps (with trainer.update_steps > 1: of the first push at or
-    after each), besides the base model (step 0) and the last step; 0 = only those two."""
+    """Evaluate the weights of every this many steps (with trainer.update_steps > 1: of the first push at or after each), besides the base model (step 0) and the last step; 0 = only those two."""
     num_prompts: int = Field(100, gt=0)
     """How many prompts of eval.path (the first ones) each evaluation answers."""
     greedy: bool = True
@@ -816,7 +798,7 @@ def _parse_override(text: str) -> tuple[str, Any]:
         value = yaml.load(raw, Loader=_Loader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"bad override {text!r}: the value is not valid YAML ({_yaml_problem(exc)})") from None
-    if _unwrap(hint)[0] is str and isinstance(value, (bool, int, float)):
+    if unwrap(hint)[0] is str and isinstance(value, (bool, int, float)):
         value = raw.strip()  # name=2024 means the string "2024"
     return key, value
 
@@ -845,197 +827,34 @@ def _is_section(hint: Any) -> bool:
 
 
 def _walk(cls: type[_Section], prefix: str = "") -> Iterator[tuple[str, type[_Section], str, FieldInfo]]:
-    """(dotted name, owning class, field name, field) of every field and section below ``cls``."""
-    for name, info in cls.model_fields.items():
-        yield prefix + name, cls, name, info
-        if _is_section(info.annotation):
-            yield from _walk(info.annotation, f"{prefix}{name}.")
+    return walk(cls, prefix)
 
 
 @functools.cache
+def _errors() -> ErrorRenderer:
+    """The one-line error messages of Config's schema (``ray_ppo.config_errors``)."""
+    return ErrorRenderer(Config, _PATTERN_MUSTS, base=_Section)
+
+
 def _schema() -> dict[str, Any]:
     """Dotted name -> type of every field and section of Config."""
-    return {dotted: info.annotation for dotted, _, _, info in _walk(Config)}
-
-
-@functools.cache
-def _prefixes() -> dict[type, str]:
-    """Section class (and each section base class, e.g. SamplingParams) -> its dotted name in Config."""
-    prefixes: dict[type, str] = {Config: ""}
-    for dotted, hint in _schema().items():
-        for cls in hint.__mro__ if _is_section(hint) else ():
-            if _is_section(cls) and cls is not _Section:
-                prefixes.setdefault(cls, dotted)
-    return prefixes
-
-
-def _prefix_of(cls: type) -> str:
-    return _prefixes().get(cls, "")
+    return _errors().schema
 
 
 def _hint_of(dotted: str) -> Any:
-    """Type of the field ``dotted``, or a ConfigError with a did-you-mean."""
-    hint = _schema().get(dotted)
-    if hint is None:
-        raise _unknown_key(dotted)
-    return hint
+    return _errors().hint_of(dotted)
 
 
 def _unknown_key(dotted: Any) -> ConfigError:
-    dotted = str(dotted)
-    parts = dotted.split(".")
-    ancestors = {".".join(parts[:i]) for i in range(1, len(parts))}
-    for ancestor in sorted(ancestors, key=len):
-        if ancestor in _schema() and not _is_section(_schema()[ancestor]):
-            return ConfigError(f"unknown key {dotted!r}: {ancestor} is a setting, not a section")
-    names = [n for n in _schema() if n not in ancestors]
-    parent = dotted.rpartition(".")[0]
-    siblings = [n for n in names if n.rpartition(".")[0] == parent]
-    match = difflib.get_close_matches(dotted, siblings, n=1) or difflib.get_close_matches(dotted, names, n=1)
-    if match:
-        return ConfigError(f"unknown key {dotted!r}; did you mean {match[0]!r}?")
-    if not siblings:
-        parent, siblings = "", [n for n in names if "." not in n]
-    where = f"under {parent}" if parent else "at the top level"
-    valid = ", ".join(n.rpartition(".")[2] for n in siblings)
-    return ConfigError(f"unknown key {dotted!r}; valid keys {where}: {valid}")
+    return _errors().unknown_key(dotted)
 
 
 def _not_a_mapping(dotted: str, value: Any) -> ConfigError:
-    return ConfigError(f"{dotted or 'the config'}: expected a mapping of settings (key: value), got {_shown(value)}")
-
-
-def _unwrap(hint: Any) -> tuple[Any, bool]:
-    """(base type, optional) of a field type: Optional and Annotated removed, a Literal of names -> str."""
-    optional = False
-    while True:
-        origin = get_origin(hint)
-        if origin in (Union, types.UnionType):
-            hint, optional = next(a for a in get_args(hint) if a is not type(None)), True
-        elif origin is Annotated:
-            hint = get_args(hint)[0]
-        elif origin is Literal:
-            return type(get_args(hint)[0]), optional
-        else:
-            return hint, optional
-
-
-def _choices(hint: Any) -> tuple[str, ...]:
-    """The names of a (possibly Optional) Literal field type."""
-    while get_origin(hint) is not Literal:
-        hint = next(a for a in get_args(hint) if a is not type(None))
-    return get_args(hint)
-
-
-# ---------------------------------------------------------------------------------------------
-# Pydantic's errors as one-line messages
-
-
-_TYPE_NAMES = {bool: ("true or false", "booleans"), int: ("an integer", "integers"),
-               float: ("a number", "numbers"), str: ("a string", "strings")}
+    return not_a_mapping(dotted, value)
 
 
 def _config_error(exc: ValidationError, cls: type[_Section]) -> ConfigError:
-    """The first of pydantic's errors as a ConfigError naming the dotted key, the value and the fix."""
-    error = exc.errors()[0]
-    kind, value = error["type"], error["input"]
-    if isinstance(error.get("ctx", {}).get("error"), ConfigError):
-        return error["ctx"]["error"]  # a model validator's own message
-    key, shown, info, item = _locate(cls, error["loc"])
-    if kind == "extra_forbidden":
-        return _unknown_key(key)
-    if kind.endswith("_type") or (kind == "literal_error" and not isinstance(value, str)):
-        return ConfigError(f"{shown or 'the config'}: expected {_describe(info.annotation, item)}, got {_shown(value)}")
-    if _unwrap(info.annotation)[0] is float and type(value) is int:
-        value = float(value)
-    return ConfigError(f"{shown}={value!r} is invalid: must be {_must(error, info)}; {_fix(key, info)}")
-
-
-def _locate(cls: type[_Section], loc: tuple[Any, ...]) -> tuple[str, str, FieldInfo | None, bool]:
-    """(dotted key, the key as shown with list indices, its field (None if unknown), whether ``loc`` ends
-    at a list item)."""
-    key = shown = _prefix_of(cls)
-    info, item, section = None, False, cls
-    for part in loc:
-        if isinstance(part, int):
-            shown, item = f"{shown}[{part}]", True
-            continue
-        key = shown = f"{key}.{part}" if key else str(part)
-        info = section.model_fields.get(part) if _is_section(section) else None
-        section = info.annotation if info else None
-    return key, shown, info, item
-
-
-def _describe(hint: Any, item: bool) -> str:
-    base, optional = _unwrap(hint)
-    if item:
-        return _TYPE_NAMES[_unwrap(get_args(base)[0])[0]][0]
-    if _is_section(base):
-        text = "a mapping of settings (key: value)"
-    elif get_origin(base) is list:
-        text = f"a list of {_TYPE_NAMES[_unwrap(get_args(base)[0])[0]][1]}"
-    else:
-        text = _TYPE_NAMES[base][0]
-    return f"{text} or null" if optional else text
-
-
-def _must(error: Mapping[str, Any], info: FieldInfo) -> str:
-    """Completes "must be ...": the field's declared bounds, choices or pattern."""
-    kind = error["type"]
-    if kind == "literal_error":
-        return "one of " + ", ".join(_choices(info.annotation))
-    if kind == "string_pattern_mismatch":
-        return _PATTERN_MUSTS[error["ctx"]["pattern"]]
-    if kind == "too_short":
-        return "a non-empty list"
-    bounds = {name: getattr(m, name) for m in info.metadata for name in ("gt", "ge", "lt", "le") if hasattr(m, name)}
-    return _interval(bounds) if bounds else error["msg"]
-
-
-def _interval(bounds: Mapping[str, Any]) -> str:
-    """``{"gt": 0}`` -> "> 0"; ``{"ge": 0, "lt": 1}`` -> "in [0, 1)"."""
-    low = ("(", bounds["gt"]) if "gt" in bounds else ("[", bounds["ge"]) if "ge" in bounds else None
-    high = (bounds["lt"], ")") if "lt" in bounds else (bounds["le"], "]") if "le" in bounds else None
-    if low and high:
-        return f"in {low[0]}{_num(low[1])}, {_num(high[0])}{high[1]}"
-    if low:
-        return f"{'>' if low[0] == '(' else '>='} {_num(low[1])}"
-    return f"{'<' if high[1] == ')' else '<='} {_num(high[0])}"
-
-
-def _num(bound: Any) -> str:
-    """A bound as written in the code: 2**32 rather than 4294967296."""
-    if isinstance(bound, int) and bound > 1024 and bound & (bound - 1) == 0:
-        return f"2**{bound.bit_length() - 1}"
-    return str(bound)
-
-
-def _fix(key: str, info: FieldInfo) -> str:
-    """"set e.g. key=<example or default>", and for an Optional field "set key=null <what null means>"."""
-    default = info.get_default(call_default_factory=True)
-    example = info.examples[0] if info.examples else default
-    fixes = []
-    if example is not None:
-        fixes.append(f"set e.g. {key}={_fmt(example)}" + (" (the default)" if example == default else ""))
-    if _unwrap(info.annotation)[1]:
-        null = (info.json_schema_extra or {}).get("null", "")
-        fixes.append(f"set {key}=null" + (f" {null}" if null else ""))
-    return ", or ".join(fixes)
-
-
-def _shown(value: Any) -> str:
-    return "null" if value is None else repr(value)
-
-
-def _fmt(value: Any) -> str:
-    """``value`` as it is written on the command line: null, true, [a,b], 0.2."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, list):
-        return "[" + ",".join(_fmt(v) for v in value) + "]"
-    return str(value)
+    return _errors().error(exc, cls)
 
 
 # ---------------------------------------------------------------------------------------------

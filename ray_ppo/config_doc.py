@@ -15,18 +15,8 @@ from typing import Any, get_args, get_origin
 
 from pydantic.fields import FieldInfo
 
-from ray_ppo.config import (
-    _PATTERN_MUSTS,
-    Config,
-    _choices,
-    _fmt,
-    _interval,
-    _is_section,
-    _schema,
-    _unwrap,
-    _walk,
-    dotted_field_docs,
-)
+from ray_ppo.config import _PATTERN_MUSTS, Config, _is_section, _schema, _walk, dotted_field_docs
+from ray_ppo.config_errors import choices, command_line, interval, unwrap
 
 _TYPE_NAMES = {bool: "bool", int: "int", float: "float", str: "string"}
 
@@ -40,8 +30,8 @@ def describe_config(cfg: Config) -> str:
             lines += ["", f"[{dotted}]  {doc}"]
             continue
         value, default = cfg.get(dotted), defaults.get(dotted)
-        note = "default" if value == default else f"default: {_fmt(default)}"
-        lines += [f"{dotted} = {_fmt(value)}   ({note})", f"    {doc}"]
+        note = "default" if value == default else f"default: {command_line(default)}"
+        lines += [f"{dotted} = {command_line(value)}   ({note})", f"    {doc}"]
     return "\n".join(lines).lstrip("\n")
 
 
@@ -68,18 +58,18 @@ def reference_markdown() -> str:
 
 def _row(dotted: str, info: FieldInfo) -> str:
     default = info.get_default(call_default_factory=True)
-    cells = [f"`{dotted}`", _type_name(info.annotation), f"`{_fmt(default)}`", _allowed(info),
+    cells = [f"`{dotted}`", _type_name(info.annotation), f"`{command_line(default)}`", _allowed(info),
              info.description or ""]
     return "| " + " | ".join(_escape(c) for c in cells) + " |"
 
 
 def _type_name(hint: Any) -> str:
     """``int``, ``float or null``, ``list of string``, ``choice`` (a Literal; its names are in "allowed")."""
-    base, optional = _unwrap(hint)
+    base, optional = unwrap(hint)
     if _literal(hint):
         name = "choice"
     elif get_origin(base) is list:
-        name = f"list of {_name(_unwrap(get_args(base)[0])[0])}"
+        name = f"list of {_name(unwrap(get_args(base)[0])[0])}"
     else:
         name = _name(base)
     return f"{name} or null" if optional else name
@@ -91,7 +81,7 @@ def _name(base: Any) -> str:
 
 def _literal(hint: Any) -> bool:
     try:
-        _choices(hint)
+        choices(hint)
     except (StopIteration, IndexError):
         return False
     return True
@@ -101,12 +91,12 @@ def _allowed(info: FieldInfo) -> str:
     """The field's declared choices, bounds, pattern or length, as a "must be ..." error states them."""
     parts = []
     if _literal(info.annotation):
-        parts.append(", ".join(f"`{c}`" for c in _choices(info.annotation)))
-    elif _unwrap(info.annotation)[0] is bool:
+        parts.append(", ".join(f"`{c}`" for c in choices(info.annotation)))
+    elif unwrap(info.annotation)[0] is bool:
         parts.append("`true`, `false`")
     bounds = {name: getattr(m, name) for m in info.metadata for name in ("gt", "ge", "lt", "le") if hasattr(m, name)}
     if bounds:
-        parts.append(_interval(bounds))
+        parts.append(interval(bounds))
     for meta in [*info.metadata, *_annotated_metadata(info.annotation)]:
         pattern = getattr(meta, "pattern", None)
         if pattern in _PATTERN_MUSTS:
