@@ -19,11 +19,10 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import Annotated, Any, Iterator, Mapping, Optional, Sequence
+from typing import Annotated, Any, Mapping, Optional, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic.fields import FieldInfo
 
 from ray_ppo.choices import (
     ADVANTAGES,
@@ -43,7 +42,7 @@ from ray_ppo.choices import (
     StrategyName,
     Transport,
 )
-from ray_ppo.config_errors import ConfigError, ErrorRenderer, not_a_mapping, unwrap, walk
+from ray_ppo.config_errors import ConfigError, ErrorRenderer, is_section, not_a_mapping, unwrap, walk
 
 __all__ = [
     "ADVANTAGES",
@@ -602,7 +601,7 @@ class Config(_Section):
     def from_dict(cls, data: Mapping[str, Any]) -> Config:
         """A validated config from nested dicts; missing keys keep their defaults."""
         if not isinstance(data, Mapping):
-            raise _not_a_mapping("", data)
+            raise not_a_mapping("", data)
         _check_key_names(data)
         try:
             return cls.model_validate(dict(data))
@@ -805,29 +804,21 @@ def _parse_override(text: str) -> tuple[str, Any]:
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     """Set ``data[a][b][c] = value`` for ``key = "a.b.c"``, creating missing sections."""
-    if _is_section(_hint_of(key)):
+    if is_section(_hint_of(key)):
         example = next(name for name, hint in _schema().items() if name.startswith(key + ".")
-                       and not _is_section(hint))
+                       and not is_section(hint))
         raise ConfigError(f"{key} is a section, not a setting; override its fields one by one, e.g. {example}=...")
     *parents, leaf = key.split(".")
     node = data
     for depth, part in enumerate(parents):
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise _not_a_mapping(".".join(parents[: depth + 1]), node)
+            raise not_a_mapping(".".join(parents[: depth + 1]), node)
     node[leaf] = value
 
 
 # ---------------------------------------------------------------------------------------------
 # The schema, walked by dotted name
-
-
-def _is_section(hint: Any) -> bool:
-    return isinstance(hint, type) and issubclass(hint, _Section)
-
-
-def _walk(cls: type[_Section], prefix: str = "") -> Iterator[tuple[str, type[_Section], str, FieldInfo]]:
-    return walk(cls, prefix)
 
 
 @functools.cache
@@ -849,10 +840,6 @@ def _unknown_key(dotted: Any) -> ConfigError:
     return _errors().unknown_key(dotted)
 
 
-def _not_a_mapping(dotted: str, value: Any) -> ConfigError:
-    return not_a_mapping(dotted, value)
-
-
 def _config_error(exc: ValidationError, cls: type[_Section]) -> ConfigError:
     return _errors().error(exc, cls)
 
@@ -868,4 +855,4 @@ def field_docs(cls: type[_Section]) -> dict[str, str]:
 
 def dotted_field_docs(cls: type[_Section] = Config) -> dict[str, str]:
     """Dotted name -> docstring of every field and section below ``cls``, in tree order (for CLI help)."""
-    return {dotted: info.description or "" for dotted, _, _, info in _walk(cls)}
+    return {dotted: info.description or "" for dotted, _, _, info in walk(cls)}

@@ -15,8 +15,8 @@ from typing import Any, get_args, get_origin
 
 from pydantic.fields import FieldInfo
 
-from ray_ppo.config import _PATTERN_MUSTS, Config, _is_section, _schema, _walk, dotted_field_docs
-from ray_ppo.config_errors import choices, command_line, interval, unwrap
+from ray_ppo.config import _PATTERN_MUSTS, Config, _schema, dotted_field_docs
+from ray_ppo.config_errors import choices, command_line, interval, is_section, unwrap, walk
 
 _TYPE_NAMES = {bool: "bool", int: "int", float: "float", str: "string"}
 
@@ -26,7 +26,7 @@ def describe_config(cfg: Config) -> str:
     defaults = Config()
     lines: list[str] = []
     for dotted, doc in dotted_field_docs(Config).items():
-        if _is_section(_schema()[dotted]):
+        if is_section(_schema()[dotted]):
             lines += ["", f"[{dotted}]  {doc}"]
             continue
         value, default = cfg.get(dotted), defaults.get(dotted)
@@ -41,9 +41,9 @@ def reference_markdown() -> str:
     allowed values and docstring."""
     tables: dict[str, list[str]] = {"": []}
     intros: dict[str, str] = {"": "Keys at the top level of the config."}
-    for dotted, _, _, info in _walk(Config):
+    for dotted, _, _, info in walk(Config):
         parent = dotted.rpartition(".")[0]
-        if _is_section(info.annotation):
+        if is_section(info.annotation):
             tables[dotted] = []
             intros[dotted] = info.annotation.__doc__ or info.description or ""
             continue
