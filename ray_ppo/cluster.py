@@ -20,6 +20,10 @@ MIN_LOCAL_CPUS = 8
 makers, a trainer worker and the prompt reader all fit (tiny models need no more)."""
 
 
+WORKER_NICENESS_ENV = "RAY_worker_niceness"
+"""Ray's niceness for worker processes (15 unless set), read by the raylet when it starts."""
+
+
 def local_cpus(num_cpus: int | None = None) -> int:
     """Logical CPUs of the local cluster: ``num_cpus`` if given, else max(8, cores)."""
     return num_cpus or max(MIN_LOCAL_CPUS, os.cpu_count() or 1)
@@ -41,6 +45,12 @@ def start_local_cluster(num_cpus: int | None = None, sweep: bool = False, **init
     # local cluster has none to drain, and the watcher's process costs seconds of CPU at every
     # fit() start on a small machine. A cluster attached to keeps it.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    # The raylet starts its worker processes at nice 15 (Ray's worker_niceness), under everything
+    # else on the machine: beside two plain busy loops on 2 cores, each worker got 2-4 % of a core and
+    # a 2 s step took minutes. A cluster ray_ppo starts for one run shares the machine as any program
+    # the user starts does, at nice 0 (what Ray's job manager gives a job's driver); a value the
+    # user set is kept.
+    os.environ.setdefault(WORKER_NICENESS_ENV, "0")
     cpus = local_cpus(num_cpus)
     # The raylet starts at most min(cores, num_cpus) worker processes at a time and, once 4x that
     # many have started, prints "N PYTHON worker processes have been started ... 4x the maximum

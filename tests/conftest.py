@@ -12,6 +12,10 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # process that starts a cluster with a dashboard: ray.init() in a test or a README snippet, ray start.
 # ray_ppo raises it for the clusters it starts (ray_ppo.cluster); the others read it from here.
 os.environ.setdefault("RAY_DASHBOARD_STARTUP_TIMEOUT_S", "600")
+# Ray starts worker processes at nice 15 unless told otherwise: beside a busy machine's other work they
+# got 2-4 % of a core. ray_ppo's own clusters run them at nice 0 (ray_ppo.cluster); the clusters the
+# tests start otherwise (ray start, ray.cluster_utils.Cluster, a README snippet's ray.init()) read it here.
+os.environ.setdefault("RAY_worker_niceness", "0")
 torch.set_num_threads(1)
 
 

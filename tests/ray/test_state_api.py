@@ -47,3 +47,16 @@ def test_the_state_api_answers_while_another_ray_cluster_runs_on_the_machine(ray
     finally:
         other.terminate()  # `ray start --block` stops the cluster it started
         other.wait(timeout=120)
+
+
+def test_the_workers_of_a_cluster_ray_ppo_starts_run_at_nice_0(ray_session):
+    """Ray's default is nice 15, under every other program on the machine (ray_ppo.cluster)."""
+    import os
+
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.nice(0)
+
+    assert ray.get(niceness.remote(), timeout=300) == 0
