@@ -113,13 +113,16 @@ class PPOTrainer(TorchTrainer):
         show_resources: print the run's resource plan when ``fit()`` starts (``ray_ppo.resources``;
             a sweep prints none per trial). A plan the cluster cannot hold is refused either way
             (``ResourceError``), unless the cluster may grow (one this process did not start).
+        preflight: True (default): ``fit()`` first runs ``ray_ppo.preflight.check_run`` on the
+            config and prompts (one-line errors, before any actor starts). False: the caller has
+            run it on this config (the CLI does, before it imports Ray).
     """
 
     def __init__(self, config: Config, prompts: Any = None, *, run_config: RunConfig | None = None,
                  metrics_callbacks: Sequence[MetricsCallback] = (), scaling_config: ScalingConfig | None = None,
                  resume_from: str | Path | None = None, output_dir: str | Path | None = None,
                  experience_maker_factory: Callable | None = None, learner_factory: Callable | None = None,
-                 detached: bool = True, show_resources: bool = True, **trainer_kwargs):
+                 detached: bool = True, show_resources: bool = True, preflight: bool = True, **trainer_kwargs):
         self.ppo_config = resolve_config(config)
         self.output_dir = Path(output_dir).resolve() if output_dir is not None else None
         self.resume_state = validate_checkpoint(resume_from) if resume_from else None
@@ -130,6 +133,7 @@ class PPOTrainer(TorchTrainer):
         self.experience_maker_factory = experience_maker_factory
         self.lifetime = "detached" if detached else None
         self.show_resources = show_resources
+        self.preflight = preflight
         self.history: list[dict] = []
         t = self.ppo_config.trainer
         worker_resources = {"CPU": t.cpus_per_worker, **({t.node_resource: 1} if t.node_resource else {})}
@@ -153,9 +157,7 @@ class PPOTrainer(TorchTrainer):
             scaling_config=scaling_config, run_config=run_config, **trainer_kwargs)
         self.coordinator = None
         self.makers: dict[int, Any] = {}
-        self._registered = None  # the coordinator's acknowledgement of the makers, until their loops start
-        self._loops: dict = {}  # each maker loop's ref -> maker id
-        self._finished_loops: list = []
+        self._loops: _MakerLoops | None = None
         self.final_status: CoordinatorStatus | None = None  # the coordinator's status at the end of fit()
         self.maker_summaries: list[dict] = []
         self.interrupted = False
@@ -168,7 +170,8 @@ class PPOTrainer(TorchTrainer):
         Each checkpoint is published to ``output_dir/checkpoint`` as soon as Ray Train stored it.
         Ctrl-C (``KeyboardInterrupt``) aborts the run within seconds, sets ``interrupted``, and
         is re-raised once the run's actors are gone."""
-        check_run(self.ppo_config, self.prompts)  # before any actor starts: one-line errors
+        if self.preflight:
+            check_run(self.ppo_config, self.prompts)  # before any actor starts: one-line errors
         self._check_resources()
         close_outputs = self._open_outputs()
         try:
@@ -179,11 +182,13 @@ class PPOTrainer(TorchTrainer):
             raise
         publisher = CheckpointPublisher(self.coordinator, self.output_dir or Path(self.ppo_config.output_dir).resolve(),
                                         self.ppo_config.trainer.keep_checkpoints)
-        poller = _MetricsPoller(self.coordinator, self._on_metrics, lambda: (self._watch_makers(), publisher.poll()))
+        poller = _MetricsPoller(self.coordinator, self._on_metrics, publisher.poll)
         poller.start()
+        self._loops.watch()
         try:
             result = super().fit()
             poller.stop()
+            self._loops.stop()
             self._finish_actors()
         except KeyboardInterrupt:
             self.interrupted = True
@@ -191,6 +196,7 @@ class PPOTrainer(TorchTrainer):
             raise
         finally:
             poller.stop()
+            self._loops.stop()
             publisher.poll()  # what was stored before the run ended, also when it failed
             self._kill_actors()
             close_outputs(self.history)
@@ -239,33 +245,6 @@ class PPOTrainer(TorchTrainer):
         self.metrics_callbacks += callbacks
         return close
 
-    def _watch_makers(self) -> None:
-        """A maker loop that ended with an error (a dead maker out of restarts, or a raised
-        exception) is reported to the coordinator, whose next pull ends the run with it. Starts
-        the makers' loops once the coordinator has registered the makers."""
-        if self._registered is not None:
-            if not ray.wait([self._registered], timeout=0)[0]:
-                return
-            try:
-                ray.get(self._registered)
-            except Exception:  # the coordinator failed to start: the trainer's first pull says why
-                self._registered = None
-                return
-            self._start_loops()
-        done, _ = ray.wait(list(self._loops), num_returns=len(self._loops), timeout=0)
-        for ref in done:
-            maker_id = self._loops.pop(ref)
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError as e:
-                self.coordinator.maker_failed.remote(maker_id, f"maker_{maker_id} died and was not restarted "
-                                                               f"(maker.max_restarts={self.ppo_config.maker.max_restarts}): "
-                                                               f"{str(e).splitlines()[0]}")
-            except ray.exceptions.RayTaskError:
-                pass  # the maker reported its own exception to the coordinator
-            else:
-                self._finished_loops.append(ref)
-
     def _on_metrics(self, metrics: dict) -> None:
         self.history.append(split_evals(split_samples(metrics)[0])[0])
         for callback in self.metrics_callbacks:
@@ -281,7 +260,7 @@ class PPOTrainer(TorchTrainer):
             toy = self.ppo_config.toy
             texts = make_prompts(toy.num_prompts, toy.prompt_len, toy.seed)
             return ray.data.from_items([{"prompt": t} for t in texts]), "prompt"
-        return read_prompt_dataset(d.path, d.prompt_column, d.format, checked=True), d.prompt_column  # fit() ran check_run
+        return read_prompt_dataset(d.path, d.prompt_column, d.format, checked=True), d.prompt_column  # check_run read it
 
     def _check_given_prompts(self) -> None:
         """A dataset given to ``PPOTrainer`` must hold ``data.prompt_column``. Its schema comes from
@@ -310,58 +289,38 @@ class PPOTrainer(TorchTrainer):
                                  scheduling_strategy=OUTSIDE_CALLER_PLACEMENT_GROUP).remote(
                 i, cfg.to_dict(), self.handles, self.experience_maker_factory)  # not the handle: see RunHandles
             for i in range(cfg.maker.num_makers)}
-        self._registered = self.coordinator.register_makers.remote(self.makers)
+        self._loops = _MakerLoops(self.coordinator, self.makers, self.coordinator.register_makers.remote(self.makers),
+                                  cfg.maker.max_restarts)
         self._check_given_prompts()  # while the actors start (it waits on a read task); before vLLM's minutes
         if cfg.maker.engine == "vllm":  # minutes on a loaded CPU machine: longer than a pull may wait
             try:
-                ray.get(self._registered, timeout=ACTOR_READY_TIMEOUT_S)
+                ray.get(self._loops.registered, timeout=ACTOR_READY_TIMEOUT_S)
                 ray.get([m.ping.remote() for m in self.makers.values()], timeout=VLLM_READY_TIMEOUT_S)
             except Exception:
                 self._kill_actors()
                 raise
-            self._start_loops()
+            self._loops.start()
         # Otherwise nothing is awaited: the coordinator and the makers start while Ray Train starts
-        # the worker group (start-up overlaps), and the metrics poller starts the makers' loops as
-        # soon as the coordinator has registered them (_watch_makers). A coordinator that fails to
-        # start ends the run at the trainer's first pull; a maker that fails to start ends its
-        # loops with the error, which _watch_makers reports to the coordinator, whose next pull
-        # ends the run with it.
-
-    def _start_loops(self) -> None:
-        """Start each maker's generation and send loops (once the coordinator knows the makers)."""
-        self._registered = None
-        self._loops = {m.run.remote(): i for i, m in self.makers.items()}
-        self._loops.update({m.send_loop.remote(): i for i, m in self.makers.items()})
-
-    def _drop_loops(self) -> None:
-        """Forget the makers' loop calls. One still under way is cancelled (Ray does not retry a
-        cancelled call when its maker is killed). One that ended with an error is retrieved and
-        let go, as Ray prints an error that nobody retrieved: ``_watch_makers`` or the maker
-        itself reported it to the coordinator, whose next pull ends the run with it."""
-        done, running = ray.wait(list(self._loops), num_returns=len(self._loops), timeout=0)
-        for ref in running:
-            ray.cancel(ref, recursive=False)
-        for ref in done:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError:
-                pass
-        self._loops = {}
+        # the worker group (start-up overlaps), and the makers' loops start from a driver thread of
+        # their own as soon as the coordinator has registered the makers (_MakerLoops.watch). A
+        # coordinator that fails to start ends the run at the trainer's first pull; a maker that
+        # fails to start ends its loops with the error, which that thread reports to the
+        # coordinator, whose next pull ends the run with it.
 
     def _finish_actors(self) -> None:
         """Tell the coordinator the run is over, let makers drain, keep their summaries."""
         self.final_status = ray.get(self.coordinator.finish.remote(), timeout=SHUTDOWN_TIMEOUT_S)
-        ready, _ = ray.wait(list(self._loops), num_returns=len(self._loops), timeout=SHUTDOWN_TIMEOUT_S)
-        self.maker_summaries = [ray.get(r) for r in [*self._finished_loops, *ready]]
+        self.maker_summaries = self._loops.summaries(SHUTDOWN_TIMEOUT_S)
         self.final_status = ray.get(self.coordinator.status.remote(), timeout=SHUTDOWN_TIMEOUT_S)
 
     def _kill_actors(self) -> None:
         """Kill the run's actors and wait (briefly) until Ray no longer lists them, without a word
         on the terminal. Ray retries a call that was under way on a maker it kills (makers may
         restart) and prints a line for each, so nothing calls a maker by then: the driver's loop
-        calls are cancelled (``_drop_loops``), and the coordinator, which relays weight pushes to
+        calls are cancelled (``_MakerLoops.drop``), and the coordinator, which relays weight pushes to
         the makers, is dead before they are killed."""
-        self._drop_loops()
+        if self._loops is not None:
+            self._loops.drop()
         if self.coordinator is not None:
             ray.kill(self.coordinator, no_restart=True)
             _wait_until_dead(self.coordinator, KILL_WAIT_S)
@@ -374,8 +333,91 @@ class PPOTrainer(TorchTrainer):
             time.sleep(0.1)
 
 
+class _MakerLoops:
+    """The makers' generation and send loops, each a call the driver holds. Started once the
+    coordinator has registered the makers (``start``, or ``watch`` from a driver thread of their
+    own); a loop that ends with an error is reported to the coordinator by that thread, and the
+    coordinator's next pull ends the run with it. Once the thread is stopped, the driver collects
+    the makers' summaries (``summaries``) or lets the loops go (``drop``)."""
+
+    def __init__(self, coordinator: Any, makers: dict[int, Any], registered: ray.ObjectRef, max_restarts: int):
+        self.coordinator, self.makers, self.max_restarts = coordinator, makers, max_restarts
+        self.registered = registered  # the coordinator's acknowledgement of the makers
+        self.running: dict[ray.ObjectRef, int] = {}  # each loop's call -> its maker
+        self.finished: list[ray.ObjectRef] = []  # loops that returned their summary
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="ray_ppo-makers", daemon=True)
+
+    def start(self) -> None:
+        """Start each maker's generation and send loops."""
+        self.running = {m.run.remote(): i for i, m in self.makers.items()}
+        self.running.update({m.send_loop.remote(): i for i, m in self.makers.items()})
+
+    def watch(self) -> None:
+        """Start the thread that starts the loops (unless started) and watches them."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread; the driver owns the loops from here."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def _watch(self) -> None:
+        if not self.running:
+            while not ray.wait([self.registered], timeout=POLL_S)[0]:
+                if self._stop.is_set():
+                    return
+            try:
+                ray.get(self.registered)
+            except Exception:  # the coordinator failed to start: the trainer's first pull says why
+                return
+            if self._stop.is_set():
+                return
+            self.start()
+        while not self._stop.wait(POLL_S):
+            self._check()
+
+    def _check(self) -> None:
+        done, _ = ray.wait(list(self.running), num_returns=len(self.running), timeout=0)
+        for ref in done:
+            maker_id = self.running.pop(ref)
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                self.coordinator.maker_failed.remote(maker_id, f"maker_{maker_id} died and was not restarted "
+                                                               f"(maker.max_restarts={self.max_restarts}): "
+                                                               f"{str(e).splitlines()[0]}")
+            except ray.exceptions.RayTaskError:
+                pass  # the maker reported its own exception to the coordinator
+            else:
+                self.finished.append(ref)
+
+    def summaries(self, timeout_s: float) -> list[dict]:
+        """Each loop's summary, once the loops still running have ended (at most ``timeout_s``)."""
+        ready, _ = ray.wait(list(self.running), num_returns=len(self.running), timeout=timeout_s)
+        return [ray.get(ref) for ref in [*self.finished, *ready]]
+
+    def drop(self) -> None:
+        """Forget the loops' calls. One still under way is cancelled (Ray does not retry a
+        cancelled call when its maker is killed). One that ended with an error is retrieved and
+        let go, as Ray prints an error that nobody retrieved: the thread or the maker itself
+        reported it to the coordinator, whose next pull ends the run with it."""
+        self.stop()
+        done, running = ray.wait(list(self.running), num_returns=len(self.running), timeout=0)
+        for ref in running:
+            ray.cancel(ref, recursive=False)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                pass
+        self.running = {}
+
+
 class _MetricsPoller:
-    """Driver thread relaying per-step metrics from the coordinator to callbacks, in order."""
+    """Driver thread relaying per-step metrics from the coordinator to callbacks, in order (and
+    calling ``watch`` after each poll: the checkpoint publisher's)."""
 
     def __init__(self, coordinator: Any, callback: MetricsCallback, watch: Callable[[], None]):
         self.coordinator, self.callback, self.watch = coordinator, callback, watch

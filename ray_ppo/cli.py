@@ -280,7 +280,7 @@ def cmd_train(args) -> int:
         # with SIGKILL on a shared cluster (--address) takes them with it instead of leaving
         # them to hold its CPUs; the run's state is in its checkpoints, for --resume.
         trainer = PPOTrainer(cfg, metrics_callbacks=[claim.started, history.append, *callbacks], resume_from=resume_from,
-                             detached=False)
+                             detached=False, preflight=False)  # check_run ran above
         try:
             trainer.fit()
         finally:

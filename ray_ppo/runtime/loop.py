@@ -9,6 +9,7 @@ step's collectives, named for what they synchronise, in ``ray_ppo.core.collectiv
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import queue
 import shutil
@@ -22,7 +23,7 @@ import ray
 import ray.train
 import torch
 
-from ray_ppo.config import Config
+from ray_ppo.config import Config, TrainerConfig
 from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, KLController, make_kl_controller
 from ray_ppo.core.build import build_actor, build_critic_if_needed, tokenizer_path
 from ray_ppo.core.checkpoint import CheckpointWriter, TrainerState, restore_point, restored_critic
@@ -40,9 +41,11 @@ from ray_ppo.runtime.transport import ExperienceChunk, Fetched, resolve
 from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
 
 
-@dataclass
-class _Worker:
-    """What one rank's loop holds from step to step."""
+@dataclass(frozen=True)
+class _Run:
+    """What one rank holds for the whole run, fixed once the rank has started. The objects it names
+    keep their own state: the learner its weights, the KL controller its coefficient, each thread
+    its last call."""
 
     cfg: Config
     rank: int
@@ -54,17 +57,20 @@ class _Worker:
     publisher: WeightPublisher
     checkpoints: CheckpointWriter | None  # rank 0 only
     monitor: MakerMonitor | None  # rank 0 only
+    rows: _Rows | None  # rank 0 only
     tokenizer: Any
-    version: int = 0
-    run_start: float = 0.0
-    puller: _Background | None = None  # sends, fetches and merges the pulls ahead
-    pusher: _Background | None = None  # rank 0: puts the pushes and hands them over
-    reporter: _Background | None = None  # completes (and on rank 0 records) each step's metrics row
-    ahead: _PullAhead | None = None  # the next step's pull, in flight while this step trains
-    pushing: Future | None = None  # rank 0: the last push, being put and handed over in the background
-    reporting: Future | None = None  # the last step's metrics row, being completed in the background
-    group: int | None = None  # this worker group's number at the coordinator (``_rewind_prompts``)
-    recorded: Any = None  # rank 0: the ref of the last metrics row sent (``_record``)
+    threads: _Threads
+    group: int = 0  # this worker group's number at the coordinator (``_rewind_prompts``)
+    start: float = 0.0  # when the first step began (``time.perf_counter``)
+
+
+@dataclass(frozen=True)
+class _Carry:
+    """What one step hands the next: the policy version it trains at, and its pull if it was sent
+    ahead (``trainer.prefetch``)."""
+
+    version: int
+    ahead: _PullAhead | None = None
 
 
 @dataclass(frozen=True)
@@ -80,12 +86,31 @@ class _PullAhead:
 
 @dataclass(frozen=True)
 class _StepPlan:
-    """What step ``step`` does besides training, decided alike on every rank."""
+    """What step ``step`` does besides training, decided alike on every rank: planned as the step
+    begins (``_plan``), and made the last by the time budget once it has trained (``ending``)."""
 
     step: int
+    version: int  # the policy version it trains at
     last: bool
     push: bool
     checkpoint: bool
+
+    @property
+    def next_version(self) -> int:
+        """The version of the weights after this step: one up when it pushes."""
+        return self.version + self.push
+
+    def ending(self) -> _StepPlan:
+        """This step as the run's last: it pushes and checkpoints."""
+        return dataclasses.replace(self, last=True, push=True, checkpoint=True)
+
+
+def _plan(t: TrainerConfig, step: int, version: int) -> _StepPlan:
+    """Step ``step`` at ``version``: the last at ``total_steps``; pushes every ``update_steps`` and
+    at the end; checkpoints every ``checkpoint_every`` and at the end."""
+    last = step == t.total_steps
+    return _StepPlan(step, version, last, push=step % t.update_steps == 0 or last,
+                     checkpoint=bool(last or (t.checkpoint_every and step % t.checkpoint_every == 0)))
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
@@ -95,75 +120,74 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
 
 def _train_loop(loop_config: dict) -> None:
-    worker, first_step = _start_worker(loop_config)
-    worker.run_start = time.perf_counter()
-    try:
-        for step in range(first_step, worker.cfg.trainer.total_steps + 1):
-            if _train_step(worker, step):
+    cfg = Config.from_dict(loop_config["config"])
+    rank = ray.train.get_context().get_world_rank()
+    with _Threads(prefetch=cfg.trainer.prefetch, pushes=rank == 0) as threads:
+        run, carry, first_step = _start(cfg, loop_config, threads)
+        for step in range(first_step, cfg.trainer.total_steps + 1):
+            carry = _train_step(run, carry, step)
+            if carry is None:
                 break
-    finally:
-        for thread in (worker.puller, worker.pusher, worker.reporter):
-            if thread is not None:
-                thread.close()
 
 
-def _train_step(w: _Worker, step: int) -> bool:
-    """One step: pull -> train -> publish -> checkpoint -> report. True after the run's last step."""
+def _train_step(run: _Run, carry: _Carry, step: int) -> _Carry | None:
+    """One step: pull -> train -> publish -> checkpoint -> report. What the next step starts from,
+    or None after the run's last step."""
     start = time.perf_counter()
-    items, batch = _pull_step(w, step)
+    plan = _plan(run.cfg.trainer, step, carry.version)
+    items, batch, ahead = _pull_step(run, plan, carry.ahead)
     wait_s = time.perf_counter() - start
-    metrics = _train(w, items, batch)
-    plan = _plan(w, step)
+    metrics = _train(run, plan.version, items, batch)
+    if not plan.last and broadcast_time_up(run.cfg.trainer.time_budget_s, run.start, run.device):
+        plan = plan.ending()
     if plan.last:
-        _cancel_pull_ahead(w)
-    state, push_s, push_bytes = _publish(w, plan)
-    step_s, elapsed_s = time.perf_counter() - start, time.perf_counter() - w.run_start
+        _cancel_pull_ahead(run, ahead)
+    state, push_s, push_bytes = _publish(run, plan)
+    step_s, elapsed_s = time.perf_counter() - start, time.perf_counter() - run.start
     metrics.update(trainer_idle_ratio=wait_s / step_s)
-    checkpoint = _checkpoint(w, step, state) if plan.checkpoint else None
+    checkpoint = _checkpoint(run, plan, state) if plan.checkpoint else None
     try:
-        over_ranks = start_all_reduce_metrics(metrics, w.device)
+        over_ranks = start_all_reduce_metrics(metrics, run.device)
         # Only rank 0 pushes, and only rank 0's row is kept: its own time and bytes, never a mean over ranks.
-        own = dict(push_s=push_s, push_bytes=float(push_bytes), step=step, policy_version=w.version,
-                   kl_coef=w.kl_ctl.value, samples_per_s=w.cfg.trainer.train_batch_size * w.world / step_s,
+        own = dict(push_s=push_s, push_bytes=float(push_bytes), step=step, policy_version=plan.next_version,
+                   kl_coef=run.kl_ctl.value, samples_per_s=run.cfg.trainer.train_batch_size * run.world / step_s,
                    elapsed_s=elapsed_s)
-        _report(w, plan, over_ranks, own, step_s, items, state, checkpoint)
+        _report(run, plan, over_ranks, own, step_s, items, state, checkpoint)
     finally:  # Ray Train has its copy (the report uploads in SYNC mode), or the step failed: the staged one is spent
         if checkpoint is not None:
             shutil.rmtree(checkpoint.path, ignore_errors=True)
-    return plan.last
+    return None if plan.last else _Carry(plan.next_version, ahead)
 
 
 # -- start ------------------------------------------------------------------------------------------
 
 
-def _start_worker(loop_config: dict) -> tuple[_Worker, int]:
+def _start(cfg: Config, loop_config: dict, threads: _Threads) -> tuple[_Run, _Carry, int]:
     """This rank's models, learner and helpers, restored from a checkpoint if there is one, and
-    the makers given the weights to start from; returns the worker and its first step."""
-    cfg = Config.from_dict(loop_config["config"])
-    handles = RunHandles(**loop_config["handles"])
+    the makers given the weights to start from; returns the run, what its first step starts
+    from, and that step."""
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(cfg.trainer.torch_threads)
     torch.manual_seed(cfg.seed)
     device = ray.train.torch.get_device() if cfg.trainer.use_gpu else torch.device("cpu")
-    coordinator = handles.coordinator()
+    coordinator = RunHandles(**loop_config["handles"]).coordinator()
     restored = restore_point(ray.train.get_checkpoint(), loop_config.get("resume_from"))
     learner = _build_learner(cfg, device, rank, restored, loop_config.get("learner_factory"))
-    w = _Worker(cfg, rank, world, device, coordinator, learner,
-                kl_ctl=make_kl_controller(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon),
-                publisher=WeightPublisher(learner, coordinator, cfg.sync.bucket_mb),
-                checkpoints=CheckpointWriter(cfg) if rank == 0 else None,
-                monitor=MakerMonitor(coordinator, cfg.maker.engine == "vllm") if rank == 0 else None,
-                tokenizer=load_tokenizer(tokenizer_path(cfg)),
-                puller=_Background("pull") if cfg.trainer.prefetch else None,
-                pusher=_Background("push") if rank == 0 else None, reporter=_Background("report"))
-    first_step = 1
+    run = _Run(cfg, rank, world, device, coordinator, learner,
+               kl_ctl=make_kl_controller(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon),
+               publisher=WeightPublisher(learner, coordinator, cfg.sync.bucket_mb),
+               checkpoints=CheckpointWriter(cfg) if rank == 0 else None,
+               monitor=MakerMonitor(coordinator, cfg.maker.engine == "vllm") if rank == 0 else None,
+               rows=_Rows(coordinator) if rank == 0 else None,
+               tokenizer=load_tokenizer(tokenizer_path(cfg)), threads=threads)
+    first_step, version = 1, 0
     if restored:
         learner.load_state(restored.optimizer)
-        w.kl_ctl.load_state_dict(restored.run["kl_ctl"])
-        first_step, w.version = restored.run["step"] + 1, restored.run["policy_version"]
-    _start_makers(w, restored is not None, first_step)
-    return w, first_step
+        run.kl_ctl.load_state_dict(restored.run["kl_ctl"])
+        first_step, version = restored.run["step"] + 1, restored.run["policy_version"]
+    version, group = _start_makers(run, restored is not None, first_step, version)
+    return dataclasses.replace(run, group=group, start=time.perf_counter()), _Carry(version), first_step
 
 
 def _build_learner(cfg: Config, device: torch.device, rank: int, restored: TrainerState | None,
@@ -179,108 +203,94 @@ def _build_learner(cfg: Config, device: torch.device, rank: int, restored: Train
     return learner_factory(actor, critic, strategy, cfg, seed=cfg.seed + rank)
 
 
-def _start_makers(w: _Worker, restored: bool, first_step: int) -> None:
+def _start_makers(run: _Run, restored: bool, first_step: int, version: int) -> tuple[int, int]:
     """Rewind the prompts to ``first_step`` and, when makers must start from this group's weights
-    (resumed, restarted, or ``maker.wait_for_weights``), publish them."""
+    (resumed, restarted, or ``maker.wait_for_weights``), publish them. Returns the version the
+    first step trains at and this worker group's number."""
     # Versions never go backwards for makers: after a worker-group restart the coordinator may
     # already hold later pushes (made after the checkpoint, or with no checkpoint at all); the
     # weights this group starts from then get a new, higher version.
-    latest = ray.get(w.coordinator.status.remote()).trainer_version
-    behind = latest > w.version
-    w.version = latest + 1 if behind else w.version
-    w.group = _rewind_prompts(w.coordinator, first_step - 1, w.rank, w.device)
-    if restored or behind or w.cfg.maker.wait_for_weights:  # makers start from these weights
-        state = w.publisher.gather()
-        if w.rank == 0:
-            w.publisher.publish(state, w.version, w.kl_ctl.value)
-    if w.rank == 0 and not (restored or behind) and w.cfg.eval.due(0, last=False):  # the base model
-        w.coordinator.request_eval.remote(0, w.version)
+    latest = ray.get(run.coordinator.status.remote()).trainer_version
+    behind = latest > version
+    version = latest + 1 if behind else version
+    group = _rewind_prompts(run.coordinator, first_step - 1, run.rank, run.device)
+    if restored or behind or run.cfg.maker.wait_for_weights:  # makers start from these weights
+        state = run.publisher.gather()
+        if run.rank == 0:
+            run.publisher.publish(state, version, run.kl_ctl.value)
+    if run.rank == 0 and not (restored or behind) and run.cfg.eval.due(0, last=False):  # the base model
+        run.coordinator.request_eval.remote(0, version)
+    return version, group
 
 
 # -- the phases of a step ---------------------------------------------------------------------------
 
 
-def _pull_step(w: _Worker, step: int) -> tuple[list[ExperienceItem], ExperienceBatch]:
-    """This rank's ``trainer.train_batch_size`` items for ``step`` and their batch (pulled and
-    merged while the previous step trained, with ``trainer.prefetch``), then the pull for the next
-    step is sent, to be answered while this one trains."""
-    t = w.cfg.trainer
-    ahead, w.ahead = w.ahead, None
-    if ahead is not None and (ahead.step, ahead.version) != (step, w.version):
+def _pull_step(run: _Run, plan: _StepPlan, ahead: _PullAhead | None
+               ) -> tuple[list[ExperienceItem], ExperienceBatch, _PullAhead | None]:
+    """This rank's ``trainer.train_batch_size`` items for the step and their batch (pulled and
+    merged while the previous step trained, with ``trainer.prefetch``), and the pull for the next
+    step, sent now to be answered while this one trains."""
+    t = run.cfg.trainer
+    if ahead is not None and (ahead.step, ahead.version) != (plan.step, plan.version):
         raise RuntimeError(f"pulled ahead for step {ahead.step} at version {ahead.version}, "
-                           f"but step {step} trains at version {w.version}")
-    items, batch = _pull(w.coordinator, w.rank, t.train_batch_size, w.version, t.pull_timeout_s, step,
-                         ahead.fetched if ahead else None, w.group)
-    if t.prefetch and step < t.total_steps:
-        # The next step trains at the version this step pushes, if it pushes on schedule; a step
-        # that pushes off schedule is the run's last (``_plan``), whose pull ahead is cancelled.
-        w.ahead = _pull_ahead(w, step + 1, w.version + (step % t.update_steps == 0))
-    return items, batch if batch is not None else ExperienceBatch.merge(items, w.tokenizer.pad_token_id)
+                           f"but step {plan.step} trains at version {plan.version}")
+    items, batch = _pull(run.coordinator, run.rank, t.train_batch_size, plan.version, t.pull_timeout_s, plan.step,
+                         ahead.fetched if ahead else None, run.group)
+    # The next step trains at the version this one is planned to push; a step the time budget makes
+    # the last (``_StepPlan.ending``) cancels this pull.
+    ahead = _pull_ahead(run, plan.step + 1, plan.version, plan.next_version) if t.prefetch and not plan.last else None
+    batch = batch if batch is not None else ExperienceBatch.merge(items, run.tokenizer.pad_token_id)
+    return items, batch, ahead
 
 
-def _train(w: _Worker, items: list[ExperienceItem], batch: ExperienceBatch) -> dict[str, float]:
+def _train(run: _Run, version: int, items: list[ExperienceItem], batch: ExperienceBatch) -> dict[str, float]:
     """PPO epochs on the items (merged in ``batch``); this rank's metrics. The KL controller sees
     this step's KL, the mean over the ranks when it adapts (a collective): every rank then holds
     the same coefficient, the one rank 0 pushes to the makers and checkpoints, and the KL loss
     term is alike on every rank."""
     train_start = time.perf_counter()
-    w.learner.kl_coef = w.kl_ctl.value
-    metrics = w.learner.train_step(batch, version=w.version)
+    run.learner.kl_coef = run.kl_ctl.value
+    metrics = run.learner.train_step(batch, version=version)
     train_s = time.perf_counter() - train_start
-    metrics.update(experience_metrics(items, w.version))
-    kl = all_reduce_metrics({"kl": metrics["kl"]}, w.device)["kl"] if w.kl_ctl.adapts else metrics["kl"]
-    w.kl_ctl.update(kl, w.cfg.trainer.train_batch_size * w.world)
+    metrics.update(experience_metrics(items, version))
+    kl = all_reduce_metrics({"kl": metrics["kl"]}, run.device)["kl"] if run.kl_ctl.adapts else metrics["kl"]
+    run.kl_ctl.update(kl, run.cfg.trainer.train_batch_size * run.world)
     metrics.update(train_s=train_s)
     return metrics
 
 
-def _plan(w: _Worker, step: int) -> _StepPlan:
-    """Whether ``step`` is the last (``total_steps`` or the time budget: a broadcast), pushes, checkpoints."""
-    t = w.cfg.trainer
-    last = step == t.total_steps or broadcast_time_up(t.time_budget_s, w.run_start, w.device)
-    return _StepPlan(step, last, push=step % t.update_steps == 0 or last,
-                     checkpoint=bool(last or (t.checkpoint_every and step % t.checkpoint_every == 0)))
-
-
-def _publish(w: _Worker, plan: _StepPlan) -> tuple[dict[str, torch.Tensor], float, int]:
+def _publish(run: _Run, plan: _StepPlan) -> tuple[dict[str, torch.Tensor], float, int]:
     """Gather the weights when a push or a checkpoint needs them (a collective); on a push step
-    the version goes up and rank 0 hands the push to a background thread, which puts the buckets
+    rank 0 hands the push (at ``plan.next_version``) to the push thread, which puts the buckets
     and hands them to the coordinator while the next step runs (the gathered state is a copy, so
     training on does not change what is pushed). Returns (gathered state, seconds this step was
     held by the push, push bytes)."""
-    state = w.publisher.gather() if plan.push or plan.checkpoint else {}
-    if not plan.push:
-        return state, 0.0, 0
-    w.version += 1
-    if w.rank != 0:
+    state = run.publisher.gather() if plan.push or plan.checkpoint else {}
+    if not plan.push or run.rank != 0:
         return state, 0.0, 0
     start = time.perf_counter()
-    _wait_for_push(w)  # the previous push, handed over a step or more ago; a failure of it is raised here
-    lora_only = w.cfg.sync.lora_only
-    push = w.publisher.to_push(state, lora_only)
-    w.pushing = w.pusher.submit(w.publisher.publish, push, w.version, w.kl_ctl.value, lora_only)
+    pusher = run.threads.pusher
+    pusher.wait()  # the previous push, handed over a step or more ago; a failure of it is raised here
+    lora_only = run.cfg.sync.lora_only
+    push = run.publisher.to_push(state, lora_only)
+    pusher.submit(run.publisher.publish, push, plan.next_version, run.kl_ctl.value, lora_only)
     if plan.last:  # the run's last push is handed over before the makers are checked against it
-        _wait_for_push(w)
-    return state, time.perf_counter() - start, w.publisher.size(push)
+        pusher.wait()
+    return state, time.perf_counter() - start, run.publisher.size(push)
 
 
-def _wait_for_push(w: _Worker) -> None:
-    pushing, w.pushing = w.pushing, None
-    if pushing is not None:
-        pushing.result()
-
-
-def _checkpoint(w: _Worker, step: int, state: dict[str, torch.Tensor]) -> ray.train.Checkpoint | None:
+def _checkpoint(run: _Run, plan: _StepPlan, state: dict[str, torch.Tensor]) -> ray.train.Checkpoint | None:
     """Gather the optimizer state (a collective); rank 0 writes the checkpoint and returns it."""
-    optim_state = w.learner.full_state_dict()
-    if w.rank != 0:
+    optim_state = run.learner.full_state_dict()
+    if run.rank != 0:
         return None
-    run_state = {"step": step, "policy_version": w.version, "kl_ctl": w.kl_ctl.state_dict(),
-                 "data": ray.get(w.coordinator.data_state.remote(step))}
-    return ray.train.Checkpoint.from_directory(str(w.checkpoints.write(state, optim_state, run_state)))
+    run_state = {"step": plan.step, "policy_version": plan.next_version, "kl_ctl": run.kl_ctl.state_dict(),
+                 "data": ray.get(run.coordinator.data_state.remote(plan.step))}
+    return ray.train.Checkpoint.from_directory(str(run.checkpoints.write(state, optim_state, run_state)))
 
 
-def _report(w: _Worker, plan: _StepPlan, over_ranks: Callable[[], dict[str, float]], own: dict[str, float],
+def _report(run: _Run, plan: _StepPlan, over_ranks: Callable[[], dict[str, float]], own: dict[str, float],
             step_s: float, items: list[ExperienceItem], state: dict[str, torch.Tensor],
             checkpoint: ray.train.Checkpoint | None) -> None:
     """Hand the step's metrics row to the report thread, which completes it while the next step
@@ -288,54 +298,56 @@ def _report(w: _Worker, plan: _StepPlan, over_ranks: Callable[[], dict[str, floa
     Off the step's path: the metrics all-gather (started by every rank, so no rank waits there for
     the slowest one) and rank 0's calls to the coordinator (status read, metrics row), which would
     lengthen rank 0's step, and with it every rank's at the next collective."""
-    _wait_for_report(w)  # the previous step's row, done a step ago; a failure of it is raised here
-    w.reporting = w.reporter.submit(_complete_row, w, plan, over_ranks, own, step_s, items, state)
-    if plan.last or plan.checkpoint or plan.step % w.cfg.logging.report_every == 0:
-        ray.train.report(w.reporting.result(), checkpoint=checkpoint)
+    reporter = run.threads.reporter
+    reporter.wait()  # the previous step's row, done a step ago; a failure of it is raised here
+    reporter.submit(_complete_row, run, plan, over_ranks, own, step_s, items, state)
+    if plan.last or plan.checkpoint or plan.step % run.cfg.logging.report_every == 0:
+        ray.train.report(reporter.wait(), checkpoint=checkpoint)
         if checkpoint is not None:
-            _announce_checkpoint(w.coordinator, plan.step)
+            _announce_checkpoint(run.coordinator, plan.step)
 
 
-def _complete_row(w: _Worker, plan: _StepPlan, over_ranks: Callable[[], dict[str, float]], own: dict[str, float],
+def _complete_row(run: _Run, plan: _StepPlan, over_ranks: Callable[[], dict[str, float]], own: dict[str, float],
                   step_s: float, items: list[ExperienceItem], state: dict[str, torch.Tensor]) -> dict[str, float]:
     """The step's metrics over the ranks with this rank's own figures. Rank 0 adds the makers' view
     (and, at the end, whether they hold the final weights), asks for the evaluation of this step's
     weights when due (``eval``), adds the evaluations finished since its previous row (at the
     end: every one asked for) and records the row. In the report
-    thread: reads only what this step handed it (the version in ``own``, not ``w.version``)."""
+    thread: reads only what this step handed it."""
     metrics = {**drop_absent(over_ranks()), **own}
-    if w.rank == 0:
-        metrics.update(w.monitor.metrics(step_s, plan.step))
+    if run.rank == 0:
+        metrics.update(run.monitor.metrics(step_s, plan.step))
         if plan.last:
-            metrics["weights_in_sync"] = verify_makers(w.coordinator, int(own["policy_version"]), fingerprint(state))
-        if plan.push and w.cfg.eval.due(plan.step, plan.last, w.cfg.trainer.update_steps):
+            metrics["weights_in_sync"] = verify_makers(run.coordinator, plan.next_version, fingerprint(state))
+        if plan.push and run.cfg.eval.due(plan.step, plan.last, run.cfg.trainer.update_steps):
             # waited for: the coordinator runs one caller's calls out of order
-            ray.get(w.coordinator.request_eval.remote(plan.step, int(own["policy_version"])))
-        row = attach_evals(metrics, w.monitor.evals(wait=plan.last))  # the last row waits for its own
+            ray.get(run.coordinator.request_eval.remote(plan.step, plan.next_version))
+        row = attach_evals(metrics, run.monitor.evals(wait=plan.last))  # the last row waits for its own
         metrics = split_evals(row)[0]
-        due = samples_due(plan.step, w.cfg.logging.samples_every)
-        samples = pick_samples(items, w.tokenizer, plan.step) if due else []
-        _record(w, {**row, SAMPLES_KEY: samples} if samples else row)
+        due = samples_due(plan.step, run.cfg.logging.samples_every)
+        samples = pick_samples(items, run.tokenizer, plan.step) if due else []
+        run.rows.record({**row, SAMPLES_KEY: samples} if samples else row)
     return metrics
-
-
-def _wait_for_report(w: _Worker) -> None:
-    reporting, w.reporting = w.reporting, None
-    if reporting is not None:
-        reporting.result()
 
 
 # -- calls to the coordinator -----------------------------------------------------------------------
 
 
-def _record(w: _Worker, row: dict) -> None:
-    """Send a metrics row to the coordinator, not waiting for it, but only once the previous row
-    is in: the coordinator is an async actor, and Ray does not promise to run one caller's calls
-    to it in the order they were sent, so two rows sent back to back could land swapped. The
-    previous row went a step ago, so the wait is for a call long done. Report thread only."""
-    if w.recorded is not None:
-        ray.get(w.recorded)
-    w.recorded = w.coordinator.record_metrics.remote(row)
+class _Rows:
+    """Rank 0's metrics rows, sent to the coordinator from the report thread."""
+
+    def __init__(self, coordinator: Any):
+        self.coordinator = coordinator
+        self.sent: ray.ObjectRef | None = None  # the last row's call
+
+    def record(self, row: dict) -> None:
+        """Send a row, not waiting for it, but only once the previous row is in: the coordinator is
+        an async actor, and Ray does not promise to run one caller's calls to it in the order they
+        were sent, so two rows sent back to back could land swapped. The previous row went a step
+        ago, so the wait is for a call long done."""
+        if self.sent is not None:
+            ray.get(self.sent)
+        self.sent = self.coordinator.record_metrics.remote(row)
 
 
 def _announce_checkpoint(coordinator: Any, step: int) -> None:
@@ -402,16 +414,17 @@ def _fetch(ref: ray.ObjectRef) -> tuple[list[ExperienceChunk] | None, Fetched | 
     return (reply.chunks, resolve(reply.chunks)) if reply.pulled else (None, None)
 
 
-def _pull_ahead(w: _Worker, step: int, version: int) -> _PullAhead:
-    """Send the pull for ``step`` (to train at ``version``) from the pull thread, which then
-    fetches, unpacks and merges its items: the step being trained waits for none of it."""
-    t, sent = w.cfg.trainer, Future()
-    call = (w.coordinator, w.rank, t.train_batch_size, w.version, t.pull_timeout_s, step, version, w.group)
-    pad_token_id = w.tokenizer.pad_token_id
+def _pull_ahead(run: _Run, step: int, trainer_version: int, version: int) -> _PullAhead:
+    """Send the pull for ``step`` (to train at ``version``; the trainer is at ``trainer_version``)
+    from the pull thread, which then fetches, unpacks and merges its items: the step being trained
+    waits for none of it."""
+    t, sent = run.cfg.trainer, Future()
+    call = (run.coordinator, run.rank, t.train_batch_size, trainer_version, t.pull_timeout_s, step, version, run.group)
+    pad_token_id = run.tokenizer.pad_token_id
 
     def send_and_fetch():
         try:
-            ref = _pull_call(*call)  # with the version and group of now, not of when the thread runs
+            ref = _pull_call(*call)
         except BaseException as e:
             sent.set_exception(e)
             raise
@@ -425,7 +438,7 @@ def _pull_ahead(w: _Worker, step: int, version: int) -> _PullAhead:
                 pass  # an item that cannot be merged: the step's own merge raises it, if the step runs
         return chunks, fetched, batch
 
-    return _PullAhead(sent, w.puller.submit(send_and_fetch), step, version)
+    return _PullAhead(sent, run.threads.puller.submit(send_and_fetch), step, version)
 
 
 class _Background:
@@ -439,12 +452,20 @@ class _Background:
 
     def __init__(self, name: str):
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.last: Future | None = None  # the last call handed over, until waited for
         threading.Thread(target=self._serve, name=f"ray_ppo-{name}", daemon=True).start()
 
     def submit(self, fn: Any, *args: Any) -> Future:
         future: Future = Future()
         self.calls.put((future, fn, args))
+        self.last = future
         return future
+
+    def wait(self) -> Any:
+        """The result of the last call handed over (its error is raised here); None if it was
+        already waited for, or there was none. Only the thread that hands calls over waits."""
+        last, self.last = self.last, None
+        return last.result() if last is not None else None
 
     def close(self) -> None:
         """End the thread once the calls handed to it are done (not waiting for them)."""
@@ -459,23 +480,42 @@ class _Background:
                 future.set_exception(e)
 
 
-def _cancel_pull_ahead(w: _Worker) -> None:
+class _Threads:
+    """The loop's background threads, started together and closed together (``with``): the pull
+    thread sends, fetches and merges the pulls sent ahead (``trainer.prefetch``); the push thread
+    (rank 0) puts the pushes and hands them over; the report thread completes (and on rank 0
+    records) each step's metrics row."""
+
+    def __init__(self, prefetch: bool, pushes: bool):
+        self.puller = _Background("pull") if prefetch else None
+        self.pusher = _Background("push") if pushes else None
+        self.reporter = _Background("report")
+
+    def __enter__(self) -> _Threads:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for thread in (self.puller, self.pusher, self.reporter):
+            if thread is not None:
+                thread.close()
+
+
+def _cancel_pull_ahead(run: _Run, ahead: _PullAhead | None) -> None:
     """The run's last step: the pull sent ahead for a next step is cancelled if it still waits, or
     its items are handed back to the coordinator (untrained, so neither consumed nor lost)."""
-    ahead, w.ahead = w.ahead, None
     if ahead is None:
         return
     try:
         ahead.sent.result()
     except Exception:
         return  # it was never sent
-    ray.get(w.coordinator.cancel_pull.remote(w.rank, os.getpid()))
+    ray.get(run.coordinator.cancel_pull.remote(run.rank, os.getpid()))
     try:
         chunks, _, _ = ahead.fetched.result()
     except ray.exceptions.RayTaskError:
         return  # it failed (a maker failure, a stall): it took nothing
     if chunks:
-        ray.get(w.coordinator.hand_back.remote(w.rank, chunks, ahead.version))
+        ray.get(run.coordinator.hand_back.remote(run.rank, chunks, ahead.version))
 
 
 @contextlib.contextmanager

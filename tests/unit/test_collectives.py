@@ -51,13 +51,13 @@ class NoUpdate:
 def _adaptive_kl_step(rank: int) -> float:
     """One ``_train`` on this rank's items; the coefficient its KL controller holds after it."""
     cfg = SimpleNamespace(trainer=SimpleNamespace(train_batch_size=BATCH))
-    w = SimpleNamespace(cfg=cfg, learner=NoUpdate(), world=len(KL), device=torch.device("cpu"), version=1,
+    w = SimpleNamespace(cfg=cfg, learner=NoUpdate(), world=len(KL), device=torch.device("cpu"),
                         kl_ctl=make_kl_controller(0.1, kl_target=TARGET, kl_horizon=HORIZON),
                         tokenizer=SimpleNamespace(pad_token_id=0))
     items = [ExperienceItem.filled(torch.tensor([1, 2]), torch.tensor([3, 4, 5]),
                                    per_token=lambda name: torch.full((3,), KL[rank] if name == "action_log_probs" else 0.0),
                                    reward=0.0, policy_version=1, uid=f"{rank}-{i}") for i in range(BATCH)]
-    metrics = _train(w, items, ExperienceBatch.merge(items, 0))
+    metrics = _train(w, 1, items, ExperienceBatch.merge(items, 0))
     assert metrics["kl"] == KL[rank]  # the rank's own KL is what it reports; the row's mean comes later
     return w.kl_ctl.value
 

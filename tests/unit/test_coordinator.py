@@ -701,9 +701,9 @@ def test_rank_0_sends_a_metrics_row_only_after_the_previous_one_is_in(monkeypatc
             return f"ref{row['step']}"
 
     monkeypatch.setattr(loop.ray, "get", lambda ref: events.append(("wait", ref)))
-    worker = SimpleNamespace(coordinator=SimpleNamespace(record_metrics=RecordMetrics()), recorded=None)
+    rows = loop._Rows(SimpleNamespace(record_metrics=RecordMetrics()))
     for step in (1, 2, 3):
-        loop._record(worker, {"step": step})
+        rows.record({"step": step})
     assert events == [("send", 1), ("wait", "ref1"), ("send", 2), ("wait", "ref2"), ("send", 3)]
 
 

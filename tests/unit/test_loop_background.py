@@ -85,11 +85,11 @@ def test_rank_0_completes_and_records_each_row_in_the_background_and_reports_whe
     rows, monitor = Rows(), SlowMonitor()
     monkeypatch.setattr(loop, "ray", rows)  # the loop's view of Ray: no cluster in a unit test
     cfg = SimpleNamespace(logging=SimpleNamespace(report_every=2, samples_every=0))
-    w = SimpleNamespace(cfg=cfg, rank=0, coordinator=rows, monitor=monitor, recorded=None,
-                        reporter=_Background("report"), reporting=None)
+    w = SimpleNamespace(cfg=cfg, rank=0, coordinator=rows, monitor=monitor, rows=loop._Rows(rows),
+                        threads=SimpleNamespace(reporter=_Background("report")))
 
     def report(step):
-        plan = _StepPlan(step, last=False, push=False, checkpoint=False)
+        plan = _StepPlan(step, 0, last=False, push=False, checkpoint=False)
         over_ranks = lambda: {"loss": float(step), f"{STALE_KL_PREFIX}3": float("nan")}  # noqa: E731
         start = time.perf_counter()
         loop._report(w, plan, over_ranks, {"step": step, "policy_version": 0}, 1.0, [], {}, None)
@@ -101,4 +101,4 @@ def test_rank_0_completes_and_records_each_row_in_the_background_and_reports_whe
     assert rows.reported == [{"loss": 2.0, "step": 2, "policy_version": 0, "maker_idle_ratio": 0.5}]
     assert [r["step"] for r in rows.recorded] == [1, 2] == monitor.steps  # every row recorded, in order, nan left out
     assert all(f"{STALE_KL_PREFIX}3" not in r for r in rows.recorded)
-    w.reporter.close()
+    w.threads.reporter.close()

@@ -37,12 +37,13 @@ class SlowPublisher:
 
 def worker(publisher, rank=0):
     cfg = SimpleNamespace(sync=SimpleNamespace(lora_only=False))
-    return SimpleNamespace(cfg=cfg, rank=rank, version=0, publisher=publisher, pushing=None,
-                           pusher=_Background("push") if rank == 0 else None, kl_ctl=SimpleNamespace(value=0.1))
+    threads = SimpleNamespace(pusher=_Background("push") if rank == 0 else None)
+    return SimpleNamespace(cfg=cfg, rank=rank, publisher=publisher, threads=threads, kl_ctl=SimpleNamespace(value=0.1))
 
 
 def plan(step, last=False):
-    return _StepPlan(step, last, push=True, checkpoint=False)
+    """Step ``step`` trains at version ``step - 1`` and pushes version ``step``."""
+    return _StepPlan(step, step - 1, last, push=True, checkpoint=False)
 
 
 def test_the_step_goes_on_while_its_push_is_put():
@@ -50,12 +51,12 @@ def test_the_step_goes_on_while_its_push_is_put():
     w = worker(pub)
     start = time.perf_counter()
     state, push_s, push_bytes = _publish(w, plan(1))
-    assert time.perf_counter() - start < 5 and pub.done == [] and w.version == 1  # handed over, not yet put
+    assert time.perf_counter() - start < 5 and pub.done == []  # handed over, not yet put
     assert push_bytes == 16 and set(state) == {"actor.w"}
     threading.Timer(0.3, pub.release.set).start()
     _publish(w, plan(2))  # waits for push 1 before handing over push 2
     assert pub.done[0] == 1
-    w.pushing.result(10)
+    w.threads.pusher.last.result(10)
     assert pub.done == [1, 2]
 
 
@@ -73,10 +74,22 @@ def test_the_last_push_is_out_before_the_last_step_returns():
     pub.release.set()
     w = worker(pub)
     _publish(w, plan(1, last=True))
-    assert pub.done == [1] and w.pushing is None
+    assert pub.done == [1] and w.threads.pusher.last is None  # put, and waited for
 
 
 def test_only_rank_0_pushes():
     pub = SlowPublisher()
     w = worker(pub, rank=1)
-    assert _publish(w, plan(1))[1:] == (0.0, 0) and w.version == 1 and w.pushing is None
+    assert _publish(w, plan(1))[1:] == (0.0, 0) and pub.done == []
+
+
+def test_the_plan_pushes_every_update_steps_and_at_the_end_and_the_version_follows_the_pushes():
+    from ray_ppo.runtime.loop import _plan
+
+    t = SimpleNamespace(total_steps=5, update_steps=2, checkpoint_every=4)
+    plans = [_plan(t, step, version=7) for step in range(1, 6)]
+    assert [(p.push, p.checkpoint, p.last) for p in plans] == [
+        (False, False, False), (True, False, False), (False, False, False), (True, True, False), (True, True, True)]
+    assert [p.next_version for p in plans] == [7, 8, 7, 8, 8]
+    ended = plans[0].ending()  # the time budget ran out after step 1 trained
+    assert (ended.push, ended.checkpoint, ended.last, ended.next_version) == (True, True, True, 8)
