@@ -43,6 +43,7 @@ from ray_ppo.choices import (
     Transport,
 )
 from ray_ppo.config_errors import ConfigError, ErrorRenderer, is_section, not_a_mapping, unwrap, walk
+from ray_ppo.rules import staleness_budget
 
 __all__ = [
     "ADVANTAGES",
@@ -68,14 +69,6 @@ __all__ = [
     "field_docs",
     "load_config",
 ]
-
-
-def staleness_budget(max_staleness: int, items_per_version: int, lag: int = 0) -> int:
-    """The admission rule's budget: items made at a maker version ``lag`` versions behind the
-    trainer's stay usable for ``max_staleness - lag + 1`` more versions, so the trainer consumes at
-    most that many versions' worth of them (``items_per_version`` each). The config check and the
-    coordinator's admission (``ray_ppo.runtime.coordinator_state.Admission``) both use it."""
-    return (max_staleness - lag + 1) * items_per_version
 
 
 class ConfigWarning(UserWarning):
