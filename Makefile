@@ -54,20 +54,46 @@ test: $(STAMP)
 clean:
 	rm -rf $(VENV) runs .cache site
 
-# Performance benchmarks (issue 7): each script prints one markdown table; see benchmarks/README.md.
+# Performance benchmarks: each script prints its table and writes it, with the command, machine and
+# commit, to benchmarks/results/NAME.json (benchmarks/_common.py publish); `make bench-readme` rebuilds
+# benchmarks/README.md's marked tables from those files. See benchmarks/README.md.
 # TRL's bench-only environment (see bench-peer below).
 TRL_VENV  := .venv-trl
 TRL_PY    := $(TRL_VENV)/bin/python
 TRL_STAMP := $(TRL_VENV)/.installed
 
-# All of them took ~30 min here (benchmarks/README.md; overlap.py alone 17 min), the peer comparison and its venv included.
+# Every CPU benchmark in .venv, one after another on an otherwise idle machine: ~3 h here (overlap_sim
+# ~40 min, overlap ~17, estimators and staleness ~40 together, peers ~7). Not in it: the vLLM ones
+# (bench-vllm), the real-model peer comparison (bench-real-peer, ~1 h 45 min), profile_detached.py
+# (a profile, not a figure: it needs py-spy) and scaling_model.py (a model, no measurement).
+BENCH_CPU := overlap_sim overlap weight_sync coordinator_scale memory lora_int8 startup example_startup \
+             maker_batch_cost behaviour_logprobs
+.PHONY: bench bench-quick bench-readme bench-vllm
 bench: $(STAMP) $(TRL_STAMP)
-	$(PY) benchmarks/overlap.py
-	$(PY) benchmarks/weight_sync.py
-	$(PY) benchmarks/coordinator_scale.py
-	$(PY) benchmarks/memory.py
-	$(PY) benchmarks/lora_int8.py
+	for script in $(BENCH_CPU); do $(PY) benchmarks/$$script.py || exit 1; done
 	$(MAKE) bench-peer
+	$(MAKE) bench-estimators
+	$(PY) benchmarks/render.py
+
+# Each of them once, small (a check that every script runs end to end, ~15 min here): results go to
+# benchmarks/results/quick/, which no README table reads.
+bench-quick: $(STAMP)
+	export RAY_PPO_BENCH_QUICK=1 && \
+	$(PY) benchmarks/overlap_sim.py --repeats 1 --ratios 1:1 --makers 2 --ranks 1 --steps 8 --skip 3 && \
+	$(PY) benchmarks/overlap.py --repeats 1 --settings balanced --steps 5 --skip 2 && \
+	$(PY) benchmarks/weight_sync.py --repeats 1 --sizes 100M --makers 1,2 --naive-max-makers 0 && \
+	$(PY) benchmarks/coordinator_scale.py --repeats 1 --items 2048 && \
+	$(PY) benchmarks/memory.py --models tiny && \
+	$(PY) benchmarks/lora_int8.py --repeats 1 && \
+	$(PY) benchmarks/startup.py --repeats 1 && \
+	$(PY) benchmarks/example_startup.py --repeats 1 && \
+	$(PY) benchmarks/maker_batch_cost.py --repeats 5 && \
+	$(PY) benchmarks/behaviour_logprobs.py --repeats 3 --tokens 16 && \
+	$(PY) benchmarks/estimators.py --steps 4 --seeds 0 --estimators gae,grpo --skip memory && \
+	$(PY) benchmarks/staleness.py --steps 4 --staleness 1,4 --modes none
+
+bench-readme: $(STAMP)
+	$(PY) benchmarks/render.py
 
 # Peer benchmark (benchmarks/peer_trl.py, ~3 min; also the last step of `bench`): TRL's PPO
 # trainer in an environment of its own, since TRL is no project dependency. trl==1.12.0 is the last
@@ -143,3 +169,9 @@ $(VLLM_STAMP): pyproject.toml
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -ra -m vllm tests/vllm_engine
+
+# The vLLM engine benchmarks (benchmarks/README.md, "vLLM makers"), in .venv-vllm.
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) benchmarks/engine.py
+	$(VLLM_PY) benchmarks/engine_logprobs.py
+	$(VLLM_PY) benchmarks/engine_push.py

@@ -1,15 +1,104 @@
-"""Shared helpers of the benchmarks: medians, markdown tables, a quiet local Ray."""
+"""Shared helpers of the benchmarks: medians, markdown tables, results as data, a quiet local Ray.
+
+Every script ends with ``publish(name, headers, rows, args)``: it prints the table and writes
+``benchmarks/results/NAME.json`` (the command, its arguments, the machine, the commit, the date,
+the rows); ``benchmarks/render.py`` builds README's tables from those files. With
+``RAY_PPO_BENCH_QUICK=1`` (``make bench-quick``) each script runs a small version of itself and its
+results go to ``benchmarks/results/quick/``, which README never shows.
+"""
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
+import platform
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+RESULTS = ROOT / "benchmarks" / "results"
+QUICK_ENV = "RAY_PPO_BENCH_QUICK"
+RESULTS_ENV = "RAY_PPO_BENCH_RESULTS"
+
+
+def quick() -> bool:
+    """Whether this is a quick run (``RAY_PPO_BENCH_QUICK=1``): a smoke check of the script, not a figure."""
+    return os.environ.get(QUICK_ENV, "") not in ("", "0")
+
+
+def results_dir() -> Path:
+    """Where results go: ``RAY_PPO_BENCH_RESULTS`` if set, else ``benchmarks/results`` (``/quick`` in quick mode)."""
+    if os.environ.get(RESULTS_ENV):
+        return Path(os.environ[RESULTS_ENV])
+    return RESULTS / "quick" if quick() else RESULTS
+
+
+def machine() -> dict:
+    """The machine a figure was measured on."""
+    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                if line.startswith("model name")), platform.processor())
+    mem_kb = next((int(line.split()[1]) for line in _read("/proc/meminfo").splitlines() if line.startswith("MemTotal")), 0)
+    versions = {}
+    for package in ("torch", "ray", "transformers"):
+        try:
+            versions[package] = __import__(package).__version__
+        except Exception:  # not installed in this environment
+            pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_kb / 2**20, 1),
+            "load_average_1m": round(os.getloadavg()[0], 2), "python": platform.python_version(), **versions}
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def commit() -> str:
+    """The checkout's commit (with ``+changes`` when its tracked files differ from it)."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "ray_ppo", "benchmarks"], cwd=ROOT).returncode
+        return rev + ("+changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def publish(name: str, headers: list[str], rows: list[list], args: object = None, title: str = "") -> Path:
+    """Print the table (after ``title``, if given) and write it with its provenance to
+    ``results_dir()/NAME.json``, atomically; returns the file."""
+    if title:
+        print(f"\n{title}\n", flush=True)
+    print(table(headers, rows), flush=True)
+    record = {
+        "benchmark": name, "title": title,
+        "command": " ".join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
+        "args": {k: v for k, v in vars(args).items()} if args is not None else {},
+        "quick": quick(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit(), "machine": machine(), "headers": headers, "rows": rows,
+    }
+    out = results_dir() / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=1, default=_plain) + "\n")
+    tmp.replace(out)
+    return out
+
+
+def _plain(value):
+    """JSON for the numpy and torch scalars a row may hold."""
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
 
 
 def median(xs):
@@ -54,6 +143,7 @@ def init_ray(num_cpus: int = 8, object_store_gb: float | None = None):
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")  # as the CLI's local cluster (ray_ppo/cli.py)
     os.environ.setdefault("RAY_worker_maximum_startup_concurrency", str(num_cpus))  # no worker-count warning, as the CLI
+    os.environ.setdefault("RAY_worker_niceness", "0")  # workers at the users' programs' priority, as the CLI's cluster
     kwargs = {"num_cpus": num_cpus, "include_dashboard": False, "log_to_driver": False}
     if object_store_gb:
         kwargs["object_store_memory"] = int(object_store_gb * 2**30)

@@ -17,7 +17,7 @@ import argparse
 import time
 
 import _common  # noqa: F401
-from _common import ROOT, median, table
+from _common import ROOT, median, publish
 
 
 def main() -> None:
@@ -62,10 +62,11 @@ def main() -> None:
         for name in makers:
             rows.append([tokens, name, median(wall[name]), median(cpu[name]), median(cpu[name]) / base_cpu,
                          float("nan") if name == "forward pass" else gap])
-    print(f"One maker batch of {args.batch} prompts, tiny model, 1 torch thread, median of {args.repeats} "
-          f"interleaved batches\n")
-    print(table(["tokens", "behaviour log-probs", "wall ms per batch", "CPU ms per batch", "CPU vs forward pass",
-                 "largest difference from the forward pass's log-probs"], rows))
+    title = (f"One maker batch of {args.batch} prompts, tiny model, 1 torch thread, median of {args.repeats} "
+             "interleaved batches")
+    publish("behaviour_logprobs", ["tokens", "behaviour log-probs", "wall ms per batch", "CPU ms per batch",
+                                   "CPU vs forward pass", "largest difference from the forward pass's log-probs"],
+            rows, args=args, title=title)
 
 
 if __name__ == "__main__":

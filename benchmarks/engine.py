@@ -23,7 +23,7 @@ import os
 import tempfile
 import time
 
-from _common import median, table
+from _common import median, publish
 
 BATCH, PROMPT_LEN, NEW_TOKENS = 64, 16, 48
 
@@ -131,7 +131,7 @@ def main() -> None:
     rows = []
     for kind in args.models.split(","):  # the table so far after each model: the GPT-2 shape takes long
         rows.append(measure(kind, args.rounds))
-        print(table(headers, rows), flush=True)
+        publish("engine", headers, rows, args=args)
 
 
 if __name__ == "__main__":

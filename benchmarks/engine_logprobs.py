@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from _common import table
+from _common import publish
 
 SETTINGS = [  # (logprobs_mode, temperature, top_k)
     ("raw_logprobs", 1.0, 0), ("raw_logprobs", 0.7, 0), ("raw_logprobs", 1.0, 3),
@@ -63,8 +63,8 @@ def main() -> None:
             exact = all(torch.equal(held[k], v) for k, v in actor.state_dict().items())
             rows.append([weights, mode, temperature, top_k, float(gap.mean()), float(gap.max()),
                          "yes" if exact else "no"])
-    print(table(["weights", "logprobs_mode", "temperature", "top_k", "mean |vLLM - HF|",
-                 "max |vLLM - HF|", "read-back weights bit-equal"], rows))
+    publish("engine_logprobs", ["weights", "logprobs_mode", "temperature", "top_k", "mean |vLLM - HF|",
+                 "max |vLLM - HF|", "read-back weights bit-equal"], rows)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import time
 
 from engine import NEW_TOKENS, PROMPT_LEN, build_model, prompts
 
-from _common import median, table
+from _common import median, publish
 
 VARIANTS = ("packed", "unpacked")
 
@@ -154,7 +154,7 @@ def main() -> None:
             rows.append([kind, variant, r["mb"], r["threads"], r["tokens_per_s"], r["push_s"], r["packing_s"],
                          r["local_s"], r["layout_s"], r["push_s"] / r["local_s"], r["layout_s"] / r["local_s"],
                          "yes" if r["exact"] else "NO"])
-        print(table(headers, rows), flush=True)
+        publish("engine_push", headers, rows, args=args)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import _common
-from _common import rss_mb, table
+from _common import publish, rss_mb
 from ray_ppo.choices import ADVANTAGES
 
 ESTIMATORS = ADVANTAGES
@@ -113,8 +113,8 @@ def learning(args) -> None:
         rows.append([estimator, GROUP[estimator], mean_std(first), mean_std(last), mean_std(wall), mean_std(step_s)])
     plot(runs, Path(__file__).with_name("estimators.png"))
     print(f"Estimators on sum_mod10: {args.steps} steps x 32 samples, seeds {args.seeds}, {args.parallel} runs at a time\n")
-    print(table(["estimator", "samples/prompt", f"reward, first {WINDOW} steps", f"reward, last {WINDOW} steps",
-                 "wall-clock s", "median step s"], rows))
+    publish("estimators", ["estimator", "samples/prompt", f"reward, first {WINDOW} steps", f"reward, last {WINDOW} steps",
+                 "wall-clock s", "median step s"], rows, args=args)
 
 
 def memory_child(role: str, estimator: str, pretrained: str) -> dict:
@@ -176,8 +176,8 @@ def memory(args) -> None:
     print(file=sys.stderr)
     print(f"\nMemory with and without a critic: {args.memory_model} GPT-2 shape "
           f"({n_layer} layers x {n_embd}, vocab 50257), CPU, float32, peak RSS of one process\n")
-    print(table(["process", "algo.advantage", "critic", "models held", "parameters held (M)", "peak RSS MiB",
-                 "peak - imports MiB"], rows))
+    publish("estimators_memory", ["process", "algo.advantage", "critic", "models held", "parameters held (M)", "peak RSS MiB",
+                 "peak - imports MiB"], rows, args=args)
 
 
 def main():

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import _common  # noqa: F401
-from _common import ROOT, table
+from _common import ROOT, publish
 
 SMALL = ["maker.num_makers=1", "trainer.train_batch_size=16", "trainer.mini_batch_size=8", "maker.batch_size=8"]
 READ = re.compile(r"\(CoordinatorActor.*execution finished in ([0-9.]+) seconds")
@@ -60,7 +60,7 @@ def main() -> None:
             print(f"run {i + 1}: {rows[-1]}", file=sys.stderr, flush=True)
     print(f"\nexamples/fit_from_script.py --steps 3 ({', '.join(SMALL)}) from {repo}\n")
     headers = list(rows[0])
-    print(table(headers, [[r[h] for h in headers] for r in rows]))
+    publish("example_startup", headers, [[r[h] for h in headers] for r in rows], args=args)
 
 
 if __name__ == "__main__":

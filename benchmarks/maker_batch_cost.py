@@ -20,7 +20,7 @@ import argparse
 import time
 
 import _common  # noqa: F401
-from _common import ROOT, median, table
+from _common import ROOT, median, publish
 
 
 def main() -> None:
@@ -73,7 +73,7 @@ def main() -> None:
                for part in ("prepare swap", "swap under the lock")]]
     print(f"\nMaker work outside generation: {args.prompts} prompts per batch, {args.response_len} response tokens, "
           f"one thread, median of {args.repeats}\n")
-    print(table(["step", "ms"], rows))
+    publish("maker_batch_cost", ["step", "ms"], rows, args=args)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 import _common
-from _common import median, rss_mb, table
+from _common import median, publish, rss_mb
 
 
 def build_gpt2_small(directory: str, n_layer: int = 12, n_embd: int = 768, n_head: int = 12) -> str:
@@ -118,8 +118,8 @@ def main():
                 print(".", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     print("Memory: peak RSS (ru_maxrss) of one maker / trainer process, CPU, float32\n")
-    print(table(["model", "process", "actor params (M)", "RSS after imports MiB", "RSS after build MiB",
-                 "peak RSS MiB", "peak - imports MiB"], rows))
+    publish("memory", ["model", "process", "actor params (M)", "RSS after imports MiB", "RSS after build MiB",
+                 "peak RSS MiB", "peak - imports MiB"], rows, args=args)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import collections
 import sys
 import tempfile
 
-from _common import init_ray, median, table, tiny_config
+from _common import init_ray, median, publish, tiny_config
 
 SETTINGS = {
     "generation-dominated": {"maker.max_new_tokens": 48, "trainer.ppo_epochs": 1, "trainer.mini_batch_size": 64},
@@ -108,9 +108,9 @@ def main():
                          median([r["staleness"] for r in d])])
     print(f"Overlap: tiny model, 32 prompts/generation batch, 64 samples/step, {args.steps} steps, first "
           f"{args.skip} excluded, median of {args.repeats} interleaved runs after a warm-up\n")
-    print(table(["setting", "sync threads", "detached samples/s", "sync samples/s", "ratio", "T_gen s (sync)",
+    publish("overlap", ["setting", "sync threads", "detached samples/s", "sync samples/s", "ratio", "T_gen s (sync)",
                  "T_train s (sync)", "ideal ratio", "ratio / ideal", "trainer_idle_ratio", "maker_idle_ratio",
-                 "detached train_s", "detached maker generate_s/step", "staleness"], rows))
+                 "detached train_s", "detached maker generate_s/step", "staleness"], rows, args=args)
 
 
 if __name__ == "__main__":

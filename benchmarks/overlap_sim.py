@@ -74,7 +74,7 @@ import time
 import ray
 
 import _common  # noqa: F401
-from _common import init_ray, median, table, tiny_config
+from _common import init_ray, median, publish, tiny_config
 from ray_ppo.core.learner import PPOLearner
 from ray_ppo.testing import WaitingExperienceMaker
 
@@ -216,14 +216,14 @@ def print_table(cells, runs, ratios, args, rounds: int, elapsed_s: float) -> Non
                      m["wait"], m["train"], m["push"], m["other"],
                      m["gen_share"], m["admission"], m["backpressure"], m["pause"], m["staleness"],
                      "yes" if all(x["in_sync"] == 1.0 for x in rs) else "NO"])
-    print(f"\nSimulated-device overlap: T_train {args.train_s:g} s, {ITEMS_PER_RANK} items per rank per step, "
-          f"{PROMPTS_PER_BATCH} prompts per generation batch, {args.steps} steps of which the first {args.skip} "
-          f"excluded, median of {rounds} interleaved rounds ({elapsed_s / 60:.1f} min)\n", flush=True)
-    print(table(["ranks", "makers", "T_gen:T_train", "prefetch", "max_staleness", "T_gen s", "T_train s", "ideal step s",
-                 "step s (mean)", "step s (median)",
+    title = (f"Simulated-device overlap: T_train {args.train_s:g} s, {ITEMS_PER_RANK} items per rank per step, "
+             f"{PROMPTS_PER_BATCH} prompts per generation batch, {args.steps} steps of which the first {args.skip} "
+             f"excluded, median of {rounds} interleaved rounds ({elapsed_s / 60:.1f} min)")
+    publish("overlap_sim", ["ranks", "makers", "T_gen:T_train", "prefetch", "max_staleness", "T_gen s", "T_train s",
+                            "ideal step s", "step s (mean)", "step s (median)",
                  "ideal speedup", "speedup vs sync", "ratio / ideal", ">= 0.95", "trainer wait s", "train s",
                  "push s", "other s", "maker gen share", "maker admission share", "maker back-pressure share",
-                 "maker pause share", "staleness", "weights in sync"], rows), flush=True)
+                 "maker pause share", "staleness", "weights in sync"], rows, args=args, title=title)
 
 
 if __name__ == "__main__":

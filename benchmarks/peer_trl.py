@@ -66,7 +66,7 @@ import time
 from pathlib import Path
 
 import _common
-from _common import median, table, tiny_config
+from _common import median, publish, tiny_config
 from ray_ppo.async_search import sign_flip_p
 
 VARIANTS = ("trl", "trl+gc.freeze", "ours sync", "ours detached")
@@ -456,10 +456,10 @@ def report(runs: dict[str, list[dict]], args, wall_s: float) -> None:
           f"{RESPONSE_LEN} response tokens, "
           f"{args.samples} samples per run ({args.samples // BATCH} updates, first {args.skip} untimed), median of "
           f"{args.repeats} interleaved runs after a warm-up; script wall time {wall_s / 60:.1f} min\n")
-    print(table(["variant", "wall s per 1,000 samples", "samples/s", f"speed vs {base_variant}",
+    publish("peer_trl", ["variant", "wall s per 1,000 samples", "samples/s", f"speed vs {base_variant}",
                  "reward, first 64 samples",
                  f"reward, last {args.reward_updates * BATCH} of {args.samples} samples", "gc share of wall",
-                 "run wall s", "of which untimed s (start-up, first updates, shutdown)"], rows))
+                 "run wall s", "of which untimed s (start-up, first updates, shutdown)"], rows, args=args)
 
 
 def paired_reward_difference(base: list[float], other: list[float]) -> dict:
@@ -485,8 +485,8 @@ def report_rewards(runs: dict[str, list[dict]], args) -> None:
         d = paired_reward_difference(rewards[base], rewards[variant])
         rows.append([variant, base, d["mean"], d["median"], f"{d['higher']} of {d['rounds']}", d["p"]])
     print(f"\nReward after {args.samples} samples, paired by round (same seed)\n")
-    print(table(["variant", "minus", "mean difference", "median difference", "rounds above",
-                 "p (two-sided sign-flip test of the mean)"], rows))
+    publish("peer_trl_differences", ["variant", "minus", "mean difference", "median difference", "rounds above",
+                 "p (two-sided sign-flip test of the mean)"], rows, args=args)
 
 
 def main():

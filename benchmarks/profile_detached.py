@@ -40,7 +40,7 @@ from pathlib import Path
 import yaml
 from overlap import SETTINGS
 
-from _common import init_ray, table, tiny_config
+from _common import init_ray, publish, tiny_config
 
 CATEGORIES = [  # (name, markers: any one in a frame's "function (file)" text); checked leaf first
     ("generation", ["generate (transformers", "_sample (transformers", "core/experience.py", "/maker.py"]),
@@ -189,8 +189,8 @@ def print_proc_window(w: dict, seconds: float) -> None:
           f"steal {machine['steal']:.2f}; the local cluster {cluster:.2f}, of which maker + trainer {pipeline:.2f} "
           f"({pipeline / max(cluster, 1e-9):.0%}); the rest {cluster - pipeline:.2f} CPU s = "
           f"{(cluster - pipeline) / max(len(window), 1) * 1000:.0f} ms per step\n")
-    print(table(["process of the local cluster (command)", "CPU s", "share of the cluster's"],
-                [[k, v, v / max(cluster, 1e-9)] for k, v in by_name.most_common()]))
+    publish("profile_detached_processes", ["process of the local cluster (command)", "CPU s", "share of the cluster's"],
+                [[k, v, v / max(cluster, 1e-9)] for k, v in by_name.most_common()])
 
 
 def print_spy_window(stacks: dict, steps: int, args) -> None:
@@ -210,11 +210,13 @@ def print_spy_window(stacks: dict, steps: int, args) -> None:
     rows.sort(key=lambda r: -r[1])
     print(f"\nWindow 2 ({args.seconds:.0f} s, py-spy at {args.rate} Hz on {', '.join(stacks)}; py-spy's own CPU "
           f"slows the run): {steps} steps. Seconds not waiting (running or runnable), and their split:\n")
-    print(table(["process", "s not waiting"] + names, rows))
+    publish("profile_detached_busy", ["process", "s not waiting"] + names, rows, args=args)
     print("\nheaviest leaf frames outside generation and training (s):\n")
-    print(table(["process: function (file:line)", "s"], [[k, v / args.rate] for k, v in leaves.most_common(args.top)]))
+    publish("profile_detached_leaves", ["process: function (file:line)", "s"],
+            [[k, v / args.rate] for k, v in leaves.most_common(args.top)], args=args)
     print("\nthe same samples by their innermost ray_ppo frame (which of our calls caused them):\n")
-    print(table(["process: function (file:line)", "s"], [[k, v / args.rate] for k, v in callers.most_common(args.top)]))
+    publish("profile_detached_callers", ["process: function (file:line)", "s"],
+            [[k, v / args.rate] for k, v in callers.most_common(args.top)], args=args)
 
 
 def main() -> None:

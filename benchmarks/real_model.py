@@ -43,7 +43,7 @@ from pathlib import Path
 
 import yaml
 
-from _common import ROOT, table
+from _common import ROOT, publish, table
 
 CONFIG = ROOT / "configs" / "smollm2_grpo.yaml"
 RUNS = ROOT / "runs" / "real_model"
@@ -171,10 +171,18 @@ def rows(runs: list[Run]) -> list[list]:
              f"{r.last[1]} ({r.last[0]:.0f} s)", f"{r.gain:+.3f}", r.samples_per_s] for r in runs]
 
 
+HEADERS = ["side", "seed", "step 0", *(f"<= {s // 60} min" for s in MARKS_S), "last", "last step (time)", "gain",
+           "samples/s"]
+
+
 def report(runs: list[Run]) -> str:
-    headers = ["side", "seed", "step 0", *(f"<= {s // 60} min" for s in MARKS_S), "last", "last step (time)", "gain",
-               "samples/s"]
-    lines = [table(headers, rows(runs)), ""]
+    """The table and the summary lines below it."""
+    return "\n".join([table(HEADERS, rows(runs)), "", *summary(runs)])
+
+
+def summary(runs: list[Run]) -> list[str]:
+    """Each side's gain over its seeds and, with both sides, the goal's line."""
+    lines = []
     sides = {side: [r for r in runs if r.side == side] for side in ("ours", "trl")}
     for side, side_runs in sides.items():
         if side_runs:
@@ -209,7 +217,9 @@ def main() -> None:
         if "trl" in args.variants:
             runs.append(args.output / f"trl_seed_{seed}")
             train_trl(seed, runs[-1], overrides, args.trl_python)
-    print(report([read_run(run) for run in runs]))
+    read = [read_run(run) for run in runs]
+    publish("real_model", HEADERS, rows(read), args=args)
+    print("\n".join(["", *summary(read)]))
 
 
 if __name__ == "__main__":

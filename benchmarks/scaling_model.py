@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from _common import table
+from _common import publish
 
 GLOBAL_BATCH = 512
 PROMPT, RESPONSE = 512, 512
@@ -67,10 +67,10 @@ def main():
     rows = [project(model, gpus, a) for model in MODELS for gpus in (8, 64, 512)]
     print(f"Projection: {GLOBAL_BATCH} samples of {PROMPT}+{RESPONSE} tokens per step, push every step, "
           f"half the GPUs make experience; start-up {a.startup_s:g} s + model load not included\n")
-    print(table(["model", "GPUs", "maker engines", "samples/s", "step s", "coordinator calls/s",
+    publish("scaling_model", ["model", "GPUs", "maker engines", "samples/s", "step s", "coordinator calls/s",
                  "coordinator core share", "GB per push", "push s (object store)", "push s (NCCL)",
                  "step s, push every step (object store)", "step s, push every step (NCCL)",
-                 "max_staleness to hide an object-store push", "breaks first"], rows))
+                 "max_staleness to hide an object-store push", "breaks first"], rows)
 
 
 if __name__ == "__main__":

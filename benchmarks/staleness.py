@@ -28,7 +28,7 @@ import tempfile
 import time
 
 import _common
-from _common import table
+from _common import publish
 
 WINDOW = 10
 
@@ -154,9 +154,9 @@ def main():
     setting = ("emulated in one process: every batch made by the policy of S versions before" if args.emulate
                else "detached, 3 makers : 1 trainer")
     print(f"Stale experience: toy task, {setting}, 4 PPO epochs, {args.steps} steps x 32 samples, seed 0\n")
-    print(table(["max_staleness", "off_policy", f"reward first {WINDOW}", f"reward last {WINDOW}", "staleness mean",
+    publish("staleness", ["max_staleness", "off_policy", f"reward first {WINDOW}", f"reward last {WINDOW}", "staleness mean",
                  "staleness max", "IS weight mean", "IS weight max", "capped frac", "KL(behav||prox)",
-                 "KL, stalest items", "median train_s"], rows))
+                 "KL, stalest items", "median train_s"], rows, args=args)
     print(f"\n({time.perf_counter() - start:.0f} s in all)")
 
 

@@ -35,7 +35,7 @@ import time
 import psutil
 
 import _common  # noqa: F401
-from _common import ROOT, init_ray, median, table
+from _common import ROOT, init_ray, median, publish
 from ray_ppo.core.build import build_experience_maker
 from ray_ppo.core.learner import PPOLearner
 
@@ -206,14 +206,14 @@ def main():
         print(f"RUN {phases} CPU {cpu}", file=sys.stderr, flush=True)
     print(f"\nStart-up of fit() on {os.path.relpath(args.config, ROOT)} (ray.init once before: {ray_init_s:.1f} s), "
           f"median of {args.repeats} after a warm-up\n")
-    print(table(["phase (from the fit() call)", "s (median)", "min", "max"],
-                [[k, median([r[k] for r in runs]), min(r[k] for r in runs), max(r[k] for r in runs)] for k in runs[0]]))
+    publish("startup_phases", ["phase (from the fit() call)", "s (median)", "min", "max"],
+                [[k, median([r[k] for r in runs]), min(r[k] for r in runs), max(r[k] for r in runs)] for k in runs[0]], args=args)
     roles = [r for r, _ in ROLES] + [DRIVER, "other", "all processes (sum)", "machine busy (/proc/stat)",
                                      "machine capacity (cores x wall)"]
     print(f"\nCPU-seconds from the fit() call to its return, by process role (median of {args.repeats})\n")
-    print(table(["role", "CPU-s (median)", "min", "max"],
+    publish("startup_cpu", ["role", "CPU-s (median)", "min", "max"],
                 [[k, median([c.get(k, 0.0) for c in cpus]), min(c.get(k, 0.0) for c in cpus),
-                  max(c.get(k, 0.0) for c in cpus)] for k in roles if any(k in c for c in cpus)]))
+                  max(c.get(k, 0.0) for c in cpus)] for k in roles if any(k in c for c in cpus)], args=args)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ import ray
 import torch
 
 import _common  # noqa: F401
-from _common import init_ray, median, table
+from _common import init_ray, median, publish
 from ray_ppo.config import SyncConfig
 from ray_ppo.core.sync import assign_state, bucket_nbytes, fingerprint, make_buckets, push_size, split_state, tied_aliases
 from ray_ppo.runtime.coordinator import Coordinator
@@ -272,10 +272,10 @@ def main():
         del trainer, local, state, plain
         print(".", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
-    print(f"Weight sync: {args.bucket_mb:g} MiB buckets, median of {args.repeats} interleaved pushes after a warm-up\n")
-    print(table(["model", "MB pushed", "makers", "push", "e2e GB/s (all makers' bytes)", "e2e GB/s (bytes once)",
+    title = f"Weight sync: {args.bucket_mb:g} MiB buckets, median of {args.repeats} interleaved pushes after a warm-up"
+    publish("weight_sync", ["model", "MB pushed", "makers", "push", "e2e GB/s (all makers' bytes)", "e2e GB/s (bytes once)",
                  "per-maker GB/s", "memcpy GB/s", "e2e / memcpy", "pack+put ms", "pause ms (max)", "local load_state_dict ms",
-                 "pause / local", "naive per-param GB/s", "weights equal"], rows))
+                 "pause / local", "naive per-param GB/s", "weights equal"], rows, args=args, title=title)
 
 
 if __name__ == "__main__":
