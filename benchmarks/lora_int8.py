@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from _common import publish
 from ray_ppo.core.models import Critic, SamplingParams, generate, load_tokenizer
 from ray_ppo.core.models.lora import apply_lora, trainable_names
 from ray_ppo.core.models.quantize import quantize_for_generation
@@ -81,11 +82,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    print("| model | full push MB | LoRA-only push MB (r=8) | full / LoRA |")
-    print("|---|---|---|---|")
-    for kind in ("tiny", "gpt2-small"):
-        row = bytes_row(kind)
-        print(f"| {row['model']} | {row['full_MB']:.2f} | {row['lora_MB']:.3f} | {row['ratio']:.0f}x |")
+    rows = [bytes_row(kind) for kind in ("tiny", "gpt2-small")]
+    publish("lora_int8_push", ["model", "full push MB", "LoRA-only push MB (r=8)", "full / LoRA"],
+            [[r["model"], r["full_MB"], r["lora_MB"], r["ratio"]] for r in rows], args=args)
 
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
@@ -93,8 +92,7 @@ def main() -> None:
     texts = make_prompts(512, 6, seed=1)
     tiny_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts[:64]]
     print()
-    print("| model | maker | generation tokens/s (batch 64, 8 new tokens, 1 thread) | toy reward (512 prompts) |")
-    print("|---|---|---|---|")
+    rows = []
     trained = AutoModelForCausalLM.from_pretrained(args.trained).eval() if args.trained else None
     params = SamplingParams(max_new_tokens=8)
     for kind, model, ids in (("tiny" + (" (trained)" if trained else ""), trained or models("tiny")[0].eval(), tiny_ids),
@@ -102,7 +100,9 @@ def main() -> None:
         for label, m in (("fp32", model), ("int8", quantize_for_generation(model))):
             rate = tokens_per_s(m, ids, params, args.repeats)
             score = f"{toy_reward(m, tokenizer, texts, params):.3f}" if kind.startswith("tiny") else "n/a"
-            print(f"| {kind} | {label} | {rate:.0f} | {score} |")
+            rows.append([kind, label, rate, score])
+    publish("lora_int8_maker", ["model", "maker", "generation tokens/s (batch 64, 8 new tokens, 1 thread)",
+                                "toy reward (512 prompts)"], rows, args=args)
 
 
 if __name__ == "__main__":
