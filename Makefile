@@ -75,7 +75,7 @@ bench: $(STAMP) $(TRL_STAMP)
 	$(MAKE) bench-estimators
 	$(PY) benchmarks/render.py
 
-# Each of them once, small (a check that every script runs end to end, ~15 min here): results go to
+# Each of them once, small (a check that every script runs end to end, ~7 min here): results go to
 # benchmarks/results/quick/, which no README table reads.
 bench-quick: $(STAMP)
 	export RAY_PPO_BENCH_QUICK=1 && \
