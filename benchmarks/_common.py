@@ -82,7 +82,7 @@ def publish(name: str, headers: list[str], rows: list[list], args: object = None
     record = {
         "benchmark": name, "title": title,
         "command": " ".join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
-        "args": {k: v for k, v in vars(args).items()} if args is not None else {},
+        "args": dict(vars(args)) if args is not None else {},
         "quick": quick(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit(), "machine": machine(), "headers": headers, "rows": rows,
     }
@@ -143,7 +143,9 @@ def init_ray(num_cpus: int = 8, object_store_gb: float | None = None):
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")  # as the CLI's local cluster (ray_ppo/cli.py)
     os.environ.setdefault("RAY_worker_maximum_startup_concurrency", str(num_cpus))  # no worker-count warning, as the CLI
-    os.environ.setdefault("RAY_worker_niceness", "0")  # workers at the users' programs' priority, as the CLI's cluster
+    from ray_ppo.cluster import WORKER_NICENESS_ENV
+
+    os.environ.setdefault(WORKER_NICENESS_ENV, "0")  # workers at the users' programs' priority, as the CLI's cluster
     kwargs = {"num_cpus": num_cpus, "include_dashboard": False, "log_to_driver": False}
     if object_store_gb:
         kwargs["object_store_memory"] = int(object_store_gb * 2**30)

@@ -196,7 +196,6 @@ class PPOTrainer(TorchTrainer):
             raise
         finally:
             poller.stop()
-            self._loops.stop()
             publisher.poll()  # what was stored before the run ended, also when it failed
             self._kill_actors()
             close_outputs(self.history)

@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 
+from ray_ppo.cluster import WORKER_NICENESS_ENV
+
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Ray's own bound on the dashboard's start-up (60 s) ran out on a loaded 2-core machine, in every
 # process that starts a cluster with a dashboard: ray.init() in a test or a README snippet, ray start.
@@ -15,7 +17,7 @@ os.environ.setdefault("RAY_DASHBOARD_STARTUP_TIMEOUT_S", "600")
 # Ray starts worker processes at nice 15 unless told otherwise: beside a busy machine's other work they
 # got 2-4 % of a core. ray_ppo's own clusters run them at nice 0 (ray_ppo.cluster); the clusters the
 # tests start otherwise (ray start, ray.cluster_utils.Cluster, a README snippet's ray.init()) read it here.
-os.environ.setdefault("RAY_worker_niceness", "0")
+os.environ.setdefault(WORKER_NICENESS_ENV, "0")
 torch.set_num_threads(1)
 
 
