@@ -80,7 +80,8 @@ Text = Annotated[str, Field(pattern=r"\S")]
 """A string with at least one non-blank character."""
 
 _REWARD_FN = r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$"
-_PATTERN_MUSTS = {r"\S": "a non-empty string", _REWARD_FN: "of the form module:function"}
+_CLASS = r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$"  # as _REWARD_FN, for a class
+_PATTERN_MUSTS = {r"\S": "a non-empty string", _REWARD_FN: "of the form module:function", _CLASS: "of the form module:Class"}
 """What a ``pattern`` of a field means, as it completes "must be ..." in an error."""
 
 
@@ -474,6 +475,22 @@ class EvalConfig(_Section):
         return self.every > 0 and step // self.every > (step - update_steps) // self.every
 
 
+class EnvConfig(_Section):
+    """Multi-turn rollouts: the policy talks to an environment (``ray_ppo.env``) over several turns, and the episode is the sample."""
+
+    cls: Optional[str] = Field(None, pattern=_CLASS, examples=["ray_ppo.tasks.calculator:CalculatorEnv"],
+                               json_schema_extra=_null("for single completions scored by model.reward_fn"))
+    """Environment class (module:Class), one instance per episode; its turns' rewards replace model.reward_fn; null = single completions."""
+    max_turns: int = Field(4, gt=0)
+    """Policy turns an episode may have (maker.max_new_tokens is the limit of each)."""
+    max_tokens: int = Field(256, gt=0)
+    """Response tokens an episode may have, the policy's and the environment's together."""
+    step_timeout_s: float = Field(30.0, gt=0)
+    """Seconds an environment step may take; a step past it ends its episode as a fault."""
+    pipeline: int = Field(2, gt=0)
+    """Groups a maker's episodes are cut into: one group generates while the others' environment steps run (1 = all together)."""
+
+
 class ToyTaskConfig(_Section):
     """Parameters of the built-in toy task (ray_ppo.tasks.toy), used when data.path is null."""
 
@@ -512,6 +529,8 @@ class Config(_Section):
     """Run directory and progress output."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Held-out evaluation during training."""
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """Multi-turn rollouts with an environment."""
     toy: ToyTaskConfig = Field(default_factory=ToyTaskConfig)
     """Built-in toy task."""
 

@@ -1,6 +1,6 @@
 """Pre-flight: everything about a run that can be checked without a Ray cluster, checked before one starts.
 
-    check_run(cfg)            # models and tokenizer, chat template, reward function, prompt file
+    check_run(cfg)            # models and tokenizer, chat template, reward function, environment, prompt file
     check_sweep_spec(spec, path)
 
 Each failed check raises ``PreflightError``, a ``ConfigError`` whose message is one line naming
@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-from ray_ppo.config import Config, ConfigError, ConfigWarning
+from ray_ppo.config import Config, ConfigError, ConfigWarning, EnvConfig
 from ray_ppo.data import DataError, Prompt, is_blank, prompt_text, to_prompts
 
 PROBE_PROMPTS = 2
@@ -59,10 +59,44 @@ def check_run(cfg: Config, prompts: Any = None) -> None:
         check_reward_fn(m.reward_fn, found)
     if m.reward_fn and m.reward_pretrained:
         warn_unused_reward_fn(m.reward_fn)
+    if cfg.env.cls:
+        check_env(cfg.env, found)
     if cfg.eval.path:
         eval_prompts = probe_prompts(cfg.eval.path, None, cfg.data.prompt_column, "eval.path")
         check_chat_messages(tokenizer, tokenizer_path, eval_prompts, cfg.eval.path, "eval.path")
         check_reward_fn(cfg.eval_reward_fn, eval_prompts, "eval.reward_fn" if cfg.eval.reward_fn else "model.reward_fn")
+
+
+PROBE_RESPONSE = "1"
+"""The policy's response in pre-flight's probe episode."""
+
+
+def check_env(env: EnvConfig, prompts: Sequence[Prompt]) -> None:
+    """``env.cls`` imports; and, given prompts, a probe episode on the first: the environment is
+    built and answers one step (``PROBE_RESPONSE``) with a ``Turn`` within ``env.step_timeout_s``."""
+    import asyncio
+    import concurrent.futures
+
+    from ray_ppo.env import EnvError, load_env_class, take_step
+
+    try:
+        cls = load_env_class(env.cls)
+    except EnvError as e:
+        raise PreflightError(str(e)) from None
+    if not prompts:
+        return
+
+    async def probe():
+        return await take_step(cls(prompts[0]), PROBE_RESPONSE, env.step_timeout_s)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a thread of its own: the caller may run an event loop
+        try:
+            pool.submit(asyncio.run, probe()).result()
+        except Exception as e:
+            problem = (f"took longer than env.step_timeout_s={env.step_timeout_s:g} s" if isinstance(e, TimeoutError)
+                       else f"{type(e).__name__}: {e}")
+            raise PreflightError(f"env.cls={env.cls!r}: a probe episode on the prompt {prompts[0]!r:.80} failed at "
+                                 f"its first step: {problem}") from None
 
 
 def warn_unused_reward_fn(reward_fn: str) -> None:

@@ -3,6 +3,8 @@ extension points (``experience_maker_factory``), never through a config flag."""
 
 from __future__ import annotations
 
+import asyncio
+import random
 import time
 from typing import Sequence
 
@@ -10,6 +12,9 @@ import torch
 
 from ray_ppo.core.algo import ExperienceItem
 from ray_ppo.core.experience import MakeStats
+from ray_ppo.data import prompt_text
+from ray_ppo.env import Turn
+from ray_ppo.tasks.turns import TwoTurnEnv
 
 
 class WaitingExperienceMaker:
@@ -45,3 +50,29 @@ class WaitingExperienceMaker:
                                        prompt=None if prompts is None else prompts[i])
                  for i, ids in enumerate(prompt_ids)]
         return items, MakeStats(num_samples=len(items), num_tokens=self.response_len * len(items), generate_s=waited)
+
+
+class SleepyEnv(TwoTurnEnv):
+    """``ray_ppo.tasks.turns.TwoTurnEnv`` whose every step first sleeps (``asyncio.sleep``, as an
+    environment awaiting I/O) a uniformly random ``sleep_s`` range: 50-200 ms."""
+
+    sleep_s: tuple[float, float] = (0.05, 0.2)
+
+    async def step(self, response: str) -> Turn:
+        await asyncio.sleep(random.uniform(*self.sleep_s))
+        return await super().step(response)
+
+
+class FaultyEnv(TwoTurnEnv):
+    """``TwoTurnEnv``, except on prompts whose first digit is 0 (the step raises), 1 (it hangs for an
+    hour) or 2 (it returns a string, not a ``Turn``): the three faults an episode must survive."""
+
+    async def step(self, response: str):
+        first = prompt_text(self.prompt).split()[0]
+        if first == "0":
+            raise RuntimeError("the environment broke")
+        if first == "1":
+            await asyncio.sleep(3600)
+        if first == "2":
+            return "garbage"
+        return await super().step(response)

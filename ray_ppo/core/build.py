@@ -94,5 +94,17 @@ def build_experience_maker(cfg: Config, actor=None, critic=None, name: str = "ma
     reward_model = RewardModel.from_pretrained(cfg.model.reward_pretrained, cfg.model.dtype).eval().to(device) \
         if cfg.model.reward_pretrained else None
     reward_fn = load_reward_fn(cfg.model.reward_fn) if reward_model is None else None
-    return ExperienceMaker(actor, ref, critic, load_tokenizer(tokenizer_path(cfg)), cfg, reward_fn=reward_fn,
-                           reward_model=reward_model, name=name, engine_logprobs=cfg.maker.sampler_logprobs)
+    tokenizer = load_tokenizer(tokenizer_path(cfg))
+    return ExperienceMaker(actor, ref, critic, tokenizer, cfg, reward_fn=reward_fn,
+                           reward_model=reward_model, name=name, engine_logprobs=cfg.maker.sampler_logprobs,
+                           episodes=build_episode_runner(cfg, tokenizer))
+
+
+def build_episode_runner(cfg: Config, tokenizer):
+    """The ``EpisodeRunner`` of ``env.cls``; None for single completions."""
+    if cfg.env.cls is None:
+        return None
+    from ray_ppo.core.episodes import EpisodeRunner
+    from ray_ppo.env import load_env_class
+
+    return EpisodeRunner(load_env_class(cfg.env.cls), cfg.env, tokenizer, cfg.data.chat_template)

@@ -72,6 +72,10 @@ class MakeStats:
     score_s: float = 0.0
     logprob_gap: tuple[float, float, int] | None = None
     """With an engine: (sum, max, count) of |engine - HF| log-probs over the sampled tokens."""
+    faults: list[str] = dataclasses.field(default_factory=list)
+    """Multi-turn episodes that an environment fault ended: what went wrong, with the prompt."""
+    utilisation: float | None = None
+    """Multi-turn episodes: the share of their wall time that generation was busy."""
 
 
 class ExperienceMaker:
@@ -99,6 +103,13 @@ class ExperienceMaker:
     A response ends at its first end token (``stop_token_ids``: the tokenizer's EOS, the actor's
     generation-config end ids, the pad) or at ``maker.max_new_tokens``.
 
+    ``episodes`` (optional, an ``ray_ppo.core.episodes.EpisodeRunner``, ``env.cls``): each sample is
+    a multi-turn episode with an environment, whose turns' rewards are the score (the reward
+    function and model are not used for experience). Only the policy's tokens are trained; an
+    episode that an environment fault ended is kept, so its group stays whole, but carries no
+    advantage: it neither rewards nor punishes the policy for the environment's failure (its
+    score counts as its group's mean in the group's statistics).
+
     ``engine`` (optional, e.g. ``ray_ppo.core.vllm_engine.VllmEngine``) samples instead of HF
     ``generate``: ``engine.generate(prompts, sampling, pad_token_id, stop_ids) -> Rollout``
     with the engine's own ``log_probs``. The behaviour log-probs are still recomputed with
@@ -109,7 +120,7 @@ class ExperienceMaker:
 
     def __init__(self, actor: nn.Module, ref: nn.Module | None, critic: nn.Module | None, tokenizer,
                  cfg: Config, reward_fn: RewardFn | None = None, reward_model: nn.Module | None = None,
-                 name: str = "maker", engine=None, engine_logprobs: bool = False):
+                 name: str = "maker", engine=None, engine_logprobs: bool = False, episodes=None):
         if (reward_fn is None) == (reward_model is None):
             raise ValueError("give exactly one of reward_fn and reward_model")
         estimator = cfg.algo.advantage
@@ -122,6 +133,7 @@ class ExperienceMaker:
         self.name = name
         self.ref_disable_adapters = ref is None
         self.engine, self.engine_logprobs = engine, engine_logprobs
+        self.episodes = episodes
         self.stop_ids = stop_token_ids(tokenizer, actor)
         self._counter = 0
 
@@ -137,29 +149,62 @@ class ExperienceMaker:
         receives and each item carries (``ExperienceItem.prompt``); None: the reward function
         receives the decoded ``prompt_ids``."""
         n = self.group_size
-        prompt_ids = [p for p in prompt_ids for _ in range(n)]
+        prompt_ids = [list(p) for p in prompt_ids for _ in range(n)]
         given = None if prompts is None else [p for p in prompts for _ in range(n)]
         stats = MakeStats(num_samples=len(prompt_ids))
         start = time.perf_counter()
-        sampler = self.engine.generate if self.engine is not None else \
-            functools.partial(generate, self.actor, log_probs=self.engine_logprobs)
-        rollout = sampler(prompt_ids, self.sampling, self.tokenizer.pad_token_id, self.stop_ids)
-        if rollout.sequences.device != self.device:
-            rollout = Rollout(*(t.to(self.device) if isinstance(t, torch.Tensor) else t
-                                for t in dataclasses.astuple(rollout)))
-        stats.generate_s = time.perf_counter() - start
+        if self.episodes is not None:
+            rollout, reward, token_scores, faulted, counts = self._run_episodes(prompt_ids, given, stats)
+        else:
+            rollout, token_scores, faulted, counts = self._sample(prompt_ids), None, None, None
+            stats.generate_s = time.perf_counter() - start
         start = time.perf_counter()
-        reward = self._score(rollout, given)
+        if self.episodes is None:
+            reward = self._score(rollout, given)
         kl_coef = self.ppo.kl_coef if kl_coef is None else kl_coef
-        batch = self._to_batch(rollout, reward, policy_version, kl_coef, stats).to("cpu")
+        batch = self._to_batch(rollout, reward, policy_version, kl_coef, stats, token_scores, faulted).to("cpu")
         stats.score_s = time.perf_counter() - start
         stats.num_tokens = int(rollout.action_mask.sum())
         items = batch.split()
         for i, item in enumerate(items):
             item.uid = f"{self.name}-{self._counter}-{i}"
             item.prompt = None if given is None else given[i]
+            item.episode = None if counts is None else counts[i]
         self._counter += 1
         return items, stats
+
+    def _sample(self, prompt_ids: list, max_new_tokens: int | None = None) -> Rollout:
+        """One response per prompt, with the engine or HF ``generate``, on the actor's device."""
+        sampling = self.sampling if max_new_tokens is None else \
+            self.sampling.model_copy(update=dict(max_new_tokens=min(max_new_tokens, self.sampling.max_new_tokens)))
+        sampler = self.engine.generate if self.engine is not None else \
+            functools.partial(generate, self.actor, log_probs=self.engine_logprobs)
+        rollout = sampler(prompt_ids, sampling, self.tokenizer.pad_token_id, self.stop_ids)
+        if rollout.sequences.device != self.device:
+            rollout = Rollout(*(t.to(self.device) if isinstance(t, torch.Tensor) else t
+                                for t in dataclasses.astuple(rollout)))
+        return rollout
+
+    def _turns(self, contexts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], bool]]:
+        """One policy turn per context (``ray_ppo.core.episodes.Sample``)."""
+        rollout = self._sample(contexts, max_new_tokens)
+        responses, mask = rollout.sequences[:, rollout.prompt_len:].cpu(), rollout.action_mask.cpu()
+        out = []
+        for row, keep in zip(responses, mask, strict=True):
+            new = row[keep].tolist()
+            out.append((new, bool(new) and new[-1] in self.stop_ids))
+        return out
+
+    def _run_episodes(self, prompt_ids: list, given: list | None, stats: MakeStats):
+        """(rollout, score, token scores, faulted, counts) of one episode per prompt id."""
+        prompts = given if given is not None else self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
+        run = self.episodes.run(prompt_ids, prompts, self._turns)
+        stats.generate_s, stats.utilisation = run.generate_s, run.utilisation
+        stats.faults = [e.fault for e in run.episodes if e.fault is not None]
+        rollout = Rollout(*(t.to(self.device) if isinstance(t, torch.Tensor) else t
+                            for t in dataclasses.astuple(run.rollout)))
+        scores, faulted = run.token_scores.to(self.device), run.faulted.to(self.device)
+        return rollout, scores.sum(dim=1), scores, faulted, [e.counts() for e in run.episodes]
 
     @property
     def device(self) -> torch.device:
@@ -199,6 +244,19 @@ class ExperienceMaker:
                  else f"for a batch of {len(prompts)} prompts (the first {prompts[0]!r})")
         raise RewardError(f"{problem} {where} in {self.name}; a reward must be one finite float per response")
 
+    def _neutral(self, reward: torch.Tensor, token_scores: torch.Tensor, mask: torch.Tensor,
+                 faulted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scores of the faulted episodes replaced by the mean of their group's others (0 if none),
+        placed at their last token: they then shift no group baseline."""
+        groups, bad = reward.reshape(-1, self.group_size), faulted.reshape(-1, self.group_size)
+        good = (~bad).float()
+        mean = (groups * good).sum(dim=1, keepdim=True) / good.sum(dim=1, keepdim=True).clamp(min=1)
+        reward = torch.where(bad, mean, groups).reshape(-1)
+        positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+        last = (positions * mask).argmax(dim=1, keepdim=True)
+        placed = torch.zeros_like(token_scores).scatter(1, last, reward.unsqueeze(1))
+        return reward, torch.where(faulted.unsqueeze(1), placed, token_scores)
+
     def _ref_log_probs(self, rollout: Rollout) -> torch.Tensor:
         args = (rollout.sequences, rollout.attention_mask, rollout.num_actions, self.sampling.temperature)
         model = self.ref if self.ref is not None else self.actor
@@ -211,7 +269,7 @@ class ExperienceMaker:
         """(B, R) log-probs of the sampled tokens under the policy that sampled them: HF ``generate``'s
         own with ``engine_logprobs``, else a forward pass of the actor (an engine's own are then
         compared with it in ``stats.logprob_gap``, and used with ``engine_logprobs``)."""
-        if self.engine is None and self.engine_logprobs:
+        if self.engine is None and self.engine_logprobs and rollout.log_probs is not None:
             return rollout.log_probs
         log_probs = action_log_probs(self.actor, rollout.sequences, rollout.attention_mask, rollout.num_actions,
                                      self.sampling.temperature)
@@ -223,8 +281,11 @@ class ExperienceMaker:
         return log_probs
 
     def _to_batch(self, rollout: Rollout, reward: torch.Tensor, policy_version: int, kl_coef: float,
-                  stats: MakeStats) -> ExperienceBatch:
+                  stats: MakeStats, token_scores: torch.Tensor | None = None,
+                  faulted: torch.Tensor | None = None) -> ExperienceBatch:
         mask = rollout.action_mask
+        if faulted is not None and bool(faulted.any()):
+            reward, token_scores = self._neutral(reward, token_scores, mask, faulted)
         log_probs = self._behaviour_log_probs(rollout, stats)
         ref_log_probs = self._ref_log_probs(rollout)
         values = torch.zeros_like(log_probs) if self.critic is None else \
@@ -233,7 +294,11 @@ class ExperienceMaker:
         kl = compute_kl(log_probs, ref_log_probs, p.kl_estimator) * mask
         rewards, advantages, returns = compute_advantages(
             self.algo.advantage, reward, kl, values, mask, kl_coef=kl_coef, kl_in=p.kl_in, gamma=p.gamma,
-            lam=p.lam, group_size=self.group_size, group_norm_std=self.algo.group_norm_std)
+            lam=p.lam, group_size=self.group_size, group_norm_std=self.algo.group_norm_std, token_scores=token_scores)
+        if faulted is not None and bool(faulted.any()):  # no advantage, and the critic's target is its own value
+            rows = faulted.unsqueeze(1)
+            advantages = torch.where(rows, 0.0, advantages)
+            returns = torch.where(rows, values if self.critic is not None else 0.0, returns)
         return ExperienceBatch(
             sequences=rollout.sequences, attention_mask=rollout.attention_mask, action_mask=mask,
             action_log_probs=log_probs * mask, ref_log_probs=ref_log_probs * mask, values=values, rewards=rewards,

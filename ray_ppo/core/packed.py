@@ -46,6 +46,13 @@ class PackedItems:
     chat messages, or None."""
     prompt_id: object = None
     """(N,) int64 NumPy array; None means -1 for every item."""
+    action_mask: object = None
+    """Flat bool NumPy array over every response token (``response_offsets``), the items' action
+    masks (True where an item has none); None when no item has one."""
+    has_mask: object = None
+    """(N,) bool NumPy array: which items have an action mask; None with ``action_mask``."""
+    episodes: list | None = None
+    """Each item's episode counts (``ExperienceItem.episode``); None when no item has them."""
 
     def __len__(self) -> int:
         return len(self.uids)
@@ -64,10 +71,18 @@ class PackedItems:
         def offsets(name: str) -> np.ndarray:
             return np.cumsum([0] + [getattr(it, name).numel() for it in items], dtype=np.int64)
 
+        has_mask = np.array([it.action_mask is not None for it in items], dtype=bool)
+        action_mask = None
+        if has_mask.any():
+            action_mask = np.concatenate([it.action_mask.detach().cpu().numpy().astype(bool) if it.action_mask is not None
+                                          else np.ones(it.response_ids.numel(), dtype=bool) for it in items])
+        episodes = [it.episode for it in items]
         arrays = {name: flat(name, np.int64) for name in INT_FIELDS}
         arrays.update({name: flat(name, np.float32) for name in PER_TOKEN_FIELDS})
         return cls(arrays=arrays, prompt_offsets=offsets("prompt_ids"), response_offsets=offsets("response_ids"),
                    reward=np.array([it.reward for it in items], dtype=np.float64),
                    policy_version=np.array([it.policy_version for it in items], dtype=np.int64),
                    uids=[it.uid for it in items], prompts=[it.prompt for it in items],
-                   prompt_id=np.array([it.prompt_id for it in items], dtype=np.int64))
+                   prompt_id=np.array([it.prompt_id for it in items], dtype=np.int64),
+                   action_mask=action_mask, has_mask=has_mask if action_mask is not None else None,
+                   episodes=episodes if any(e is not None for e in episodes) else None)

@@ -182,6 +182,8 @@ class MakerWorker:
             self.no_eval.wait()
             with self.model_lock:
                 items, run = self.maker.make_experience(encoded.ids, self.version, self.kl_coef, encoded.prompts)
+            for fault in run.faults:  # the episode ended, the run goes on
+                logger.warning("maker_%d: an episode ended on an environment fault: %s", self.maker_id, fault)
             if prompt_ids:
                 tag_prompt_ids(items, [prompt_ids[i] for i in encoded.kept])
             self.made += len(items)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ray_ppo.choices import ADVANTAGES as ADVANTAGE_ESTIMATORS
-from ray_ppo.core.algo.functional import compute_gae, kl_penalized_rewards, masked_whiten
+from ray_ppo.core.algo.functional import compute_gae, kl_penalized_rewards, left_aligned, masked_whiten
 
 
 def needs_critic(estimator: str) -> bool:
@@ -74,19 +74,19 @@ def broadcast_to_tokens(advantages: torch.Tensor, mask: torch.Tensor) -> torch.T
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """(B, T) per-token rewards -> (B, T) returns G_t = r_t + gamma * G_{t+1}, 0 at padding.
+    """(B, T) per-token rewards -> (B, T) returns G_t = r_t + gamma * G_{t+1}, 0 outside ``mask``.
 
-    ``mask`` is a valid prefix of each row (right padding), so the return of the last valid token is
-    its reward.
+    The time steps of a row are its valid tokens in order (``left_aligned``: an environment's
+    tokens between turns are skipped), so the return of the last valid token is its reward.
     """
-    valid = mask.bool()
-    rewards = torch.where(valid, rewards, 0.0)
+    order, valid = left_aligned(mask)
+    rewards = torch.where(valid, rewards.gather(1, order), 0.0)
     running = torch.zeros_like(rewards[:, 0])
     out = []
     for t in reversed(range(rewards.shape[1])):
         running = torch.where(valid[:, t], rewards[:, t] + gamma * running, 0.0)
         out.append(running)
-    return torch.stack(out[::-1], dim=1)
+    return torch.zeros_like(rewards).scatter(1, order, torch.stack(out[::-1], dim=1))
 
 
 def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -105,13 +105,16 @@ def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: fl
 def compute_advantages(estimator: str, score: torch.Tensor, kl: torch.Tensor, values: torch.Tensor,
                        mask: torch.Tensor, *, kl_coef: float, kl_in: str = "reward", gamma: float = 1.0,
                        lam: float = 0.95, group_size: int = 1,
-                       group_norm_std: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       group_norm_std: bool = True,
+                       token_scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rewards, advantages, returns), each (B, T) and 0 at padding, for one batch of responses.
 
     ``score`` (B,) is the scalar reward of each response, ``kl`` (B, T) the per-token KL estimate
     against the reference, ``values`` (B, T) the critic's values (zeros without a critic). With
     ``kl_in="reward"`` the KL is a per-token penalty in the rewards (Ziegler et al. 2019); with
     ``"loss"`` the rewards hold the score alone and the learner adds the KL to the loss.
+    ``token_scores`` (B, T): where each part of the score sits (a multi-turn episode's reward of
+    each turn at that turn's last token; ``score`` is then their sum); None: all at the last token.
 
     - ``gae``: GAE over the per-token rewards (``compute_gae``); returns are the critic's targets;
     - ``grpo`` / ``rloo``: the response's total reward (score minus the summed KL penalty, as
@@ -119,7 +122,7 @@ def compute_advantages(estimator: str, score: torch.Tensor, kl: torch.Tensor, va
     - ``reinforce_pp``: the discounted returns of the per-token rewards; the learner normalises
       them over its training batch (``reinforce_pp_advantages``), so advantages == returns here.
     """
-    rewards = kl_penalized_rewards(score, kl, mask, kl_coef if kl_in == "reward" else 0.0)
+    rewards = kl_penalized_rewards(score, kl, mask, kl_coef if kl_in == "reward" else 0.0, token_scores)
     if estimator == "gae":
         advantages, returns = compute_gae(rewards, values, mask, gamma, lam)
         return rewards, advantages, returns

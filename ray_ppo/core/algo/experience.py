@@ -3,6 +3,11 @@
 Makers produce items; the buffer stores items; the trainer merges items into batches. Items carry
 no padding, so samples of any prompt and response lengths can be mixed freely: `merge` pads them
 and `split` strips that padding exactly (`split(merge(items)) == items`).
+
+The response of a multi-turn episode (``ray_ppo.core.episodes``) holds the policy's tokens and the
+environment's between its turns: every one is in the context (``attention_mask``), only the
+policy's are actions (``action_mask``: trained, KL-penalised, valued; the per-token fields are 0
+on the others).
 """
 
 from __future__ import annotations
@@ -53,6 +58,12 @@ class ExperienceItem:
     prompt: str | list[dict] | None = None
     """The prompt the item answers as the data gave it (``ray_ppo.data.Prompt``: a text
     or a list of chat messages); None for an item made from token ids alone."""
+    action_mask: torch.Tensor | None = None
+    """(R_i,) bool, True on the response tokens the policy generated, False on an environment's
+    (a multi-turn episode); None: every response token is the policy's."""
+    episode: dict | None = None
+    """A multi-turn episode's counts (``ray_ppo.core.episodes.Episode.info``: turns, fault, the
+    environment's own); None for a single completion."""
 
     @classmethod
     def filled(cls, prompt_ids: torch.Tensor, response_ids: torch.Tensor,
@@ -69,6 +80,11 @@ class ExperienceItem:
         """R_i, the number of response tokens."""
         return int(self.response_ids.numel())
 
+    @property
+    def num_actions(self) -> int:
+        """The number of response tokens the policy generated (R_i unless an environment's are among them)."""
+        return self.response_length if self.action_mask is None else int(self.action_mask.sum())
+
 
 def _check_item(i: int, item: ExperienceItem) -> None:
     """Raise ValueError naming the problem if `item` cannot be padded into a batch."""
@@ -80,6 +96,10 @@ def _check_item(i: int, item: ExperienceItem) -> None:
                 f"item {i} (uid={item.uid!r}): {name} has shape {tuple(getattr(item, name).shape)}, "
                 f"expected {tuple(item.response_ids.shape)} like response_ids"
             )
+    if item.action_mask is not None and (item.action_mask.shape != item.response_ids.shape
+                                         or not bool(item.action_mask.any())):
+        raise ValueError(f"item {i} (uid={item.uid!r}): action_mask must have the shape of response_ids "
+                         f"{tuple(item.response_ids.shape)} and mark at least one token the policy generated")
 
 
 @dataclass
@@ -94,9 +114,10 @@ class ExperienceBatch:
     attention_mask: torch.Tensor
     """(B, P+R) int64, 1 on real prompt and response tokens."""
     action_mask: torch.Tensor
-    """(B, R) bool, True on real response tokens."""
+    """(B, R) bool, True on the response tokens the policy generated: what is trained. An
+    environment's tokens in a multi-turn episode are False here and 1 in ``attention_mask``."""
     action_log_probs: torch.Tensor
-    """(B, R) float32, 0 at padding (as are all per-token fields below)."""
+    """(B, R) float32, 0 outside ``action_mask`` (as are all per-token fields below)."""
     ref_log_probs: torch.Tensor
     """(B, R) float32."""
     values: torch.Tensor
@@ -144,16 +165,22 @@ class ExperienceBatch:
 
     def split(self) -> list[ExperienceItem]:
         """The B unpadded items: inverse of `merge`. Each field is masked once for the whole batch
-        and cut into rows (row-major order), so the items view one tensor per field."""
+        and cut into rows (row-major order), so the items view one tensor per field. A response is
+        every attended token after the prompt; an item's ``action_mask`` is kept only where it
+        leaves some of them out."""
         P, B = self.prompt_len, self.batch_size
-        prompt_mask, action_mask = self.attention_mask[:, :P].bool(), self.action_mask.bool()
-        prompt_lens, response_lens = prompt_mask.sum(dim=1).tolist(), action_mask.sum(dim=1).tolist()
+        prompt_mask, response_mask = self.attention_mask[:, :P].bool(), self.attention_mask[:, P:].bool()
+        prompt_lens, response_lens = prompt_mask.sum(dim=1).tolist(), response_mask.sum(dim=1).tolist()
         prompts = self.sequences[:, :P][prompt_mask].split(prompt_lens)
-        per_token = {"response_ids": self.sequences[:, P:][action_mask].split(response_lens)}
-        per_token.update((name, getattr(self, name)[action_mask].split(response_lens)) for name in PER_TOKEN_FIELDS)
+        per_token = {"response_ids": self.sequences[:, P:][response_mask].split(response_lens)}
+        per_token.update((name, getattr(self, name)[response_mask].split(response_lens)) for name in PER_TOKEN_FIELDS)
+        actions = self.action_mask.bool()
+        holes = (actions != response_mask).any(dim=1).tolist()
+        masks = actions[response_mask].split(response_lens) if any(holes) else [None] * B
         rewards, versions = self.reward.tolist(), self.policy_version.tolist()
         return [ExperienceItem(prompt_ids=prompts[i], **{name: rows[i] for name, rows in per_token.items()},
-                               reward=rewards[i], policy_version=versions[i], uid=self.uids[i]) for i in range(B)]
+                               reward=rewards[i], policy_version=versions[i], uid=self.uids[i],
+                               action_mask=masks[i] if holes[i] else None) for i in range(B)]
 
     @classmethod
     def merge(cls, items: Sequence[ExperienceItem], pad_token_id: int) -> ExperienceBatch:
@@ -168,17 +195,22 @@ class ExperienceBatch:
         response_lens = torch.tensor([item.response_length for item in items], device=device)
         P, R = int(prompt_lens.max()), int(response_lens.max())
         prompt_mask = torch.arange(P, device=device) >= P - prompt_lens.unsqueeze(1)  # left padding
-        action_mask = torch.arange(R, device=device) < response_lens.unsqueeze(1)  # right padding
+        response_mask = torch.arange(R, device=device) < response_lens.unsqueeze(1)  # right padding
+        action_mask = response_mask.clone()
+        if any(item.action_mask is not None for item in items):
+            action_mask[response_mask] = torch.cat([item.action_mask.bool() if item.action_mask is not None
+                                                    else torch.ones(item.response_length, dtype=torch.bool,
+                                                                    device=device) for item in items])
         sequences = torch.full((B, P + R), pad_token_id, dtype=torch.long, device=device)
         sequences[:, :P][prompt_mask] = torch.cat([item.prompt_ids for item in items]).long()
-        sequences[:, P:][action_mask] = torch.cat([item.response_ids for item in items]).long()
+        sequences[:, P:][response_mask] = torch.cat([item.response_ids for item in items]).long()
         per_token = {}
         for name in PER_TOKEN_FIELDS:
             per_token[name] = torch.zeros(B, R, dtype=torch.float32, device=device)
-            per_token[name][action_mask] = torch.cat([getattr(item, name) for item in items]).float()
+            per_token[name][response_mask] = torch.cat([getattr(item, name) for item in items]).float()
         return cls(
             sequences=sequences,
-            attention_mask=torch.cat([prompt_mask, action_mask], dim=1).long(),
+            attention_mask=torch.cat([prompt_mask, response_mask], dim=1).long(),
             action_mask=action_mask,
             **per_token,
             reward=torch.tensor([item.reward for item in items], dtype=torch.float32, device=device),
@@ -187,6 +219,14 @@ class ExperienceBatch:
             prompt_len=P,
             pad_token_id=pad_token_id,
         )
+
+
+def _action_mask(packed: PackedItems, i: int, r_base: int) -> torch.Tensor | None:
+    """Item ``i``'s action mask (a writable copy), or None where it has none."""
+    if packed.action_mask is None or not packed.has_mask[i]:
+        return None
+    r0, r1 = int(packed.response_offsets[i]), int(packed.response_offsets[i + 1])
+    return torch.from_numpy(packed.action_mask[r0:r1].copy())
 
 
 def unpack(packed: PackedItems, start: int = 0, stop: int | None = None) -> list[ExperienceItem]:
@@ -205,5 +245,7 @@ def unpack(packed: PackedItems, start: int = 0, stop: int | None = None) -> list
                                   **{name: fields[name][r0:r1] for name in ("response_ids", *PER_TOKEN_FIELDS)},
                                   reward=float(packed.reward[i]), policy_version=int(packed.policy_version[i]),
                                   uid=packed.uids[i], prompt=packed.prompts[i],
-                                  prompt_id=-1 if packed.prompt_id is None else int(packed.prompt_id[i])))
+                                  prompt_id=-1 if packed.prompt_id is None else int(packed.prompt_id[i]),
+                                  action_mask=_action_mask(packed, i, r_base),
+                                  episode=None if packed.episodes is None else packed.episodes[i]))
     return out

@@ -1,8 +1,10 @@
 """PPO losses, advantages and KL estimates for language models, as pure functions of tensors.
 
 Shapes: B = batch size, T = response length (tokens), V = vocabulary size. Every `mask` may be
-bool or 0/1 and marks the valid (non-padding) tokens; masked-out entries of the inputs do not
-change any result (keep them finite where gradients flow: a nan poisons the backward pass).
+bool or 0/1 and marks the valid tokens: the policy's own, not padding and not an environment's
+tokens between the turns of a multi-turn episode (a mask may have holes). Masked-out entries of
+the inputs do not change any result (keep them finite where gradients flow: a nan poisons the
+backward pass).
 """
 
 from __future__ import annotations
@@ -47,6 +49,17 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     return torch.where(mask.bool(), whitened, 0.0)
 
 
+def left_aligned(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, prefix): gathering a (B, T) tensor by ``order`` moves each row's valid positions to
+    its front, in order, and ``prefix`` is the mask of the gathered rows (a valid prefix of each row).
+    ``out.scatter(1, order, x)`` puts a gathered ``x`` back. Time-step recursions (GAE, discounted
+    returns) run on the gathered rows, so positions outside ``mask`` (an environment's tokens in a
+    multi-turn episode, ``ray_ppo.core.episodes``) are skipped, not counted as time steps."""
+    valid = mask.bool()
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+    return order, valid.gather(1, order)
+
+
 def compute_gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,12 +67,15 @@ def compute_gae(
 
     Schulman et al. 2016, "High-Dimensional Continuous Control Using GAE", arXiv:1506.02438, eq. 16:
         delta_t = r_t + gamma * V(s_{t+1}) - V(s_t),   A_t = delta_t + gamma * lam * A_{t+1}
-    Inputs are (B, T) with right padding (`mask` is a valid prefix of each row). The episode ends at
-    the last valid token, so V and A beyond it are 0. Returns (advantages, returns), both (B, T) and
-    0 at padding, with returns = advantages + values (the critic's regression target).
+    Inputs are (B, T); the time steps of a row are its valid tokens (`mask`), in order, so the
+    step after the last token of one turn of a multi-turn episode is the first token of the next
+    (the environment's tokens between them are no actions). The episode ends at the last valid
+    token, so V and A beyond it are 0. Returns (advantages, returns), both (B, T) and 0 outside
+    `mask`, with returns = advantages + values (the critic's regression target).
     """
-    valid = mask.bool()
-    rewards, values = torch.where(valid, rewards, 0.0), torch.where(valid, values, 0.0)
+    order, valid = left_aligned(mask)
+    rewards = torch.where(valid, rewards.gather(1, order), 0.0)
+    values = torch.where(valid, values.gather(1, order), 0.0)
     T = rewards.shape[1]
     lastgaelam = torch.zeros_like(values[:, 0])
     advantages_reversed = []
@@ -69,28 +85,29 @@ def compute_gae(
         lastgaelam = torch.where(valid[:, t], delta + gamma * lam * lastgaelam, 0.0)
         advantages_reversed.append(lastgaelam)
     advantages = torch.stack(advantages_reversed[::-1], dim=1)
-    return advantages, advantages + values
+    back = torch.zeros_like(advantages)
+    return back.scatter(1, order, advantages), back.scatter(1, order, advantages + values)
 
 
 def compute_gae_reference(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`compute_gae` as a plain loop over samples and time steps: the readable reference for tests.
+    """`compute_gae` as a plain loop over samples and their valid time steps: the readable reference for tests.
 
     Schulman et al. 2016, arXiv:1506.02438, eq. 16; same inputs and outputs as `compute_gae`.
     """
     advantages, returns = torch.zeros_like(values), torch.zeros_like(values)
     for b in range(rewards.shape[0]):
-        n = int(mask[b].sum())
+        steps = mask[b].bool().nonzero().flatten().tolist()
         lastgaelam = 0.0
-        for t in reversed(range(n)):
-            next_value = values[b, t + 1] if t + 1 < n else 0.0
+        for i in reversed(range(len(steps))):
+            t = steps[i]
+            next_value = values[b, steps[i + 1]] if i + 1 < len(steps) else 0.0
             delta = rewards[b, t] + gamma * next_value - values[b, t]
             lastgaelam = delta + gamma * lam * lastgaelam
             advantages[b, t] = lastgaelam
             returns[b, t] = lastgaelam + values[b, t]
     return advantages, returns
-
 
 
 def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token_mean") -> torch.Tensor:
@@ -233,16 +250,21 @@ def compute_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: 
 
 
 def kl_penalized_rewards(
-    reward: torch.Tensor, kl: torch.Tensor, action_mask: torch.Tensor, kl_coef: float
+    reward: torch.Tensor, kl: torch.Tensor, action_mask: torch.Tensor, kl_coef: float,
+    token_scores: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token rewards r_t = -kl_coef * kl_t, plus the (B,) score `reward` at each row's last valid token.
 
     Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences", arXiv:1909.08593,
     section 2.2: R(x, y) = r(x, y) - beta * log(pi(y|x) / rho(y|x)), spread per token as in
-    Stiennon et al. 2020, arXiv:2009.01325. Rewards are 0 at padding; every row needs a valid token.
+    Stiennon et al. 2020, arXiv:2009.01325. `token_scores` (B, T), when given, replace the placed
+    score: a multi-turn episode's reward of each turn sits at that turn's last token
+    (``ray_ppo.core.episodes``). Rewards are 0 at padding; every row needs a valid token.
     """
     valid = action_mask.bool()
     rewards = torch.where(valid, -kl_coef * kl, 0.0)
+    if token_scores is not None:
+        return rewards + torch.where(valid, token_scores.to(rewards.dtype), 0.0)
     positions = torch.arange(1, valid.shape[1] + 1, device=valid.device)
     last = (positions * valid).argmax(dim=1, keepdim=True)
     return rewards.scatter_add(1, last, reward.to(rewards.dtype).unsqueeze(1))

@@ -1,0 +1,168 @@
+"""Multi-turn episodes without Ray (``ray_ppo.core.episodes``): turns and observations in the
+context, the bounds of an episode, environment faults, async environments that sleep, chat
+templates, and a maker's experience from episodes (the tiny model)."""
+
+import copy
+import time
+
+import pytest
+import torch
+
+from ray_ppo.config import Config, EnvConfig
+from ray_ppo.core.build import build_experience_maker, resolve_config
+from ray_ppo.core.episodes import EpisodeRunner
+from ray_ppo.env import EnvError, Environment, Turn, check_turn, load_env_class
+from ray_ppo.tasks.turns import TwoTurnEnv
+from ray_ppo.testing import FaultyEnv, SleepyEnv
+
+EOS = 1
+
+
+def digits(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def scripted(tokenizer, answer: str = "5 5", stop: bool = True, delay_s: float = 0.0):
+    """A ``Sample`` that answers every context with ``answer`` (and the EOS if ``stop``); records its calls."""
+    calls = []
+
+    def sample(contexts, max_new_tokens):
+        calls.append((len(contexts), max_new_tokens))
+        time.sleep(delay_s)
+        tokens = digits(tokenizer, answer) + ([EOS] if stop else [])
+        return [(tokens[:max_new_tokens], stop and len(tokens) <= max_new_tokens) for _ in contexts]
+
+    sample.calls = calls
+    return sample
+
+
+def run(tokenizer, env_cls, prompts, sample=None, **env):
+    runner = EpisodeRunner(env_cls, EnvConfig(cls="x:Y", **env), tokenizer)
+    return runner.run([digits(tokenizer, p) for p in prompts], prompts, sample or scripted(tokenizer))
+
+
+def test_two_turns_put_the_observation_in_the_context_and_each_reward_at_its_turn(tokenizer):
+    out = run(tokenizer, TwoTurnEnv, ["3 1 5"])
+    turn, observation = digits(tokenizer, "5 5") + [EOS], digits(tokenizer, "3 1 5")
+    assert out.episodes[0].tokens == turn + observation + turn
+    assert out.rollout.action_mask[0].tolist() == [True] * 3 + [False] * 3 + [True] * 3
+    assert out.rollout.attention_mask[0].tolist() == [1] * 3 + [1] * 9
+    # each answer "5 5 <eos>": 2 of the 8 target tokens equal the last digit 5 -> 0.5 * 2 / 8 each
+    assert out.token_scores[0].tolist() == [0, 0, 0.125, 0, 0, 0, 0, 0, 0.125]
+    assert out.episodes[0].counts() == {"turns": 2.0, "fault": 0.0}
+
+
+def test_an_episode_ends_at_the_turn_limit_or_the_token_budget(tokenizer):
+    class Endless(Environment):
+        def step(self, response):  # a plain function runs in a thread
+            return Turn(observation="7", reward=1.0)
+
+    assert run(tokenizer, Endless, ["3"], max_turns=3).episodes[0].turns == 3
+    budget = run(tokenizer, Endless, ["3"], max_tokens=10, max_turns=50).episodes[0]
+    assert len(budget.tokens) == 10 and budget.turns == 3  # 3 + 1 + 3 + 1 tokens, then the third turn cut to 2
+    cut = run(tokenizer, Endless, ["3"], sample=scripted(tokenizer, "5 5 5 5 5 5"), max_tokens=4).episodes[0]
+    assert cut.tokens == digits(tokenizer, "5 5 5 5") and cut.turns == 1  # the policy's turn is cut to the budget
+
+
+def test_a_fault_ends_its_episode_alone_and_names_the_prompt(tokenizer):
+    prompts = ["0 4", "1 4", "2 4", "3 4"]  # raise, hang, garbage, fine
+    start = time.perf_counter()
+    out = run(tokenizer, FaultyEnv, prompts, step_timeout_s=0.5)
+    assert time.perf_counter() - start < 30  # the hanging step was abandoned at its timeout
+    faults = [e.fault for e in out.episodes]
+    assert "step raised RuntimeError: the environment broke" in faults[0] and "prompt '0 4'" in faults[0]
+    assert "env.step_timeout_s=0.5" in faults[1] and "prompt '1 4'" in faults[1]
+    assert "not a ray_ppo.env.Turn" in faults[2] and "prompt '2 4'" in faults[2]
+    assert faults[3] is None and out.episodes[3].turns == 2
+    assert out.faulted.tolist() == [True, True, True, False]
+    assert all(e.turns == 1 for e in out.episodes[:3])  # each fault came after the policy's first turn
+
+
+def test_slow_async_steps_overlap_each_other_and_generation(tokenizer):
+    class Slow(SleepyEnv):
+        sleep_s = (0.2, 0.2)
+
+    sample = scripted(tokenizer, delay_s=0.05)
+    out = run(tokenizer, Slow, ["3 4"] * 16, sample=sample, pipeline=2)
+    assert all(e.turns == 2 and e.fault is None for e in out.episodes)
+    # 32 steps of 0.2 s each, one after another, would take 6.4 s; they overlap
+    assert out.wall_s < 3.0, out.wall_s
+    assert max(size for size, _ in sample.calls) <= 8  # two groups of 8 take turns at generating
+
+
+def test_observations_follow_the_chat_template(tokenizer):
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = ("{% for m in messages %}{{ {'system': '9', 'user': '8', 'assistant': '7', 'tool': '6'}"
+                          "[m['role']] }} {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}7{% endif %}")
+    runner = EpisodeRunner(TwoTurnEnv, EnvConfig(cls="x:Y"), chat, chat_template=True)
+    # what closes an assistant message (" "), the observation as a user message, the assistant's header
+    assert chat.decode(runner.observation_ids("4 2", chat=True, stopped=False)) == "8 4 2 7"
+    assert chat.decode(runner.observation_ids([{"role": "tool", "content": "3"}], chat=True, stopped=True)) == "6 3 7"
+    assert runner.observation_ids("4 2", chat=False, stopped=True) == digits(tokenizer, "4 2")
+
+
+def test_a_template_that_rewrites_earlier_messages_is_refused(tokenizer):
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = "{% for m in messages|reverse %}{{ m['content'] }} {% endfor %}"
+    runner = EpisodeRunner(TwoTurnEnv, EnvConfig(cls="x:Y"), chat, chat_template=True)
+    with pytest.raises(EnvError, match="renders a conversation's earlier messages differently"):
+        runner.observation_ids("4", chat=True, stopped=False)
+
+
+def test_turns_are_checked_and_classes_loaded_with_errors_that_name_the_fix():
+    assert check_turn(Turn("x", 1, False, {"tool_calls": 1})).reward == 1
+    for bad, match in [("x", "not a ray_ppo.env.Turn"), (Turn(reward=float("nan")), "not a finite number"),
+                       (Turn(observation=3), "not a text or a list of chat messages"),
+                       (Turn(info={"a": "b"}), "not a dict of numbers")]:
+        with pytest.raises(EnvError, match=match):
+            check_turn(bad)
+    assert load_env_class("ray_ppo.tasks.turns:TwoTurnEnv") is TwoTurnEnv
+    with pytest.raises(EnvError, match="cannot import module 'no_such_module'"):
+        load_env_class("no_such_module:Env")
+    with pytest.raises(EnvError, match="has no class 'Nope' with a step method"):
+        load_env_class("ray_ppo.tasks.turns:Nope")
+
+
+def tiny_maker(tiny_path, **env):
+    cfg = resolve_config(Config.from_dict({
+        "model": {"pretrained": tiny_path}, "maker": {"samples_per_prompt": 2, "max_new_tokens": 4},
+        "algo": {"advantage": "grpo"}, "env": {"cls": "ray_ppo.testing:FaultyEnv", "max_tokens": 24, **env}}))
+    return build_experience_maker(cfg)
+
+
+def test_a_maker_trains_the_policy_s_tokens_and_neutralises_faulted_episodes(tiny_path):
+    maker = tiny_maker(tiny_path, step_timeout_s=0.5)
+    prompts = ["0 4 4", "3 4 4"]  # the first prompt's two episodes fault, the second's run two turns
+    ids = [maker.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    items, stats = maker.make_experience(ids, policy_version=3, prompts=prompts)
+    assert len(items) == 4 and len(stats.faults) == 2 and all("prompt '0 4 4'" in f for f in stats.faults)
+    assert 0 < stats.utilisation <= 1
+    for item in items[:2]:  # faulted: no advantage, whatever their group did
+        assert item.episode["fault"] == 1.0 and torch.all(item.advantages == 0)
+    for item in items[2:]:
+        assert item.episode == {"turns": 2.0, "fault": 0.0}
+        mask = item.action_mask
+        assert mask is not None and not mask.all() and mask.any()
+        for name in ("action_log_probs", "ref_log_probs", "advantages", "rewards"):
+            assert torch.all(getattr(item, name)[~mask] == 0), name  # nothing on the environment's tokens
+        assert torch.all(item.action_log_probs[mask] < 0)  # real log-probs of the sampled tokens
+    assert stats.num_tokens == sum(it.num_actions for it in items)
+
+
+@pytest.mark.parametrize("first, problem", [
+    ("0 4", "RuntimeError: the environment broke"),
+    ("1 4", "took longer than env.step_timeout_s=0.3 s"),
+    ("2 4", "not a ray_ppo.env.Turn"),
+])
+def test_preflight_runs_a_probe_episode_on_the_first_prompt(tmp_path, tiny_path, first, problem):
+    from ray_ppo.preflight import PreflightError, check_run
+
+    (tmp_path / "prompts.csv").write_text(f"prompt\n{first}\n3 4\n")
+    cfg = Config.from_dict({"model": {"pretrained": tiny_path}, "data": {"path": str(tmp_path / "prompts.csv")},
+                            "env": {"cls": "ray_ppo.testing:FaultyEnv", "step_timeout_s": 0.3}})
+    with pytest.raises(PreflightError) as e:
+        check_run(cfg)
+    assert str(e.value).startswith(f"env.cls='ray_ppo.testing:FaultyEnv': a probe episode on the prompt '{first}' "
+                                   f"failed at its first step: ") and problem in str(e.value)
+    (tmp_path / "fine.csv").write_text("prompt\n3 4\n")
+    check_run(cfg.with_overrides({"data.path": str(tmp_path / "fine.csv")}))  # a well-behaved first prompt passes
