@@ -36,6 +36,15 @@ def pick_samples(items: Sequence[Any], tokenizer, step: int, n: int = SAMPLES_PE
             for it in list(items)[:n]]
 
 
+def pick_faults(items: Sequence[Any], tokenizer, step: int, n: int = SAMPLES_PER_STEP) -> list[dict]:
+    """The first ``n`` of a step's multi-turn episodes that an environment fault ended, as samples
+    (``pick_samples``) with ``fault``: what went wrong, naming the prompt. Written every step that has
+    one, whatever ``logging.samples_every``; the live line prints them."""
+    faulted = [it for it in items if it.episode is not None and "problem" in it.episode][:n]
+    return [{**sample, "fault": it.episode["problem"]}
+            for it, sample in zip(faulted, pick_samples(faulted, tokenizer, step, n), strict=True)]
+
+
 def split_samples(metrics: dict) -> tuple[dict, list[dict]]:
     """(the metrics row without samples, the samples it carried)."""
     if SAMPLES_KEY not in metrics:

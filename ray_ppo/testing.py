@@ -63,8 +63,8 @@ class SleepyEnv(TwoTurnEnv):
         return await super().step(response)
 
 
-class FaultyEnv(TwoTurnEnv):
-    """``TwoTurnEnv``, except on prompts whose first digit is 0 (the step raises), 1 (it hangs for an
+class FaultyEnv(SleepyEnv):
+    """``SleepyEnv``, except on prompts whose first digit is 0 (the step raises), 1 (it hangs for an
     hour) or 2 (it returns a string, not a ``Turn``): the three faults an episode must survive."""
 
     async def step(self, response: str):

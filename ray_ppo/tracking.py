@@ -197,6 +197,9 @@ class LiveLine:
         print(" | ".join(parts), file=self.stream, flush=True)
         for report in split_evals(metrics)[1]:
             print(eval_line(report), file=self.stream, flush=True)
+        for sample in split_samples(metrics)[1]:
+            if "fault" in sample:
+                print(f"  episode ended on an environment fault: {sample['fault']}", file=self.stream, flush=True)
 
 
 class Progress:

@@ -65,9 +65,11 @@ class Episode:
     def reward(self) -> float:
         return sum(self.scores)
 
-    def counts(self) -> dict[str, float]:
-        """What ``ExperienceItem.episode`` carries: turns, fault (0 or 1) and the environment's counts."""
-        return {"turns": float(self.turns), "fault": float(self.fault is not None), **self.info}
+    def counts(self) -> dict:
+        """What ``ExperienceItem.episode`` carries: turns, fault (0 or 1), the environment's counts,
+        and for a faulted episode what went wrong (``problem``, shown by ``ray_ppo.samples.pick_faults``)."""
+        counts = {"turns": float(self.turns), "fault": float(self.fault is not None), **self.info}
+        return counts if self.fault is None else {**counts, "problem": self.fault}
 
 
 @dataclass

@@ -19,7 +19,7 @@ def experience_metrics(items: list[ExperienceItem], version: int) -> dict[str, f
                "kl": float(kl.mean()), "response_length": float(lengths.mean()),
                "staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max())}
     episodes = [it.episode for it in items if it.episode is not None]
-    for key in sorted({key for counts in episodes for key in counts}):
+    for key in sorted({key for counts in episodes for key, value in counts.items() if not isinstance(value, str)}):
         metrics[f"env/{key}"] = sum(counts.get(key, 0.0) for counts in episodes) / len(episodes)
     return metrics
 

@@ -166,3 +166,19 @@ def test_preflight_runs_a_probe_episode_on_the_first_prompt(tmp_path, tiny_path,
                                    f"failed at its first step: ") and problem in str(e.value)
     (tmp_path / "fine.csv").write_text("prompt\n3 4\n")
     check_run(cfg.with_overrides({"data.path": str(tmp_path / "fine.csv")}))  # a well-behaved first prompt passes
+
+
+def test_the_docs_example_environment_is_short_and_plays_a_game():
+    import asyncio
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).parents[2] / "docs" / "multi-turn.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, re.S)[1]
+    assert len(code.strip().splitlines()) < 40
+    namespace: dict = {}
+    exec(compile(code, "guess.py", "exec"), namespace)
+    env = namespace["GuessEnv"]("I am thinking of a number from 1 to 100 (it is 37). Guess it.")
+    turns = [asyncio.run(env.step(guess)) for guess in ("I guess 50", "hmm", "25", "37")]
+    assert [t.observation for t in turns] == ["Lower.", "Answer with a number.", "Higher.", None]
+    assert turns[-1].done and turns[-1].reward == pytest.approx(1 / 3) and turns[1].reward == -0.1
