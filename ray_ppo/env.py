@@ -39,7 +39,8 @@ class Turn:
 
     observation: str | list[dict] | None = None
     """Put in the context before the policy's next turn: a text (a user message in a chat run,
-    else appended as it is), or chat messages (e.g. ``{"role": "tool", "content": "42"}``)."""
+    else appended as it is), or chat messages (e.g. ``{"role": "tool", "content": "42"}``). None
+    ends the episode as ``done`` does: the policy has nothing new to answer."""
     reward: float = 0.0
     """The reward of this turn; an episode's reward is the sum of its turns'."""
     done: bool = False

@@ -9,7 +9,9 @@ any name ``model.pretrained`` takes (``tiny``, ``smollm2-135m-instruct``, a hub 
 responses are scored by the config's rule reward (``model.reward_fn``), called as a run calls it;
 a response is correct when its reward is at least ``CORRECT``. Greedy by default (one response a
 prompt); with ``samples_per_prompt=k`` sampled at the config's sampling settings, reporting
-mean@k (the reward's mean) and pass@k (the share of prompts with a correct response).
+mean@k (the reward's mean) and pass@k (the share of prompts with a correct response). With an
+environment (``env.cls``) each answer is an episode (``ray_ppo.core.episodes``), scored by the
+environment's rewards, and the sample's response is the whole exchange.
 """
 
 from __future__ import annotations
@@ -114,6 +116,9 @@ class Evaluation:
         self.reward_fn = load_reward_fn(reward_fn)
         self.batch_size = cfg.maker.batch_size
         self.sampling = cfg.maker.model_copy(update={"max_new_tokens": max_new_tokens or cfg.maker.max_new_tokens})
+        from ray_ppo.core.build import build_episode_runner
+
+        self.episodes = build_episode_runner(cfg, tokenizer)
 
     @classmethod
     def of_config(cls, cfg: Config, tokenizer) -> Evaluation:
@@ -132,24 +137,43 @@ class Evaluation:
             encoded = self.encoder.encode(self.prompts[start:start + self.batch_size])
             ids = [i for i in encoded.ids for _ in range(self.k)]
             batch_prompts = [p for p in encoded.prompts for _ in range(self.k)]
-            responses = self._respond(ids, actor, engine, ends)
-            scores = (float(r) for r in self.reward_fn(batch_prompts, responses))
+            if self.episodes is not None:
+                responses, scores = self._episodes(ids, batch_prompts, actor, engine, ends)
+            else:
+                responses = self._respond(ids, actor, engine, ends)
+                scores = (float(r) for r in self.reward_fn(batch_prompts, responses))
             rows += zip(batch_prompts, responses, scores, strict=True)
         return _result(rows, model, str(self.data), self.k, self.greedy)
 
     @torch.no_grad()
     def _respond(self, prompt_ids: Sequence[Sequence[int]], actor, engine, ends) -> list[str]:
         """Decoded responses (special tokens dropped), each ending at its first end token."""
-        from ray_ppo.core.models import generate
-
-        pad = self.tokenizer.pad_token_id
-        if engine is not None:
-            rollout = engine.generate(prompt_ids, self.sampling, pad, ends, greedy=self.greedy)
-        else:
-            rollout = generate(actor, prompt_ids, self.sampling, pad, ends, greedy=self.greedy)
+        rollout = self._generate(prompt_ids, actor, engine, ends)
         responses = rollout.sequences[:, rollout.prompt_len:]
         return [self.tokenizer.decode(row[keep], skip_special_tokens=True)
                 for row, keep in zip(responses.cpu(), rollout.action_mask.cpu(), strict=True)]
+
+    def _generate(self, prompt_ids: Sequence[Sequence[int]], actor, engine, ends, max_new_tokens: int | None = None):
+        from ray_ppo.core.models import generate
+
+        sampling = self.sampling if max_new_tokens is None else self.sampling.model_copy(
+            update={"max_new_tokens": min(max_new_tokens, self.sampling.max_new_tokens)})
+        pad = self.tokenizer.pad_token_id
+        if engine is not None:
+            return engine.generate(prompt_ids, sampling, pad, ends, greedy=self.greedy)
+        return generate(actor, prompt_ids, sampling, pad, ends, greedy=self.greedy)
+
+    @torch.no_grad()
+    def _episodes(self, prompt_ids, prompts, actor, engine, ends) -> tuple[list[str], list[float]]:
+        """Each prompt answered in an episode: (the decoded exchanges, the episodes' rewards)."""
+        from ray_ppo.core.episodes import policy_turns
+
+        def sample(contexts, max_new_tokens):
+            return policy_turns(self._generate(contexts, actor, engine, ends, max_new_tokens), ends)
+
+        run = self.episodes.run(prompt_ids, prompts, sample)
+        return ([self.tokenizer.decode(e.tokens, skip_special_tokens=True) for e in run.episodes],
+                [e.reward for e in run.episodes])
 
 
 def _result(rows: list[tuple[Prompt, str, float]], model: str, data: str, k: int, greedy: bool) -> EvalResult:

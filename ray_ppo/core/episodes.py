@@ -37,6 +37,16 @@ from ray_ppo.env import EnvError, Turn, take_step
 Sample = Callable[[list[list[int]], int], list[tuple[list[int], bool]]]
 """sample(contexts, max_new_tokens) -> for each context, (the policy's new tokens, whether they end on a stop token)."""
 
+def policy_turns(rollout: Rollout, stop_ids) -> list[tuple[list[int], bool]]:
+    """A sampled rollout as ``Sample`` returns it: each row's new tokens, and whether they end on a stop token."""
+    responses, mask = rollout.sequences[:, rollout.prompt_len:].cpu(), rollout.action_mask.cpu()
+    out = []
+    for row, keep in zip(responses, mask, strict=True):
+        new = row[keep].tolist()
+        out.append((new, bool(new) and new[-1] in stop_ids))
+    return out
+
+
 _PROBE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 
 
@@ -119,7 +129,7 @@ class EpisodeRunner:
         while ready or waiting:
             if ready:
                 batch = [ready.popleft() for _ in range(min(group, len(ready)))]
-                budget = max(self.cfg.max_tokens - len(e.tokens) for e in batch)
+                budget = min(self.cfg.max_tokens - len(e.tokens) for e in batch)  # an engine's contexts have a hard limit
                 t0 = time.perf_counter()
                 outs = sample([e.prompt_ids + e.tokens for e in batch], budget)
                 generate_s += time.perf_counter() - t0

@@ -187,13 +187,9 @@ class ExperienceMaker:
 
     def _turns(self, contexts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], bool]]:
         """One policy turn per context (``ray_ppo.core.episodes.Sample``)."""
-        rollout = self._sample(contexts, max_new_tokens)
-        responses, mask = rollout.sequences[:, rollout.prompt_len:].cpu(), rollout.action_mask.cpu()
-        out = []
-        for row, keep in zip(responses, mask, strict=True):
-            new = row[keep].tolist()
-            out.append((new, bool(new) and new[-1] in self.stop_ids))
-        return out
+        from ray_ppo.core.episodes import policy_turns
+
+        return policy_turns(self._sample(contexts, max_new_tokens), self.stop_ids)
 
     def _run_episodes(self, prompt_ids: list, given: list | None, stats: MakeStats):
         """(rollout, score, token scores, faulted, counts) of one episode per prompt id."""

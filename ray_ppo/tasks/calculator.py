@@ -3,12 +3,13 @@
     make_problems("train", num=512)      # Problem(347, "times", 29): "What is 347 times 29? ..."
     CalculatorEnv                        # env.cls=ray_ppo.tasks.calculator:CalculatorEnv
 
-The prompt says how to call the calculator (``ray_ppo.tools``); each turn the policy either calls
-it (the environment answers with the result as a ``tool`` message) or answers, which ends the
-episode with reward 1.0 when the answer is right (``ray_ppo.tasks.arithmetic.reward``). The same
-prompts scored by that reward alone, in one turn, are the task without the tool. Questions: a
-three-digit number times a two-digit one; train and eval splits by the hash rule of the
-arithmetic task (``split_of``), so they never share a question.
+The prompt says how to call the calculator (``ray_ppo.tools``) and shows one worked example; each
+turn the policy either calls it (the environment answers with the result as a ``tool`` message) or
+answers, which ends the episode with reward 1.0 when the answer is right
+(``ray_ppo.tasks.arithmetic.reward``). The same questions asked plainly and scored by that reward in
+one turn (``calculator_eval_no_tool.jsonl``) are the task without the tool. Questions: a
+three-digit number times a two-digit one; train and eval splits by the hash rule of the arithmetic
+task (``split_of``), so they never share a question.
 """
 
 from __future__ import annotations
@@ -21,13 +22,26 @@ from ray_ppo.env import Environment, Turn
 from ray_ppo.tasks.arithmetic import INSTRUCTION, Problem, reward, split_of
 from ray_ppo.tools import CALCULATOR, calculate, parse_tool_calls
 
-HINT = ('You may use a calculator: write <tool_call>{"name": "calculator", "arguments": {"expression": "2 * 3"}}'
-        '</tool_call> and you will be told the result.')
+SYSTEM = ('You can use a calculator. To use it, write <tool_call>{"name": "calculator", "arguments": '
+          '{"expression": "..."}}</tool_call> and you will be told the result. Then give the answer as a number.')
+EXAMPLE = Problem(123, "times", 45)
+
+
+def call(expression: str) -> str:
+    """A calculator call as the policy writes it (``ray_ppo.tools.parse_tool_calls`` reads it)."""
+    return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
 
 
 def messages(problem: Problem) -> list[dict]:
-    """The chat prompt: the question, how to call the calculator, and ``INSTRUCTION``."""
-    return [{"role": "user", "content": f"{problem.question} {HINT} {INSTRUCTION}"}]
+    """The chat prompt: how to call the calculator (system), one worked example (a question, the
+    call, the result, the answer), then the question and ``INSTRUCTION``. A small model answers
+    without the example and never calls the tool (SmolLM2-135M-Instruct: 0 calls in 32 samples)."""
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"{EXAMPLE.question} {INSTRUCTION}"},
+            {"role": "assistant", "content": call(f"{EXAMPLE.a} * {EXAMPLE.b}")},
+            {"role": "tool", "content": str(EXAMPLE.answer)},
+            {"role": "assistant", "content": f"The answer is {EXAMPLE.answer}."},
+            {"role": "user", "content": f"{problem.question} {INSTRUCTION}"}]
 
 
 def make_problems(split: str, num: int, seed: int = 0) -> list[Problem]:
@@ -37,23 +51,27 @@ def make_problems(split: str, num: int, seed: int = 0) -> list[Problem]:
     rng, out = random.Random(f"{seed}:{split}:calculator"), {}
     while len(out) < num:
         problem = Problem(rng.randrange(100, 1000), "times", rng.randrange(10, 100))
-        if split_of(problem) == split:
+        if split_of(problem) == split and problem != EXAMPLE:  # the prompt's example is in no split
             out.setdefault(problem, None)
     return list(out)
 
 
 def write_problem_files(directory: str | Path, num_train: int = 2048, num_eval: int = 200,
-                        seed: int = 0) -> tuple[Path, Path]:
-    """Write ``calculator_train.jsonl`` and ``calculator_eval.jsonl``: ``prompt`` (the chat) and ``answer``."""
+                        seed: int = 0) -> tuple[Path, Path, Path]:
+    """Write ``calculator_train.jsonl`` and ``calculator_eval.jsonl`` (``prompt``: the chat with the
+    tool; ``answer``), and ``calculator_eval_no_tool.jsonl``: the same held-out questions asked as
+    the arithmetic task asks them, for the model without the tool."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for split, num in (("train", num_train), ("eval", num_eval)):
-        path = directory / f"calculator_{split}.jsonl"
-        rows = [{"prompt": messages(p), "answer": str(p.answer)} for p in make_problems(split, num, seed)]
+    files = []
+    for stem, split, num, render in (("calculator_train", "train", num_train, messages),
+                                     ("calculator_eval", "eval", num_eval, messages),
+                                     ("calculator_eval_no_tool", "eval", num_eval, Problem.messages)):
+        path = directory / f"{stem}.jsonl"
+        rows = [{"prompt": render(p), "answer": str(p.answer)} for p in make_problems(split, num, seed)]
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        paths.append(path)
-    return paths[0], paths[1]
+        files.append(path)
+    return files[0], files[1], files[2]
 
 
 class CalculatorEnv(Environment):

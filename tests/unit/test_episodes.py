@@ -182,3 +182,18 @@ def test_the_docs_example_environment_is_short_and_plays_a_game():
     turns = [asyncio.run(env.step(guess)) for guess in ("I guess 50", "hmm", "25", "37")]
     assert [t.observation for t in turns] == ["Lower.", "Answer with a number.", "Higher.", None]
     assert turns[-1].done and turns[-1].reward == pytest.approx(1 / 3) and turns[1].reward == -0.1
+
+
+def test_an_evaluation_with_an_environment_answers_in_episodes(tmp_path, tiny_path):
+    from ray_ppo.evaluate import evaluate
+
+    (tmp_path / "eval.csv").write_text("prompt\n3 1 4\n2 7 1\n")
+    cfg = Config.from_dict({"model": {"pretrained": tiny_path}, "maker": {"max_new_tokens": 4},
+                            "env": {"cls": "ray_ppo.tasks.turns:TwoTurnEnv", "max_tokens": 16}})
+    result = evaluate(cfg, data=str(tmp_path / "eval.csv"))
+    assert result.num_prompts == 2 and 0 <= result.reward_mean <= 1
+    first = result.samples[0]
+    assert first["prompt"] == "3 1 4" and "3 1 4" in first["response"]  # the observation between the two turns
+    assert len(first["response"].split()) > 4  # two turns and the observation; one turn has at most 4 tokens
+    plain = evaluate(cfg.with_overrides({"env.cls": None}), data=str(tmp_path / "eval.csv"))
+    assert len(plain.samples[0]["response"].split()) <= 4

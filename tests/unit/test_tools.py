@@ -7,7 +7,7 @@ import pytest
 
 from ray_ppo import cli
 from ray_ppo.env import check_turn
-from ray_ppo.tasks.calculator import CalculatorEnv, make_problems, messages
+from ray_ppo.tasks.calculator import EXAMPLE, CalculatorEnv, make_problems, messages
 from ray_ppo.tools import calculate, parse_tool_calls
 
 
@@ -57,9 +57,16 @@ def test_the_calculator_environment_answers_calls_then_scores_the_answer():
 def test_calculator_splits_are_disjoint_seeded_and_written_by_toy_data(tmp_path, capsys):
     train, evaluation = make_problems("train", 400), make_problems("eval", 100)
     assert not set(train) & set(evaluation) and len(set(train)) == 400
+    assert EXAMPLE not in make_problems("train", 4000) + make_problems("eval", 1000)  # the prompt's worked example
+    prompt = messages(train[0])
+    assert [m["role"] for m in prompt] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert parse_tool_calls(prompt[2]["content"])[0]["arguments"] == {"expression": "123 * 45"}
+    assert prompt[3]["content"] == "5535" and train[0].question in prompt[-1]["content"]
     assert make_problems("train", 50, seed=1) == make_problems("train", 50, seed=1) != make_problems("train", 50)
     assert all(100 <= p.a <= 999 and 10 <= p.b <= 99 and p.op == "times" for p in train)
     assert cli.main(["toy-data", str(tmp_path), "--task", "calculator", "--num-prompts", "20", "--num-eval", "5"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "calculator_eval.jsonl").read_text().splitlines()]
-    assert len(rows) == 5 and "<tool_call>" in rows[0]["prompt"][0]["content"] and rows[0]["answer"].isdigit()
+    assert len(rows) == 5 and rows[0]["prompt"] == messages(make_problems("eval", 5)[0]) and rows[0]["answer"].isdigit()
     assert str(tmp_path / "calculator_train.jsonl") in capsys.readouterr().out
+    plain = [json.loads(line) for line in (tmp_path / "calculator_eval_no_tool.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in plain] == [p.messages() for p in make_problems("eval", 5)]  # no tool, same questions

@@ -104,6 +104,32 @@ def test_items_are_well_formed_and_equal_to_the_hf_makers(worker):
         assert item.reward == hf_item.reward
 
 
+def test_multi_turn_episodes_generate_with_the_engine_as_with_hf(worker):
+    """Episodes (env.cls) batch their turns into the engine: greedy, a two-turn episode of the vLLM
+    maker is the HF maker's token for token, and only the policy's tokens are actions."""
+    from ray_ppo.config import EnvConfig
+    from ray_ppo.core.episodes import EpisodeRunner
+    from ray_ppo.tasks.turns import TwoTurnEnv
+
+    maker = worker.maker
+    prompts = [maker.tokenizer.decode(p) for p in PROMPTS]
+    # 16 response tokens: with the longest prompt (8), what the engine's context holds (max_model_len 24)
+    maker.episodes = EpisodeRunner(TwoTurnEnv, EnvConfig(cls="ray_ppo.tasks.turns:TwoTurnEnv", max_tokens=16),
+                                   maker.tokenizer)
+    try:
+        items, _ = maker.make_experience(PROMPTS, policy_version=0, prompts=prompts)
+        maker.engine = None
+        hf_items, _ = maker.make_experience(PROMPTS, policy_version=0, prompts=prompts)
+    finally:
+        maker.engine, maker.episodes = worker.engine, None
+    two = [item for item in items if item.episode["turns"] == 2]  # a long first turn and prompt leave no room for two
+    assert two and all(item.action_mask is not None and not item.action_mask.all() for item in two)
+    for item, hf_item in zip(items, hf_items):
+        assert item.episode == hf_item.episode and torch.equal(item.response_ids, hf_item.response_ids)
+        assert (item.action_mask is None and hf_item.action_mask is None) or torch.equal(item.action_mask, hf_item.action_mask)
+        assert item.reward == hf_item.reward
+
+
 def test_greedy_generation_equals_the_hf_makers(worker):
     from ray_ppo.core.models.generation import SamplingParams
 
