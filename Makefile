@@ -63,12 +63,13 @@ TRL_PY    := $(TRL_VENV)/bin/python
 TRL_STAMP := $(TRL_VENV)/.installed
 
 # Every CPU benchmark in .venv, one after another on an otherwise idle machine: ~3 h here (overlap_sim
-# ~40 min, overlap ~17, estimators and staleness ~40 together, peers ~7). Not in it: the vLLM ones
-# (bench-vllm), the real-model peer comparison (bench-real-peer, ~1 h 45 min), profile_detached.py
-# (a profile, not a figure: it needs py-spy) and scaling_model.py (a model, no measurement).
+# ~40 min, overlap ~17, estimators and staleness ~40 together, peers ~7, env_utilisation ~7). Not in
+# it: the vLLM ones (bench-vllm), the real-model peer comparison (bench-real-peer, ~1 h 45 min), the
+# tool-use run (bench-tool-use, ~30 min), profile_detached.py (a profile, not a figure: it needs
+# py-spy) and scaling_model.py (a model, no measurement).
 BENCH_CPU := overlap_sim overlap weight_sync coordinator_scale memory lora_int8 startup example_startup \
-             maker_batch_cost behaviour_logprobs
-.PHONY: bench bench-quick bench-readme bench-vllm
+             maker_batch_cost behaviour_logprobs env_utilisation
+.PHONY: bench bench-quick bench-readme bench-vllm bench-tool-use
 bench: $(STAMP) $(TRL_STAMP)
 	for script in $(BENCH_CPU); do $(PY) benchmarks/$$script.py || exit 1; done
 	$(MAKE) bench-peer
@@ -89,11 +90,18 @@ bench-quick: $(STAMP)
 	$(PY) benchmarks/example_startup.py --repeats 1 && \
 	$(PY) benchmarks/maker_batch_cost.py --repeats 5 && \
 	$(PY) benchmarks/behaviour_logprobs.py --repeats 3 --tokens 16 && \
+	$(PY) benchmarks/env_utilisation.py && \
 	$(PY) benchmarks/estimators.py --steps 4 --seeds 0 --estimators gae,grpo --skip memory && \
 	$(PY) benchmarks/staleness.py --steps 4 --staleness 1,4 --modes none
 
 bench-readme: $(STAMP)
 	$(PY) benchmarks/render.py
+
+# SmolLM2-135M-Instruct learns to call a calculator (configs/smollm2_calculator.yaml: 20 min of
+# multi-turn GRPO), then its held-out accuracy with the tool and without, before and after.
+bench-tool-use: $(STAMP)
+	$(PY) -m ray_ppo.cli train --config configs/smollm2_calculator.yaml
+	$(PY) benchmarks/tool_use.py --run runs/smollm2_calculator
 
 # Peer benchmark (benchmarks/peer_trl.py, ~3 min; also the last step of `bench`): TRL's PPO
 # trainer in an environment of its own, since TRL is no project dependency. trl==1.12.0 is the last

@@ -1,6 +1,6 @@
 """Generation utilisation of a maker running multi-turn episodes with an environment that sleeps.
 
-    python benchmarks/env_utilisation.py [--episodes 32] [--pipelines 1,2,4] [--sleep-ms 50,200]
+    python benchmarks/env_utilisation.py [--episodes 32] [--pipelines 1,2,4,8] [--sleep-ms 50,200]
                                          [--turns 3] [--turn-tokens 16] [--models 256x4,576x30] [--repeats 3]
 
 One maker's episode loop as a run has it (``ray_ppo.core.episodes.EpisodeRunner`` driving
@@ -89,7 +89,7 @@ def run_batch(maker, cfg, pipeline: int, sleep_s, prompts: list[str]):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--episodes", type=int, default=32)
-    p.add_argument("--pipelines", default="1,2,4")
+    p.add_argument("--pipelines", default="1,2,4,8")
     p.add_argument("--sleep-ms", default="50,200")
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--turn-tokens", type=int, default=16)

@@ -159,7 +159,7 @@ class ExperienceMaker:
             rollout, token_scores, faulted, counts = self._sample(prompt_ids), None, None, None
             stats.generate_s = time.perf_counter() - start
         start = time.perf_counter()
-        if self.episodes is None:
+        if self.episodes is None:  # an episode's score is its environment's rewards
             reward = self._score(rollout, given)
         kl_coef = self.ppo.kl_coef if kl_coef is None else kl_coef
         batch = self._to_batch(rollout, reward, policy_version, kl_coef, stats, token_scores, faulted).to("cpu")

@@ -35,8 +35,10 @@ class Rollout:
     """Generated sequences. P = prompt width (left-padded), R = response width (right-padded).
 
     sequences: (B, P+R) int64; attention_mask: (B, P+R); action_mask: (B, R) bool, True on
-    response tokens up to and including the first end token (``stop_token_ids``). All on the
-    device of the model that sampled.
+    response tokens up to and including the first end token (``stop_token_ids``); in a multi-turn
+    episode's rollout (``ray_ppo.core.episodes``) True on the policy's tokens only, while
+    attention_mask covers the environment's between them too. All on the device of the model
+    that sampled.
     log_probs: (B, R) float32, the sampler's own log-probs of the response tokens (0 past the
     action mask), when asked for (``generate(..., log_probs=True)``) or reported (a vLLM engine).
     """
