@@ -1,9 +1,10 @@
-"""Build benchmarks/README.md's result tables from the results the scripts wrote (``benchmarks/results``).
+"""Build the benchmark pages' result tables from the results the scripts wrote (``benchmarks/results``).
 
     python benchmarks/render.py            # rewrite each marked block from its results file
     python benchmarks/render.py --check    # exit 1, naming the blocks that differ (a test runs this)
 
-A block in README.md is marked by its results file's name, optionally with the rows to show
+The pages are every ``benchmarks/*.md`` (``PAGES``): README.md and the pages it links. A block is
+marked by its results file's name, optionally with the rows to show
 (``where="header=value"``) and the columns (headers separated by " | "; all if not given)::
 
     <!-- results: coordinator_scale where="ranks=4" columns="variant | makers | ranks | items/s" -->
@@ -25,6 +26,8 @@ from pathlib import Path
 from _common import RESULTS, ROOT, table
 
 README = ROOT / "benchmarks" / "README.md"
+PAGES = sorted((ROOT / "benchmarks").glob("*.md"))
+"""The pages with marked blocks: README.md and real-models.md."""
 BLOCK = re.compile(r'(<!-- results: (?P<name>[\w.-]+)(?P<attrs>(?: \w+="[^"]*")*) -->\n)(?P<body>.*?)(<!-- /results -->)',
                    re.S)
 ATTR = re.compile(r'(\w+)="([^"]*)"')
@@ -62,7 +65,7 @@ def render(text: str, results: Path = RESULTS) -> tuple[str, list[str]]:
         name = match["name"]
         path = results / f"{name}.json"
         if not path.exists():
-            raise SystemExit(f"README.md marks a block '{name}', but {path} does not exist: run the benchmark")
+            raise SystemExit(f"a page marks a block '{name}', but {path} does not exist: run the benchmark")
         attrs = dict(ATTR.findall(match["attrs"]))
         columns = [c.strip() for c in attrs["columns"].split(" | ")] if "columns" in attrs else None
         body = block(json.loads(path.read_text()), columns, attrs.get("where"))
@@ -77,18 +80,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block differs from its results")
     args = parser.parse_args()
-    text = README.read_text()
-    new, changed = render(text)
-    if args.check:
-        if changed:
-            print(f"benchmarks/README.md differs from benchmarks/results in: {', '.join(changed)}; "
-                  "run python benchmarks/render.py", file=sys.stderr)
-            return 1
-        return 0
-    README.write_text(new)
-    print(f"rebuilt {len(changed)} block(s): {', '.join(changed) or 'none changed'}")
+    differ = []
+    for page in PAGES:
+        new, changed = render(page.read_text())
+        if args.check:
+            differ += [f"{page.name}: {name}" for name in changed]
+            continue
+        page.write_text(new)
+        print(f"{page.name}: rebuilt {len(changed)} block(s): {', '.join(changed) or 'none changed'}")
+    if differ:
+        print(f"the benchmark pages differ from benchmarks/results in: {', '.join(differ)}; "
+              "run python benchmarks/render.py", file=sys.stderr)
+        return 1
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -48,12 +48,15 @@ def test_a_marked_block_is_rebuilt_from_its_results_file_and_the_prose_around_it
 
 
 def test_the_readme_shows_what_the_committed_results_hold():
-    """What ``python benchmarks/render.py --check`` checks: every marked table of benchmarks/README.md
+    """What ``python benchmarks/render.py --check`` checks: every marked table of the benchmark pages
     is its results file's table, and at least the headline figures are marked."""
-    text = render.README.read_text()
-    assert render.render(text)[1] == [], "run python benchmarks/render.py"
-    marked = {m["name"] for m in render.BLOCK.finditer(text)}
-    assert {"coordinator_scale", "weight_sync", "overlap_sim"} <= marked
+    marked = set()
+    for page in render.PAGES:
+        text = page.read_text()
+        assert render.render(text)[1] == [], f"{page.name}: run python benchmarks/render.py"
+        marked |= {m["name"] for m in render.BLOCK.finditer(text)}
+    assert {"coordinator_scale", "weight_sync", "overlap_sim", "env_utilisation"} <= marked
+    assert {p.name for p in render.PAGES} == {"README.md", "real-models.md"}
 
 
 def test_a_block_may_show_some_of_the_columns(tmp_path, monkeypatch):

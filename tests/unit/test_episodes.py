@@ -197,3 +197,40 @@ def test_an_evaluation_with_an_environment_answers_in_episodes(tmp_path, tiny_pa
     assert len(first["response"].split()) > 4  # two turns and the observation; one turn has at most 4 tokens
     plain = evaluate(cfg.with_overrides({"env.cls": None}), data=str(tmp_path / "eval.csv"))
     assert len(plain.samples[0]["response"].split()) <= 4
+
+
+@pytest.mark.parametrize("advantage", ["gae", "grpo"])
+def test_a_learner_step_ignores_whatever_sits_at_the_environment_s_tokens(tiny_path, advantage):
+    """Losses, KL, values, whitening and the off-policy weights (decoupled) read the policy's tokens
+    only: a batch of episodes trains exactly as one whose environment tokens hold garbage."""
+    import dataclasses
+
+    from ray_ppo.core.algo import PER_TOKEN_FIELDS, ExperienceBatch
+    from ray_ppo.core.build import build_actor, build_critic_if_needed
+    from ray_ppo.core.learner import PPOLearner
+    from ray_ppo.core.strategies import LocalStrategy
+
+    cfg = resolve_config(Config.from_dict({
+        "model": {"pretrained": tiny_path}, "maker": {"samples_per_prompt": 2, "max_new_tokens": 4, "batch_size": 4},
+        "algo": {"advantage": advantage}, "ppo": {"off_policy": "decoupled"},
+        "trainer": {"train_batch_size": 8, "mini_batch_size": 4},
+        "env": {"cls": "ray_ppo.tasks.turns:TwoTurnEnv", "max_tokens": 24}}))
+    torch.manual_seed(0)
+    maker = build_experience_maker(cfg)
+    prompts = ["3 1 4", "2 7 1", "5 9 2", "6 5 3"]
+    items, _ = maker.make_experience([digits(maker.tokenizer, p) for p in prompts], policy_version=0, prompts=prompts)
+    batch = ExperienceBatch.merge(items, maker.tokenizer.pad_token_id)
+    environment = batch.attention_mask[:, batch.prompt_len:].bool() & ~batch.action_mask
+    assert environment.any()
+    garbage = dataclasses.replace(batch, **{name: torch.where(environment, 1e3, getattr(batch, name))
+                                            for name in PER_TOKEN_FIELDS})
+    moved = dataclasses.replace(batch, advantages=torch.where(batch.action_mask, batch.advantages + 1.0, 0.0))
+    results = []
+    for b in (batch, garbage, moved):
+        torch.manual_seed(1)
+        learner = PPOLearner(build_actor(cfg), build_critic_if_needed(cfg), LocalStrategy(), cfg, seed=2)
+        results.append(learner.train_step(b, version=1))
+    assert results[0].keys() == results[1].keys() and "is_weight_mean" in results[0]
+    for key, value in results[0].items():
+        assert results[1][key] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), key
+    assert results[2]["policy_loss"] != pytest.approx(results[0]["policy_loss"])  # the same change on actions counts
