@@ -234,3 +234,18 @@ def test_a_learner_step_ignores_whatever_sits_at_the_environment_s_tokens(tiny_p
     for key, value in results[0].items():
         assert results[1][key] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), key
     assert results[2]["policy_loss"] != pytest.approx(results[0]["policy_loss"])  # the same change on actions counts
+
+
+def test_a_prompt_is_rendered_with_the_environment_s_tools_where_the_template_renders_them(tokenizer):
+    class WithTools(TwoTurnEnv):
+        tools = [{"type": "function", "function": {"name": "calculator"}}]
+
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = ("{% if tools %}9 {{ tools | length }} {% endif %}{% for m in messages %}8 {{ m['content'] }} "
+                          "{% endfor %}{% if add_generation_prompt %}7{% endif %}")
+    encoded = digits(tokenizer, "8 3 4 7")
+    with_tools = EpisodeRunner(WithTools, EnvConfig(cls="x:Y"), chat, chat_template=True)
+    assert with_tools._with_tools(encoded, "3 4") == digits(tokenizer, "9 1 8 3 4 7")  # the template's tool list
+    assert EpisodeRunner(TwoTurnEnv, EnvConfig(cls="x:Y"), chat, chat_template=True)._with_tools(encoded, "3 4") == encoded
+    chat.chat_template = "{% for m in messages %}8 {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}7{% endif %}"
+    assert EpisodeRunner(WithTools, EnvConfig(cls="x:Y"), chat, chat_template=True)._with_tools(encoded, "3 4") == encoded
