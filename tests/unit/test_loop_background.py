@@ -85,7 +85,7 @@ def test_rank_0_completes_and_records_each_row_in_the_background_and_reports_whe
     rows, monitor = Rows(), SlowMonitor()
     monkeypatch.setattr(loop, "ray", rows)  # the loop's view of Ray: no cluster in a unit test
     cfg = SimpleNamespace(logging=SimpleNamespace(report_every=2, samples_every=0))
-    w = SimpleNamespace(cfg=cfg, rank=0, coordinator=rows, monitor=monitor, rows=loop._Rows(rows),
+    w = SimpleNamespace(cfg=cfg, rank=0, coordinator=rows, monitor=monitor, rows=loop._Rows(rows), tokenizer=None,
                         threads=SimpleNamespace(reporter=_Background("report")))
 
     def report(step):
