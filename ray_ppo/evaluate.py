@@ -149,9 +149,7 @@ class Evaluation:
     def _respond(self, prompt_ids: Sequence[Sequence[int]], actor, engine, ends) -> list[str]:
         """Decoded responses (special tokens dropped), each ending at its first end token."""
         rollout = self._generate(prompt_ids, actor, engine, ends)
-        responses = rollout.sequences[:, rollout.prompt_len:]
-        return [self.tokenizer.decode(row[keep], skip_special_tokens=True)
-                for row, keep in zip(responses.cpu(), rollout.action_mask.cpu(), strict=True)]
+        return [self.tokenizer.decode(tokens, skip_special_tokens=True) for tokens, _ in rollout.responses(ends)]
 
     def _generate(self, prompt_ids: Sequence[Sequence[int]], actor, engine, ends, max_new_tokens: int | None = None):
         from ray_ppo.core.models import generate
@@ -166,10 +164,8 @@ class Evaluation:
     @torch.no_grad()
     def _episodes(self, prompt_ids, prompts, actor, engine, ends) -> tuple[list[str], list[float]]:
         """Each prompt answered in an episode: (the decoded exchanges, the episodes' rewards)."""
-        from ray_ppo.core.episodes import policy_turns
-
         def sample(contexts, max_new_tokens):
-            return policy_turns(self._generate(contexts, actor, engine, ends, max_new_tokens), ends)
+            return self._generate(contexts, actor, engine, ends, max_new_tokens).responses(ends)
 
         run = self.episodes.run(prompt_ids, prompts, sample)
         return ([self.tokenizer.decode(e.tokens, skip_special_tokens=True) for e in run.episodes],

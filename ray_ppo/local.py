@@ -21,7 +21,7 @@ from ray_ppo.core.strategies import LocalStrategy
 from ray_ppo.data import DataError, Prompt, PromptEncoder, read_prompt_texts
 from ray_ppo.eval_records import attach_evals, split_evals
 from ray_ppo.evaluate import Evaluation
-from ray_ppo.samples import SAMPLES_KEY, pick_faults, pick_samples, samples_due
+from ray_ppo.samples import SAMPLES_KEY, step_samples
 from ray_ppo.tasks.toy import make_prompts
 
 MAX_EMPTY_BATCHES = 1000
@@ -85,8 +85,7 @@ def run_local(cfg: Config, prompts: Sequence[Prompt | None] | None = None,
         row, reports = attach_evals(metrics, reports), []
         history.append(split_evals(row)[0])
         if on_metrics:
-            due = samples_due(step, cfg.logging.samples_every)
-            samples = (pick_samples(items, maker.tokenizer, step) if due else []) + pick_faults(items, maker.tokenizer, step)
+            samples = step_samples(items, maker.tokenizer, step, cfg.logging.samples_every)
             on_metrics({**row, SAMPLES_KEY: samples} if samples else row)
     return history
 

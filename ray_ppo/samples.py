@@ -45,6 +45,12 @@ def pick_faults(items: Sequence[Any], tokenizer, step: int, n: int = SAMPLES_PER
             for it, sample in zip(faulted, pick_samples(faulted, tokenizer, step, n), strict=True)]
 
 
+def step_samples(items: Sequence[Any], tokenizer, step: int, every: int) -> list[dict]:
+    """What a step's metrics row carries under ``SAMPLES_KEY``: ``pick_samples`` when the step is due
+    (``logging.samples_every`` = ``every``), and ``pick_faults`` every step."""
+    return (pick_samples(items, tokenizer, step) if samples_due(step, every) else []) + pick_faults(items, tokenizer, step)
+
+
 def split_samples(metrics: dict) -> tuple[dict, list[dict]]:
     """(the metrics row without samples, the samples it carried)."""
     if SAMPLES_KEY not in metrics:

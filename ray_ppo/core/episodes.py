@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import math
 import threading
 import time
@@ -35,17 +36,8 @@ from ray_ppo.data import Prompt
 from ray_ppo.env import EnvError, Turn, take_step
 
 Sample = Callable[[list[list[int]], int], list[tuple[list[int], bool]]]
-"""sample(contexts, max_new_tokens) -> for each context, (the policy's new tokens, whether they end on a stop token)."""
-
-def policy_turns(rollout: Rollout, stop_ids) -> list[tuple[list[int], bool]]:
-    """A sampled rollout as ``Sample`` returns it: each row's new tokens, and whether they end on a stop token."""
-    responses, mask = rollout.sequences[:, rollout.prompt_len:].cpu(), rollout.action_mask.cpu()
-    out = []
-    for row, keep in zip(responses, mask, strict=True):
-        new = row[keep].tolist()
-        out.append((new, bool(new) and new[-1] in stop_ids))
-    return out
-
+"""sample(contexts, max_new_tokens) -> for each context, (the policy's new tokens, whether they end on
+a stop token): what ``Rollout.responses`` gives of a generated rollout."""
 
 _PROBE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 
@@ -116,7 +108,6 @@ class EpisodeRunner:
         self.loop = asyncio.new_event_loop()
         self.loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="ray_ppo-env"))
         threading.Thread(target=self.loop.run_forever, name="ray_ppo-env-loop", daemon=True).start()
-        self._tail: str | None = None
 
     def run(self, prompt_ids: Sequence[Sequence[int]], prompts: Sequence[Prompt], sample: Sample) -> Episodes:
         """Run one episode per prompt to its end; ``prompts`` as the data gave them."""
@@ -215,17 +206,22 @@ class EpisodeRunner:
         if not chat:
             return self.tokenizer(observation, add_special_tokens=False)["input_ids"]
         messages = [{"role": "user", "content": observation}] if isinstance(observation, str) else observation
-        template = self.tokenizer.apply_chat_template
-        base = template(_PROBE, tokenize=False)
-        full = template(_PROBE + messages, tokenize=False, add_generation_prompt=True)
+        base, tail = self._probe_rendered
+        full = self.tokenizer.apply_chat_template(_PROBE + messages, tokenize=False, add_generation_prompt=True)
         if not full.startswith(base):
             raise EnvError("the chat template renders a conversation's earlier messages differently once more "
                            "follow, so an observation cannot be appended as tokens; use text prompts "
                            "(data.chat_template=false) with this tokenizer")
-        tail = base[base.rindex(_PROBE[1]["content"]) + 1:]  # what closes an assistant message: "<|im_end|>\n"
         if stopped:  # the policy's stop token closed its message already
             tail = tail.removeprefix(self._stop_text(tail))
         return self.tokenizer(tail + full[len(base):], add_special_tokens=False)["input_ids"]
+
+    @functools.cached_property
+    def _probe_rendered(self) -> tuple[str, str]:
+        """(the probe conversation as the chat template renders it, what the template writes after an
+        assistant message's content: ``"<|im_end|>\n"`` in ChatML), rendered once."""
+        base = self.tokenizer.apply_chat_template(_PROBE, tokenize=False)
+        return base, base[base.rindex(_PROBE[1]["content"]) + 1:]
 
     def _stop_text(self, tail: str) -> str:
         """The text of the stop token that begins ``tail`` (the EOS, e.g. ``<|im_end|>``), or ""."""

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ray_ppo.config import Config
-from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, compute_advantages, compute_kl
+from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, compute_advantages, compute_kl, kl_penalized_rewards
 from ray_ppo.core.models import (
     RewardFn,
     Rollout,
@@ -149,7 +149,7 @@ class ExperienceMaker:
         receives and each item carries (``ExperienceItem.prompt``); None: the reward function
         receives the decoded ``prompt_ids``."""
         n = self.group_size
-        prompt_ids = [list(p) for p in prompt_ids for _ in range(n)]
+        prompt_ids = [p for p in prompt_ids for _ in range(n)]
         given = None if prompts is None else [p for p in prompts for _ in range(n)]
         stats = MakeStats(num_samples=len(prompt_ids))
         start = time.perf_counter()
@@ -179,17 +179,17 @@ class ExperienceMaker:
             self.sampling.model_copy(update=dict(max_new_tokens=min(max_new_tokens, self.sampling.max_new_tokens)))
         sampler = self.engine.generate if self.engine is not None else \
             functools.partial(generate, self.actor, log_probs=self.engine_logprobs)
-        rollout = sampler(prompt_ids, sampling, self.tokenizer.pad_token_id, self.stop_ids)
-        if rollout.sequences.device != self.device:
-            rollout = Rollout(*(t.to(self.device) if isinstance(t, torch.Tensor) else t
-                                for t in dataclasses.astuple(rollout)))
-        return rollout
+        return self._on_device(sampler(prompt_ids, sampling, self.tokenizer.pad_token_id, self.stop_ids))
+
+    def _on_device(self, rollout: Rollout) -> Rollout:
+        """``rollout`` with its tensors on the actor's device."""
+        if rollout.sequences.device == self.device:
+            return rollout
+        return Rollout(*(t.to(self.device) if isinstance(t, torch.Tensor) else t for t in dataclasses.astuple(rollout)))
 
     def _turns(self, contexts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], bool]]:
         """One policy turn per context (``ray_ppo.core.episodes.Sample``)."""
-        from ray_ppo.core.episodes import policy_turns
-
-        return policy_turns(self._sample(contexts, max_new_tokens), self.stop_ids)
+        return self._sample(contexts, max_new_tokens).responses(self.stop_ids)
 
     def _run_episodes(self, prompt_ids: list, given: list | None, stats: MakeStats):
         """(rollout, score, token scores, faulted, counts) of one episode per prompt id."""
@@ -197,8 +197,7 @@ class ExperienceMaker:
         run = self.episodes.run(prompt_ids, prompts, self._turns)
         stats.generate_s, stats.utilisation = run.generate_s, run.utilisation
         stats.faults = [e.fault for e in run.episodes if e.fault is not None]
-        rollout = Rollout(*(t.to(self.device) if isinstance(t, torch.Tensor) else t
-                            for t in dataclasses.astuple(run.rollout)))
+        rollout = self._on_device(run.rollout)
         scores, faulted = run.token_scores.to(self.device), run.faulted.to(self.device)
         return rollout, scores.sum(dim=1), scores, faulted, [e.counts() for e in run.episodes]
 
@@ -248,9 +247,7 @@ class ExperienceMaker:
         good = (~bad).float()
         mean = (groups * good).sum(dim=1, keepdim=True) / good.sum(dim=1, keepdim=True).clamp(min=1)
         reward = torch.where(bad, mean, groups).reshape(-1)
-        positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
-        last = (positions * mask).argmax(dim=1, keepdim=True)
-        placed = torch.zeros_like(token_scores).scatter(1, last, reward.unsqueeze(1))
+        placed = kl_penalized_rewards(reward, torch.zeros_like(token_scores), mask, 0.0)  # each score at its last token
         return reward, torch.where(faulted.unsqueeze(1), placed, token_scores)
 
     def _ref_log_probs(self, rollout: Rollout) -> torch.Tensor:

@@ -38,7 +38,7 @@ from ray_ppo.runtime.messages import ItemsLost, PullRequest, RunHandles
 from ray_ppo.runtime.monitor import MakerMonitor, verify_makers
 from ray_ppo.runtime.publish import WeightPublisher
 from ray_ppo.runtime.transport import ExperienceChunk, Fetched, resolve
-from ray_ppo.samples import SAMPLES_KEY, pick_faults, pick_samples, samples_due
+from ray_ppo.samples import SAMPLES_KEY, step_samples
 
 
 @dataclass(frozen=True)
@@ -324,9 +324,7 @@ def _complete_row(run: _Run, plan: _StepPlan, over_ranks: Callable[[], dict[str,
             ray.get(run.coordinator.request_eval.remote(plan.step, plan.next_version))
         row = attach_evals(metrics, run.monitor.evals(wait=plan.last))  # the last row waits for its own
         metrics = split_evals(row)[0]
-        due = samples_due(plan.step, run.cfg.logging.samples_every)
-        samples = (pick_samples(items, run.tokenizer, plan.step) if due else []) + pick_faults(items, run.tokenizer,
-                                                                                                plan.step)
+        samples = step_samples(items, run.tokenizer, plan.step, run.cfg.logging.samples_every)
         run.rows.record({**row, SAMPLES_KEY: samples} if samples else row)
     return metrics
 

@@ -221,14 +221,6 @@ class ExperienceBatch:
         )
 
 
-def _action_mask(packed: PackedItems, i: int, r_base: int) -> torch.Tensor | None:
-    """Item ``i``'s action mask (a writable copy), or None where it has none."""
-    if packed.action_mask is None or not packed.has_mask[i]:
-        return None
-    r0, r1 = int(packed.response_offsets[i]), int(packed.response_offsets[i + 1])
-    return torch.from_numpy(packed.action_mask[r0:r1].copy())
-
-
 def unpack(packed: PackedItems, start: int = 0, stop: int | None = None) -> list[ExperienceItem]:
     """Items ``start:stop`` of ``packed``. Their tensors view one writable copy of each field's
     range (Ray hands out read-only buffers), so unpacking costs one copy per field, not one per item."""
@@ -237,6 +229,7 @@ def unpack(packed: PackedItems, start: int = 0, stop: int | None = None) -> list
     p_end, r_end = int(packed.prompt_offsets[stop]), int(packed.response_offsets[stop])
     fields = {name: torch.from_numpy(a[p_base:p_end].copy() if name == "prompt_ids" else a[r_base:r_end].copy())
               for name, a in packed.arrays.items()}
+    masks = None if packed.action_mask is None else torch.from_numpy(packed.action_mask[r_base:r_end].copy())
     out = []
     for i in range(start, stop):
         p0, p1 = int(packed.prompt_offsets[i]) - p_base, int(packed.prompt_offsets[i + 1]) - p_base
@@ -246,6 +239,6 @@ def unpack(packed: PackedItems, start: int = 0, stop: int | None = None) -> list
                                   reward=float(packed.reward[i]), policy_version=int(packed.policy_version[i]),
                                   uid=packed.uids[i], prompt=packed.prompts[i],
                                   prompt_id=-1 if packed.prompt_id is None else int(packed.prompt_id[i]),
-                                  action_mask=_action_mask(packed, i, r_base),
+                                  action_mask=masks[r0:r1] if masks is not None and packed.has_mask[i] else None,
                                   episode=None if packed.episodes is None else packed.episodes[i]))
     return out

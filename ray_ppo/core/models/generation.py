@@ -53,6 +53,15 @@ class Rollout:
     def num_actions(self) -> int:
         return self.action_mask.shape[1]
 
+    def responses(self, stop_ids) -> list[tuple[list[int], bool]]:
+        """Each row's response tokens (those of ``action_mask``), and whether they end on one of ``stop_ids``."""
+        rows, mask = self.sequences[:, self.prompt_len:].cpu(), self.action_mask.cpu()
+        out = []
+        for row, keep in zip(rows, mask, strict=True):
+            tokens = row[keep].tolist()
+            out.append((tokens, bool(tokens) and tokens[-1] in stop_ids))
+        return out
+
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token id lists into (input_ids, attention_mask), each (B, P)."""
