@@ -24,7 +24,8 @@ sides. Time is training wall time: ours, each step's ``elapsed_s`` since the tra
 samples/s is the last step's trained completions over its time.
 
 The table gives per run the accuracy at step 0, the last evaluation at or before 5, 10 and 15
-minutes, the last, its step and time, the gain and samples/s; then per side the mean and range of
+minutes, the last, its step and time, the gain and samples/s, and (ours) the trainer's idle share
+(``trainer_idle_ratio``) at step 1, after an evaluation and at the other steps; then per side the mean and range of
 the gain; then, with both sides, the goal of issue 40: ours reaches TRL's final accuracy (the
 median over TRL's seeds) in <= 0.75x TRL's wall time (the median of its runs' last step times;
 ours: the median over seeds of the first evaluation at or above that accuracy), at >= 1.2x its
@@ -65,6 +66,9 @@ class Run:
     points: list[Point]
     """Its evaluations in step order; the first is step 0 at 0 s."""
     samples_per_s: float
+    idle: tuple[float, float, float] | None = None
+    """Ours: the trainer's mean ``trainer_idle_ratio`` at step 1 (which waits for the base model's
+    evaluation), at the steps right after a later evaluation, and at every other step; TRL: None."""
 
     @property
     def last(self) -> Point:
@@ -122,15 +126,26 @@ def train_trl(seed: int, out: Path, overrides: list[str], trl_python: str) -> No
 
 def read_ours(run: Path) -> Run:
     """A ``ray-ppo train`` run directory: ``eval.jsonl`` at the steps' ``elapsed_s`` (``metrics.jsonl``)."""
-    elapsed = {0: 0.0}
+    elapsed, idle = {0: 0.0}, {}
     for line in (run / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         elapsed[row["step"]] = row["elapsed_s"]
+        idle[row["step"]] = row["trainer_idle_ratio"]
     reports = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     points = [(elapsed[r["step"]], r["step"], r["accuracy"]) for r in reports if r["error"] is None]
     config = yaml.safe_load((run / "config.yaml").read_text())
     last_step = max(elapsed)
-    return Run("ours", config["seed"], points, last_step * config["trainer"]["train_batch_size"] / elapsed[last_step])
+    return Run("ours", config["seed"], points, last_step * config["trainer"]["train_batch_size"] / elapsed[last_step],
+               idle_split(idle, {r["step"] for r in reports}))
+
+
+def idle_split(idle: dict[int, float], eval_steps: set[int]) -> tuple[float, float, float]:
+    """Step 1's idle share, the mean of the steps right after an evaluation at step >= 1, and the
+    mean of the others (an evaluation runs on the maker beside generation: does training wait?)."""
+    after = [idle[s + 1] for s in eval_steps if s >= 1 and s + 1 in idle]
+    other = [v for s, v in idle.items() if s != 1 and s - 1 not in eval_steps]
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return idle.get(1, float("nan")), mean(after), mean(other)
 
 
 def read_trl(run: Path) -> Run:
@@ -168,11 +183,12 @@ def rows(runs: list[Run]) -> list[list]:
     """One table row a run: side, seed, accuracy at step 0, at each of ``MARKS_S``, the last, its
     step and time, the gain and samples/s."""
     return [[r.side, r.seed, r.points[0][2], *(at(r.points, s) for s in MARKS_S), r.last[2],
-             f"{r.last[1]} ({r.last[0]:.0f} s)", f"{r.gain:+.3f}", r.samples_per_s] for r in runs]
+             f"{r.last[1]} ({r.last[0]:.0f} s)", f"{r.gain:+.3f}", r.samples_per_s,
+             *(("", "", "") if r.idle is None else (f"{x:.3f}" for x in r.idle))] for r in runs]
 
 
 HEADERS = ["side", "seed", "step 0", *(f"<= {s // 60} min" for s in MARKS_S), "last", "last step (time)", "gain",
-           "samples/s"]
+           "samples/s", "idle step 1", "idle after eval", "idle other"]
 
 
 def report(runs: list[Run]) -> str:

@@ -54,20 +54,30 @@ def test_goal_is_missed_when_either_bound_fails(change):
 
 def test_rows_give_the_accuracy_at_each_mark_and_the_last():
     row, = real_model.rows([Run("ours", 3, CURVE, 1.5)])
-    assert row == ["ours", 3, 0.5, 0.6, 0.7, 0.7, 0.65, "31 (910 s)", "+0.150", 1.5]
+    assert row == ["ours", 3, 0.5, 0.6, 0.7, 0.7, 0.65, "31 (910 s)", "+0.150", 1.5, "", "", ""]
+    row, = real_model.rows([Run("ours", 3, CURVE, 1.5, (0.5, 0.02, 0.01))])
+    assert row[-3:] == ["0.500", "0.020", "0.010"]
+
+
+def test_idle_split_sets_step_1_and_the_steps_after_an_evaluation_apart():
+    idle = {1: 0.9, 2: 0.1, 3: 0.0, 4: 0.3, 5: 0.5, 6: 0.2, 7: 0.4}
+    first, after, other = real_model.idle_split(idle, {0, 3, 6})
+    assert (first, after, other) == (0.9, (0.3 + 0.4) / 2, (0.1 + 0.0 + 0.5 + 0.2) / 4)
 
 
 def test_read_run_tells_the_sides_apart(tmp_path):
     ours = tmp_path / "seed_1"
     ours.mkdir()
     (ours / "config.yaml").write_text(yaml.safe_dump({"seed": 1, "trainer": {"train_batch_size": 32}}))
-    (ours / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "elapsed_s": 40.0 * s}) + "\n"
+    (ours / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "elapsed_s": 40.0 * s,
+                                                           "trainer_idle_ratio": 0.1 * s}) + "\n"
                                                 for s in (1, 2, 3)))
     (ours / "eval.jsonl").write_text("".join(json.dumps({"step": s, "accuracy": a, "error": e}) + "\n" for s, a, e in
                                              ((0, 0.5, None), (2, 0.0, "maker lost"), (3, 0.6, None))))
     run = real_model.read_run(ours)
     assert (run.side, run.seed, run.points, run.samples_per_s) == ("ours", 1, [(0.0, 0, 0.5), (120.0, 3, 0.6)],
                                                                    3 * 32 / 120.0)
+    assert run.idle == pytest.approx((0.1, 0.3, 0.2))  # evaluations at steps 0, 2 (which failed) and 3
     trl = tmp_path / "trl_seed_1"
     trl.mkdir()
     (trl / "trl.json").write_text(json.dumps({"seed": 1, "samples_per_s": 0.7}))
