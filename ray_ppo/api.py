@@ -29,7 +29,7 @@ from ray_ppo.core.checkpoint import validate_checkpoint
 from ray_ppo.data import check_prompt_column, read_prompt_dataset
 from ray_ppo.eval_records import split_evals
 from ray_ppo.preflight import check_run
-from ray_ppo.resources import ResourcePlan, check_fits, cluster_can_grow
+from ray_ppo.resources import ResourcePlan, check_fits, cluster_can_grow, worker_resources
 from ray_ppo.rundir import CheckpointPublisher
 from ray_ppo.runtime.coordinator import CoordinatorActor
 from ray_ppo.runtime.loop import train_loop_per_worker
@@ -136,9 +136,8 @@ class PPOTrainer(TorchTrainer):
         self.preflight = preflight
         self.history: list[dict] = []
         t = self.ppo_config.trainer
-        worker_resources = {"CPU": t.cpus_per_worker, **({t.node_resource: 1} if t.node_resource else {})}
         scaling_config = scaling_config or ScalingConfig(
-            num_workers=t.num_workers, use_gpu=t.use_gpu, resources_per_worker=worker_resources)
+            num_workers=t.num_workers, use_gpu=t.use_gpu, resources_per_worker=worker_resources(t))
         # A run name of its own: Ray Train v2 resumes any earlier run stored under the same
         # (storage_path, name), and a fresh fit() must not pick up an old run by accident;
         # resuming is explicit (resume_from).

@@ -266,7 +266,9 @@ class TrainerConfig(_Section):
     num_workers: int = Field(1, gt=0)
     """Number of training workers (ranks)."""
     use_gpu: bool = False
-    """Give each training worker one GPU."""
+    """Give each training worker a GPU (trainer.gpus_per_worker of one)."""
+    gpus_per_worker: float = Field(1.0, gt=0, le=1)
+    """GPUs each training worker reserves with use_gpu; a fraction shares its GPU with makers (maker.num_gpus)."""
     cpus_per_worker: float = Field(1.0, gt=0)
     """CPUs reserved by each training worker."""
     node_resource: Optional[str] = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from ray_ppo.config import Config, ConfigError
+from ray_ppo.config import Config, ConfigError, TrainerConfig
 
 READ_CPUS = 0.25
 """CPUs of each read task of a prompt file or the toy prompts (``ray_ppo.data.read_prompt_dataset``)."""
@@ -47,7 +47,7 @@ class ResourcePlan:
     def of(cls, cfg: Config, given_dataset: bool = False, trials: int = 1, trial_cpus: float = 0.0) -> ResourcePlan:
         m, t = cfg.maker, cfg.trainer
         return cls(makers=m.num_makers, maker_cpus=m.num_cpus, maker_gpus=m.num_gpus, workers=t.num_workers,
-                   worker_cpus=t.cpus_per_worker, worker_gpus=1.0 if t.use_gpu else 0.0,
+                   worker_cpus=t.cpus_per_worker, worker_gpus=t.gpus_per_worker if t.use_gpu else 0.0,
                    reader_cpus=GIVEN_DATASET_READ_CPUS if given_dataset else READ_CPUS,
                    trials=trials, trial_cpus=trial_cpus)
 
@@ -82,6 +82,13 @@ class ResourcePlan:
                 f"{gpus}")
 
 
+def worker_resources(t: TrainerConfig) -> dict[str, float]:
+    """What each training worker reserves (Ray Train's ``resources_per_worker``): its CPUs, its share
+    of a GPU with ``use_gpu`` (a fraction lets makers share that GPU) and one unit of ``node_resource``."""
+    return {"CPU": t.cpus_per_worker, **({"GPU": t.gpus_per_worker} if t.use_gpu else {}),
+            **({t.node_resource: 1} if t.node_resource else {})}
+
+
 def _n(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
@@ -102,7 +109,8 @@ def check_fits(plan: ResourcePlan, cluster: Mapping[str, float], can_grow: bool 
         raise ResourceError(
             f"the run reserves {plan.gpus:g} GPUs (maker.num_gpus={plan.maker_gpus:g} x {plan.makers} makers, "
             f"{plan.worker_gpus:g} x {plan.workers} trainer workers{' per trial' if plan.trials > 1 else ''}) "
-            f"but {where} has {gpus:g}; lower maker.num_gpus, trainer.num_workers or set trainer.use_gpu=false")
+            f"but {where} has {gpus:g}; lower maker.num_gpus, trainer.num_workers, trainer.gpus_per_worker or set "
+            f"trainer.use_gpu=false")
 
 
 def cluster_can_grow() -> bool:

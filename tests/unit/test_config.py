@@ -84,7 +84,8 @@ def test_tree_names_and_defaults_are_the_public_contract():
                   "engine": "hf", "engine_logprobs": None,
                   "vllm": {"gpu_memory_utilization": 0.3, "kv_cache_gib": 1.0, "enforce_eager": True, "dtype": None},
                   "samples_per_prompt": 1},
-        "trainer": {"strategy": "ddp", "num_workers": 1, "use_gpu": False, "cpus_per_worker": 1.0, "node_resource": None,
+        "trainer": {"strategy": "ddp", "num_workers": 1, "use_gpu": False, "gpus_per_worker": 1.0,
+                    "cpus_per_worker": 1.0, "node_resource": None,
                     "total_steps": 50, "time_budget_s": 0.0, "update_steps": 1, "train_batch_size": 32, "mini_batch_size": 16,
                     "ppo_epochs": 1, "actor_lr": 1e-5, "critic_lr": 1e-5, "weight_decay": 0.0,
                     "lr_schedule": "constant", "warmup_steps": 0, "max_grad_norm": 1.0, "torch_threads": 1,
@@ -465,8 +466,12 @@ def test_config_module_imports_neither_torch_nor_ray():
     assert result.stdout.strip() == "[]"
 
 
-def test_shipped_configs_validate(colossalai_available):
-    # Hardware is patched in: this checks each config's keys and values, not this machine.
+def test_shipped_configs_validate(colossalai_available, monkeypatch):
+    # Hardware and packages are patched in (CUDA, colossalai, vllm): this checks each config's keys
+    # and values, not this machine.
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args, **kwargs: importlib.machinery.ModuleSpec(
+        name, None) if name == "vllm" else find_spec(name, *args, **kwargs))
     assert not list(CONFIGS.glob("*.yml")), "name shipped configs *.yaml so that this test loads them"
     for path in sorted(CONFIGS.glob("*.yaml")):
         cfg = load_config(path)

@@ -9,7 +9,7 @@ import pytest
 
 from ray_ppo import cli
 from ray_ppo.config import load_config
-from ray_ppo.resources import ResourceError, ResourcePlan, check_fits, cluster_can_grow
+from ray_ppo.resources import ResourceError, ResourcePlan, check_fits, cluster_can_grow, worker_resources
 
 TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 pytestmark = pytest.mark.usefixtures("tiny_path")
@@ -57,6 +57,19 @@ def test_gpus_are_checked_too():
         check_fits(plan, {"CPU": 8.0, "GPU": 1.0})
     with pytest.raises(ResourceError, match="but the cluster has 0;"):
         check_fits(plan, {"CPU": 8.0})  # Ray lists no GPU key on a cluster without GPUs
+
+
+def test_makers_and_a_trainer_worker_may_share_one_gpu():
+    cfg = load_config(TINY, ["maker.num_makers=1", "maker.num_gpus=0.5", "trainer.use_gpu=true",
+                             "trainer.gpus_per_worker=0.5"])
+    plan = ResourcePlan.of(cfg)
+    assert plan.gpus == 1.0
+    check_fits(plan, {"CPU": 8.0, "GPU": 1.0})
+    assert worker_resources(cfg.trainer) == {"CPU": cfg.trainer.cpus_per_worker, "GPU": 0.5}
+    whole = load_config(TINY, ["maker.num_makers=1", "maker.num_gpus=0.5", "trainer.use_gpu=true"])
+    with pytest.raises(ResourceError, match="reserves 1.5 GPUs .* trainer.gpus_per_worker"):
+        check_fits(ResourcePlan.of(whole), {"CPU": 8.0, "GPU": 1.0})
+    assert "GPU" not in worker_resources(load_config(TINY).trainer)
 
 
 def test_a_process_without_a_cluster_of_its_own_may_see_the_cluster_grow():
