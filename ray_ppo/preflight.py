@@ -43,7 +43,7 @@ def check_run(cfg: Config, prompts: Any = None) -> None:
     gives it. Prompts that pre-flight does not read (a given dataset, a remote URI) give no probe:
     the function is only imported, and the makers' first batch checks its answers."""
     m = cfg.model
-    check_model_path("model.pretrained", m.pretrained)
+    check_context(cfg, check_model_path("model.pretrained", m.pretrained))
     for key in ("critic_pretrained", "reward_pretrained"):
         if getattr(m, key):
             check_model_path(f"model.{key}", getattr(m, key))
@@ -116,8 +116,30 @@ def _local_looking(path: str) -> bool:
     return path.startswith(("/", "./", "../", "~")) or Path(path).exists()
 
 
-def check_model_path(key: str, value: str) -> None:
-    """The model's ``config.json`` loads (a local directory, or a hub name transformers can resolve)."""
+def check_context(cfg: Config, model_config) -> None:
+    """The run's longest sequence, ``data.max_prompt_len`` and the most tokens a response (or an
+    episode, or an evaluation's answer) may add, fits the actor's positions (``max_position_embeddings``;
+    ``n_positions`` for GPT-2). Past them the forward pass fails inside a maker, mid-run."""
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if not isinstance(positions, int):
+        return
+    if cfg.env.cls:  # episodes, the evaluation's too, end within env.max_tokens
+        adds = [("env.max_tokens", cfg.env.max_tokens)]
+    else:
+        adds = [("maker.max_new_tokens", cfg.maker.max_new_tokens)]
+        if cfg.eval.path and cfg.eval.max_new_tokens:
+            adds.append(("eval.max_new_tokens", cfg.eval.max_new_tokens))
+    longest = max(adds, key=lambda kv: kv[1])
+    if cfg.data.max_prompt_len + longest[1] > positions:
+        raise PreflightError(
+            f"data.max_prompt_len ({cfg.data.max_prompt_len}) + {longest[0]} ({longest[1]}) = "
+            f"{cfg.data.max_prompt_len + longest[1]} tokens, but model.pretrained={cfg.model.pretrained!r} has "
+            f"{positions} positions; lower data.max_prompt_len or {longest[0]} so that they add up to at most {positions}")
+
+
+def check_model_path(key: str, value: str):
+    """The model's ``config.json`` loads (a local directory, or a hub name transformers can resolve); returns
+    that config."""
     from ray_ppo.core.models.gguf import ModelSourceError
     from ray_ppo.core.models.tiny import resolve_pretrained
 
@@ -139,7 +161,7 @@ def check_model_path(key: str, value: str) -> None:
 
     quiet_transformers()
     try:
-        AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path)
     except Exception as e:  # OSError, ValueError, hub errors: the first line is the reason
         raise PreflightError(f"{key}={value!r} cannot be loaded ({_first_line(e)}); set {key} to a local model "
                              f"directory or a hub name this machine can reach") from None

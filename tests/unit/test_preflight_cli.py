@@ -12,7 +12,7 @@ import pytest
 
 from ray_ppo.cli import EXIT_USAGE, main
 from ray_ppo.config import load_config
-from ray_ppo.preflight import check_run
+from ray_ppo.preflight import PreflightError, check_run
 
 ROOT = Path(__file__).parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -117,6 +117,10 @@ def _cases(f: dict[str, Path]) -> list[tuple[str, list[str], str]]:
         ("missing_column", [f"data.path={f['other_column.csv']}"],
          f"ray-ppo train: error: data.prompt_column='prompt' is not a column of '{f['other_column.csv']}'; columns "
          f"present: ['question']; set data.prompt_column to one of them"),
+        ("context", ["data.max_prompt_len=100", "maker.max_new_tokens=40"],
+         "ray-ppo train: error: data.max_prompt_len (100) + maker.max_new_tokens (40) = 140 tokens, but "
+         "model.pretrained='tiny' has 128 positions; lower data.max_prompt_len or maker.max_new_tokens so that they "
+         "add up to at most 128"),
         ("eps_clip", ["ppo.eps_clip=5"],
          "ray-ppo train: error: ppo.eps_clip=5.0 is invalid: must be in (0, 1); set e.g. ppo.eps_clip=0.2 (the default)"),
     ]
@@ -260,3 +264,15 @@ def test_no_warning_where_the_config_uses_one_reward(files, tiny_reward_path, ca
     errors = capsys.readouterr().err.splitlines()  # the resource check's, no warning
     assert len(errors) == 2 and all(line.startswith("ray-ppo train: error: ") for line in errors)
     assert status == status_rule == EXIT_USAGE
+
+
+@pytest.mark.parametrize("key, extra", [("env.max_tokens", ["env.cls=ray_ppo.tasks.turns:TwoTurnEnv"]),
+                                        ("eval.max_new_tokens", ["eval.path=EVAL"])])
+def test_episodes_and_evaluation_answers_must_fit_the_models_positions(files, tmp_path, key, extra):
+    (tmp_path / "eval.csv").write_text("prompt\n1 2 3\n")
+    extra = [o.replace("EVAL", str(tmp_path / "eval.csv")) for o in extra]
+    cfg = load_config(TINY, [*extra, "data.max_prompt_len=16", f"{key}=120"])
+    with pytest.raises(PreflightError, match=rf"data.max_prompt_len \(16\) \+ {key} \(120\) = 136 tokens, but "
+                                             rf"model.pretrained='tiny' has 128 positions"):
+        check_run(cfg)
+    check_run(load_config(TINY, [*extra, "data.max_prompt_len=16", f"{key}=112"]))  # exactly the model's positions
