@@ -46,9 +46,8 @@ Where TRL's GRPO, run as shipped, differs from ours (``algo.advantage: grpo``):
   are token-level (DAPO, Yu et al. 2025, eq. 12): the same up to the two halves' token counts.
 - **Advantages** (``scale_rewards="group"``): both (r - group mean) / (group std + eps) with the
   unbiased std; eps is 1e-4 in TRL, 1e-6 in ours. A group of equal rewards gets 0 in both.
-- **KL**: no KL term on either side (beta = kl_coef = 0). TRL then loads no reference model; ours
-  still computes the reference log-probs of every batch on the maker (a forward pass of the
-  reference, for the ``kl`` metric), a cost TRL does not pay.
+- **KL**: no KL term on either side (beta = kl_coef = 0), so neither loads a reference model nor
+  reports a KL (ours: ``PPOConfig.uses_reference``).
 - **Clipping and off-policy**: TRL is synchronous: it generates with the current weights, keeps the
   generation-time log-probs (``old_per_token_logps``, computed because ``steps_per_generation`` >
   ``gradient_accumulation_steps``) and clips the ratio of its second optimizer step at 0.2 around

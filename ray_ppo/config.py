@@ -385,6 +385,13 @@ class PPOConfig(_Section):
         """The cap of the importance weights: ppo.tis_cap or ppo.decoupled_cap, whichever ppo.off_policy uses."""
         return self.tis_cap if self.off_policy == "tis" else self.decoupled_cap
 
+    @property
+    def uses_reference(self) -> bool:
+        """Whether anything reads the KL to the reference model: ppo.kl_coef > 0 or an adaptive ppo.kl_target.
+        Without it makers load no reference model (no second copy, no forward pass a batch) and no
+        ``kl`` metric is reported, as TRL does at beta 0."""
+        return self.kl_coef > 0 or self.kl_target is not None
+
 
 class AlgoConfig(_Section):
     """The advantage estimator."""

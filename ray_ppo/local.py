@@ -74,8 +74,8 @@ def run_local(cfg: Config, prompts: Sequence[Prompt | None] | None = None,
         # The maker shares the learner's actor: it sampled with these very weights (no extra forward pass)
         metrics = drop_absent(learner.train_step(ExperienceBatch.merge(items, maker.tokenizer.pad_token_id),
                                                  version=step - 1, behaviour_is_policy=True))
-        metrics.update(experience_metrics(items, step - 1))
-        kl_ctl.update(metrics["kl"], len(items))
+        metrics.update(experience_metrics(items, step - 1, cfg.ppo.uses_reference))
+        kl_ctl.update(metrics.get("kl", 0.0), len(items))
         step_s = time.perf_counter() - step_start
         metrics.update(step=step, policy_version=step, kl_coef=kl_ctl.value, generate_s=generate_s,
                        train_s=time.perf_counter() - train_start, samples_per_s=len(items) / step_s,

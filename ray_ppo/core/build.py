@@ -90,14 +90,16 @@ def build_experience_maker(cfg: Config, actor=None, critic=None, name: str = "ma
     actor = (actor if actor is not None else build_actor(cfg)).to(device)
     critic = (critic if critic is not None else build_critic(cfg)).to(device) if has_critic(cfg) else None
     # With LoRA the reference is the actor with adapters disabled: no second copy of the weights.
-    ref = None if cfg.model.lora.rank > 0 else build_actor(cfg, with_lora=False).eval().to(device)
+    # Without a KL term (ppo.uses_reference) there is no reference at all.
+    reference = cfg.ppo.uses_reference
+    ref = build_actor(cfg, with_lora=False).eval().to(device) if reference and cfg.model.lora.rank == 0 else None
     reward_model = RewardModel.from_pretrained(cfg.model.reward_pretrained, cfg.model.dtype).eval().to(device) \
         if cfg.model.reward_pretrained else None
     reward_fn = load_reward_fn(cfg.model.reward_fn) if reward_model is None else None
     tokenizer = load_tokenizer(tokenizer_path(cfg))
     return ExperienceMaker(actor, ref, critic, tokenizer, cfg, reward_fn=reward_fn,
                            reward_model=reward_model, name=name, engine_logprobs=cfg.maker.sampler_logprobs,
-                           episodes=build_episode_runner(cfg, tokenizer))
+                           episodes=build_episode_runner(cfg, tokenizer), reference=reference)
 
 
 def build_episode_runner(cfg: Config, tokenizer):

@@ -91,6 +91,9 @@ class ExperienceMaker:
     sets the group size, ``ppo.*`` and ``algo.*`` shape the rewards and advantages. The KL
     coefficient is an argument of ``make_experience`` (the trainer's KL controller owns it).
 
+    ``reference=False`` (``ppo.uses_reference`` false: no KL term) computes no reference log-probs;
+    the items carry the behaviour log-probs in their place, a KL of 0 that nothing reads.
+
     ``critic`` is None for the critic-free estimators. ``ref`` may be None when the actor is a peft
     model: the reference is then the actor with its adapters disabled, and stays so if a peft
     ``ref`` is set later (a quantized maker generates with a merged copy and keeps the float peft
@@ -120,7 +123,8 @@ class ExperienceMaker:
 
     def __init__(self, actor: nn.Module, ref: nn.Module | None, critic: nn.Module | None, tokenizer,
                  cfg: Config, reward_fn: RewardFn | None = None, reward_model: nn.Module | None = None,
-                 name: str = "maker", engine=None, engine_logprobs: bool = False, episodes=None):
+                 name: str = "maker", engine=None, engine_logprobs: bool = False, episodes=None,
+                 reference: bool = True):
         if (reward_fn is None) == (reward_model is None):
             raise ValueError("give exactly one of reward_fn and reward_model")
         estimator = cfg.algo.advantage
@@ -132,6 +136,7 @@ class ExperienceMaker:
         self.reward_fn, self.reward_model = reward_fn, reward_model
         self.name = name
         self.ref_disable_adapters = ref is None
+        self.reference = reference
         self.engine, self.engine_logprobs = engine, engine_logprobs
         self.episodes = episodes
         self.stop_ids = stop_token_ids(tokenizer, actor)
@@ -280,7 +285,7 @@ class ExperienceMaker:
         if faulted is not None and bool(faulted.any()):
             reward, token_scores = self._neutral(reward, token_scores, mask, faulted)
         log_probs = self._behaviour_log_probs(rollout, stats)
-        ref_log_probs = self._ref_log_probs(rollout)
+        ref_log_probs = self._ref_log_probs(rollout) if self.reference else log_probs  # no reference: no KL
         values = torch.zeros_like(log_probs) if self.critic is None else \
             action_values(self.critic, rollout.sequences, rollout.attention_mask, rollout.num_actions) * mask
         p = self.ppo

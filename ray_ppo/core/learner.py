@@ -230,7 +230,7 @@ class PPOLearner:
         entropy = masked_mean(entropy_from_logits(logits), mb.action_mask)
         loss = pg_loss - p.entropy_coef * entropy
         out = {}
-        if p.kl_in == "loss":
+        if p.kl_in == "loss" and p.uses_reference:
             kl_loss = aggregate_loss(compute_kl(log_probs, mb.ref_log_probs, p.kl_estimator), mb.action_mask, p.loss_agg)
             loss = loss + self.kl_coef * kl_loss
             out["kl_loss"] = kl_loss.item()

@@ -8,15 +8,15 @@ import torch
 from ray_ppo.core.algo import ExperienceItem
 
 
-def experience_metrics(items: list[ExperienceItem], version: int) -> dict[str, float]:
-    """Reward, KL, length and staleness statistics of the items of one step, and the ``env/...``
-    means of multi-turn episodes' counts (``ExperienceItem.episode``)."""
+def experience_metrics(items: list[ExperienceItem], version: int, reference: bool = True) -> dict[str, float]:
+    """Reward, KL (with a ``reference``: ``ppo.uses_reference``), length and staleness statistics of
+    the items of one step, and the ``env/...`` means of multi-turn episodes' counts (``ExperienceItem.episode``)."""
     rewards = torch.tensor([it.reward for it in items])
     lengths = torch.tensor([it.num_actions for it in items], dtype=torch.float32)
     kl = torch.cat([_actions(it.action_log_probs - it.ref_log_probs, it) for it in items])
     staleness = torch.tensor([version - it.policy_version for it in items], dtype=torch.float32)
     metrics = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(items) > 1 else 0.0,
-               "kl": float(kl.mean()), "response_length": float(lengths.mean()),
+               **({"kl": float(kl.mean())} if reference else {}), "response_length": float(lengths.mean()),
                "staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max())}
     episodes = [it.episode for it in items if it.episode is not None]
     for key in sorted({key for counts in episodes for key, value in counts.items() if not isinstance(value, str)}):

@@ -253,8 +253,8 @@ def _train(run: _Run, version: int, items: list[ExperienceItem], batch: Experien
     run.learner.kl_coef = run.kl_ctl.value
     metrics = run.learner.train_step(batch, version=version)
     train_s = time.perf_counter() - train_start
-    metrics.update(experience_metrics(items, version))
-    kl = all_reduce_metrics({"kl": metrics["kl"]}, run.device)["kl"] if run.kl_ctl.adapts else metrics["kl"]
+    metrics.update(experience_metrics(items, version, run.cfg.ppo.uses_reference))
+    kl = all_reduce_metrics({"kl": metrics["kl"]}, run.device)["kl"] if run.kl_ctl.adapts else metrics.get("kl", 0.0)
     run.kl_ctl.update(kl, run.cfg.trainer.train_batch_size * run.world)
     metrics.update(train_s=train_s)
     return metrics

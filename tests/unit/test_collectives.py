@@ -50,7 +50,7 @@ class NoUpdate:
 
 def _adaptive_kl_step(rank: int) -> float:
     """One ``_train`` on this rank's items; the coefficient its KL controller holds after it."""
-    cfg = SimpleNamespace(trainer=SimpleNamespace(train_batch_size=BATCH))
+    cfg = SimpleNamespace(trainer=SimpleNamespace(train_batch_size=BATCH), ppo=SimpleNamespace(uses_reference=True))
     w = SimpleNamespace(cfg=cfg, learner=NoUpdate(), world=len(KL), device=torch.device("cpu"),
                         kl_ctl=make_kl_controller(0.1, kl_target=TARGET, kl_horizon=HORIZON),
                         tokenizer=SimpleNamespace(pad_token_id=0))

@@ -63,6 +63,30 @@ def test_kl_in_loss_leaves_the_rewards_unpenalised():
     assert torch.all(it.rewards[:-1] == 0) and float(it.rewards[-1]) == pytest.approx(it.reward)
 
 
+@pytest.mark.parametrize("kl_coef, kl_target, uses", [(0.0, None, False), (0.01, None, True), (0.0, 6.0, True)])
+def test_a_reference_is_used_only_where_a_kl_term_reads_it(kl_coef, kl_target, uses):
+    assert config(**{"ppo.kl_coef": kl_coef, "ppo.kl_target": kl_target}).ppo.uses_reference is uses
+
+
+def test_without_a_kl_term_the_maker_loads_no_reference_and_reports_no_kl(monkeypatch):
+    from ray_ppo.core import experience
+    from ray_ppo.core.metrics import experience_metrics
+
+    cfg = config(**{"ppo.kl_coef": 0.0, "ppo.kl_in": "loss", "algo.advantage": "grpo", "maker.samples_per_prompt": 2})
+    monkeypatch.setattr(experience.ExperienceMaker, "_ref_log_probs", lambda *a: pytest.fail("no reference pass"))
+    torch.manual_seed(0)
+    maker, items = made(cfg, ["1 2", "3 4", "5 6", "7 8"])
+    assert maker.ref is None and not maker.reference
+    assert all(torch.equal(it.ref_log_probs, it.action_log_probs) for it in items)
+    metrics = experience_metrics(items, version=0, reference=cfg.ppo.uses_reference)
+    assert "kl" not in metrics and "reward_mean" in metrics
+    learned = PPOLearner(maker.actor, maker.critic, LocalStrategy(), cfg).train_step(
+        ExperienceBatch.merge(items, maker.tokenizer.pad_token_id), version=0)
+    assert "kl_loss" not in learned and math.isfinite(learned["policy_loss"])
+    with_reference = config(**{"ppo.kl_coef": 0.01})
+    assert build_experience_maker(with_reference, name="t").ref is not None
+
+
 def _batch_and_learner(cfg: Config):
     torch.manual_seed(0)
     maker, items = made(cfg, ["1 2", "3 4", "5 6", "7 8"])
