@@ -207,7 +207,7 @@ def summary(runs: list[Run]) -> list[str]:
                          f"{min(gains):+.3f} .. {max(gains):+.3f} (accuracy on 48 held-out questions; one = 0.021)")
     if all(sides.values()):
         lines.append(goal(sides["ours"], sides["trl"]).line())
-    return "\n".join(lines)
+    return lines
 
 
 def main() -> None:

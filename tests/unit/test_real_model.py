@@ -128,3 +128,12 @@ def test_speed_reads_the_steady_steps(tmp_path):
     # steps 4-7 after step 3 ended at 60 s: 4 x 32 responses in 40 s
     assert (steps, samples_per_s, train_s) == (7, 4 * 32 / 40.0, (12 + 13 + 14 + 15) / 4)
     assert (trainer_idle, maker_s, maker_idle) == (0.1, 5.0, 0.5)
+
+
+def test_report_prints_the_table_then_whole_summary_lines():
+    ours = [Run("ours", 0, [(0.0, 0, 0.5), (400.0, 20, 0.7)], 2.0)]
+    trl = [Run("trl", 0, [(0.0, 0, 0.5), (900.0, 60, 0.7)], 1.5)]
+    lines = real_model.report(ours + trl).splitlines()
+    assert lines[-3].startswith("ours: gain over 1 seeds: mean +0.200")
+    assert lines[-2].startswith("trl: gain over 1 seeds")
+    assert lines[-1].startswith("goal: ") and "met" in lines[-1]
