@@ -68,15 +68,17 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--budget", type=float, default=240.0, help="seconds of training a variant")
     parser.add_argument("--output", type=Path, default=ROOT / "runs" / "real_model_speed")
+    parser.add_argument("--tag", default="", help="results go to real_model_speed_TAG.json (a second table beside the first)")
     args = parser.parse_args()
     rows = []
     for name in args.variants:
-        out = args.output / name
+        out = args.output / (f"{name}_{args.tag}" if args.tag else name)
         run(name, out, args.budget)
         batch = yaml.safe_load((out / "config.yaml").read_text())["trainer"]["train_batch_size"]
         rows.append([name, " ".join(VARIANTS[name]) or "(as shipped)", *steady(out, batch)])
-        publish("real_model_speed", ["variant", "overrides", "steps", "samples/s", "trainer train_s",
-                                     "trainer idle", "maker busy s", "maker idle"], rows, args=args)
+        headers = ["variant", "overrides", "steps", "samples/s", "trainer train_s", "trainer idle", "maker busy s",
+                   "maker idle"]
+        publish(f"real_model_speed_{args.tag}" if args.tag else "real_model_speed", headers, rows, args=args)
 
 
 if __name__ == "__main__":

@@ -401,3 +401,39 @@ def test_load_actor_in_bfloat16(tiny_path):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     config = json.loads((Path(tiny_path) / "config.json").read_text())
     assert config["n_layer"] == 2
+
+
+def test_action_logits_ask_the_model_for_the_response_positions_only(actor):
+    """transformers' ``logits_to_keep``: the vocabulary-wide logits of the prompt are never made (a
+    fifth of SmolLM2's forward pass is its 49,152-wide head), through peft and DDP-style wrappers;
+    a model whose forward lacks the keyword gets the plain call."""
+    from peft import LoraConfig, get_peft_model
+
+    from ray_ppo.core.models.hf import action_logits, keeps_logits
+
+    _, sequences, attention_mask = padded_batch()
+    shapes = []
+    hook = actor.lm_head.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.shape)))
+    try:
+        action_logits(actor, sequences, attention_mask, num_actions=3)
+    finally:
+        hook.remove()
+    assert shapes == [(3, 4, actor.config.vocab_size)]  # 3 actions + the position before the first
+
+    class Wrapper(torch.nn.Module):  # as DDP and ColossalAI's wrappers: forward(*args, **kwargs) -> module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    class Plain(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
+            return actor(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+
+    peft_actor = get_peft_model(load_actor(resolve_pretrained(TINY_NAME)), LoraConfig(r=2, target_modules=["c_attn"]))
+    assert keeps_logits(actor) and keeps_logits(Wrapper(actor)) and keeps_logits(Wrapper(peft_actor))
+    assert not keeps_logits(Plain())
+    torch.testing.assert_close(action_logits(Plain(), sequences, attention_mask, 3),
+                               action_logits(Wrapper(actor), sequences, attention_mask, 3), atol=1e-5, rtol=0)

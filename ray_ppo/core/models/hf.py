@@ -6,7 +6,9 @@ R = number of response tokens ("actions").
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -78,12 +80,32 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def keeps_logits(model: nn.Module) -> bool:
+    """Whether ``model`` computes logits for its last positions only when told ``logits_to_keep``
+    (transformers' causal LMs since 4.50), looking through peft's base model and the ``.module``
+    of DDP and ColossalAI wrappers, which pass the keyword on."""
+    inner = model
+    while True:
+        if hasattr(inner, "get_base_model"):
+            inner = inner.get_base_model()
+        elif isinstance(getattr(inner, "module", None), nn.Module):
+            inner = inner.module
+        else:
+            return _forward_takes(type(inner), "logits_to_keep")
+
+
+@functools.cache
+def _forward_takes(cls: type, name: str) -> bool:
+    return name in inspect.signature(cls.forward).parameters
+
+
 def action_logits(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int,
                   temperature: float = 1.0) -> torch.Tensor:
     """Logits (B, R, V) that predict the last ``num_actions`` tokens of ``sequences``, divided by
     the sampling temperature so they describe the distribution the tokens were sampled from."""
+    keep = {"logits_to_keep": num_actions + 1} if keeps_logits(model) else {}  # no vocabulary-wide logits for the prompt
     out = model(input_ids=sequences, attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+                position_ids=position_ids_from_mask(attention_mask), use_cache=False, **keep)
     logits = out.logits[:, -num_actions - 1:-1].float()
     return logits / temperature if temperature != 1.0 else logits
 
