@@ -159,7 +159,7 @@ def test_preflight_runs_a_probe_episode_on_the_first_prompt(tmp_path, tiny_path,
 
     (tmp_path / "prompts.csv").write_text(f"prompt\n{first}\n3 4\n")
     cfg = Config.from_dict({"model": {"pretrained": tiny_path}, "data": {"path": str(tmp_path / "prompts.csv")},
-                            "env": {"cls": "ray_ppo.testing:FaultyEnv", "step_timeout_s": 0.3}})
+                            "env": {"cls": "ray_ppo.testing:FaultyEnv", "step_timeout_s": 0.3, "max_tokens": 32}})
     with pytest.raises(PreflightError) as e:
         check_run(cfg)
     assert str(e.value).startswith(f"env.cls='ray_ppo.testing:FaultyEnv': a probe episode on the prompt '{first}' "
