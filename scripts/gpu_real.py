@@ -21,7 +21,6 @@ Exit status: the run's, or 1 when the run finished without two evaluations.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -39,12 +38,11 @@ CPU_DRY_RUN = ["maker.engine=hf", "maker.num_gpus=0", "maker.vllm.dtype=null", "
 def evaluations(run: Path) -> list[dict]:
     """The run's successful evaluations in step order, each with its step's training seconds
     (``metrics.jsonl``'s ``elapsed_s``; 0 for step 0)."""
-    elapsed = {0: 0.0}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        elapsed[row["step"]] = row["elapsed_s"]
-    rows = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
-    done = sorted((r for r in rows if r["error"] is None), key=lambda r: r["step"])
+    from ray_ppo.eval_records import read_evals
+    from ray_ppo.jsonl import read_rows
+
+    elapsed = {0: 0.0, **{row["step"]: row["elapsed_s"] for row in read_rows(run / "metrics.jsonl")}}
+    done = sorted((r for r in read_evals(run) if r["error"] is None), key=lambda r: r["step"])
     return [{**r, "elapsed_s": elapsed.get(r["step"], float("nan"))} for r in done]
 
 
