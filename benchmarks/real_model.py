@@ -3,6 +3,7 @@
     python benchmarks/real_model.py --seeds 0 1 2          # trains configs/smollm2_grpo.yaml per seed, then the table
     python benchmarks/real_model.py --seeds 0 1 2 --variants ours trl  # and TRL's GRPOTrainer, seed after seed
     python benchmarks/real_model.py --runs DIR [DIR ...]    # the table of finished runs (either side)
+    python benchmarks/real_model.py --seeds 0 1 2 --config configs/smollm2_ppo.yaml --tag ppo  # the critic's curve
     make bench-real-peer                                    # builds .venv-trl, then the second command
 
 Ours, per seed: one ``ray-ppo train --config configs/smollm2_grpo.yaml seed=S`` (GRPO, one maker and
@@ -101,23 +102,24 @@ class Goal:
                 f"{self.trl_s:.0f} s; ours reaches it at {reach}; samples/s {self.speed_ratio:.2f}x TRL's)")
 
 
-def train_ours(seed: int, out: Path, overrides: list[str]) -> None:
-    subprocess.run([sys.executable, "-m", "ray_ppo.cli", "train", "--config", str(CONFIG), "--output", str(out),
+def train_ours(seed: int, out: Path, overrides: list[str], config: Path = CONFIG) -> None:
+    """``ray-ppo train`` in this Python (``.venv-vllm``'s for ``maker.engine=vllm``)."""
+    subprocess.run([sys.executable, "-m", "ray_ppo.cli", "train", "--config", str(config), "--output", str(out),
                     "--overwrite", f"seed={seed}", "logging.progress=false", *overrides], cwd=ROOT, check=True)
 
 
-def train_trl(seed: int, out: Path, overrides: list[str], trl_python: str) -> None:
+def train_trl(seed: int, out: Path, overrides: list[str], trl_python: str, config: Path = CONFIG) -> None:
     """``benchmarks/peer_trl_grpo.py`` in ``trl_python`` on the checkpoint ``model.pretrained`` resolves
     to here (converted once by this environment, which has the wheel and ``gguf``); its output goes
     to ``out/trl.log``."""
     from ray_ppo.config import load_config
     from ray_ppo.core.models import resolve_pretrained
 
-    model = resolve_pretrained(load_config(CONFIG, overrides).model.pretrained)
+    model = resolve_pretrained(load_config(config, overrides).model.pretrained)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "trl.log", "w") as log:
         done = subprocess.run([trl_python, str(ROOT / "benchmarks" / "peer_trl_grpo.py"), "--output", str(out),
-                               "--config", str(CONFIG), f"seed={seed}", *overrides, f"model.pretrained={model}"],
+                               "--config", str(config), f"seed={seed}", *overrides, f"model.pretrained={model}"],
                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode:
         tail = (out / "trl.log").read_text()[-3000:]
@@ -218,23 +220,28 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=("ours", "trl"), default=["ours"],
                         help="the sides --seeds trains, one seed after another")
     parser.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
-    parser.add_argument("--output", type=Path, default=RUNS, help="where --seeds puts its run directories")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="where --seeds puts its run directories (default runs/real_model, runs/real_model_TAG with --tag)")
+    parser.add_argument("--config", type=Path, default=CONFIG, help="the config both sides train (default %(default)s)")
+    parser.add_argument("--tag", default="", help="the table goes to results/real_model_TAG.json (beside the comparison's)")
     parser.epilog = "key=value arguments (anywhere) override the config on both sides, e.g. trainer.time_budget_s=60"
     argv = sys.argv[1:]
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]  # key=value anywhere, as ray-ppo's
     args = parser.parse_args([a for a in argv if a not in overrides])
     if "trl" in args.variants and args.seeds and not Path(args.trl_python).exists():
         raise SystemExit(f"{args.trl_python} not found: `make .venv-trl/.installed` builds it (trl==1.12.0)")
+    name = f"real_model_{args.tag}" if args.tag else "real_model"
+    output = args.output or RUNS.parent / name
     runs = list(args.runs or [])
     for seed in args.seeds or []:
         if "ours" in args.variants:
-            runs.append(args.output / f"seed_{seed}")
-            train_ours(seed, runs[-1], overrides)
+            runs.append(output / f"seed_{seed}")
+            train_ours(seed, runs[-1], overrides, args.config)
         if "trl" in args.variants:
-            runs.append(args.output / f"trl_seed_{seed}")
-            train_trl(seed, runs[-1], overrides, args.trl_python)
+            runs.append(output / f"trl_seed_{seed}")
+            train_trl(seed, runs[-1], overrides, args.trl_python, args.config)
     read = [read_run(run) for run in runs]
-    publish("real_model", HEADERS, rows(read), args=args)
+    publish(name, HEADERS, rows(read), args=args)
     print("\n".join(["", *summary(read)]))
 
 
