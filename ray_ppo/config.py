@@ -658,6 +658,23 @@ class Config(_Section):
         return self
 
     @property
+    def response_budget(self) -> tuple[str, int]:
+        """The setting that bounds the tokens a sequence adds to its prompt, and its value: ``env.max_tokens``
+        with an environment (episodes end within it, an evaluation's too), else the larger of
+        ``maker.max_new_tokens`` and, with an evaluation set, ``eval.max_new_tokens``."""
+        if self.env.cls:
+            return "env.max_tokens", self.env.max_tokens
+        budgets = [("maker.max_new_tokens", self.maker.max_new_tokens)]
+        if self.eval.path and self.eval.max_new_tokens:
+            budgets.append(("eval.max_new_tokens", self.eval.max_new_tokens))
+        return max(budgets, key=lambda kv: kv[1])
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence of the run, prompt and response: ``data.max_prompt_len`` + ``response_budget``."""
+        return self.data.max_prompt_len + self.response_budget[1]
+
+    @property
     def output_dir(self) -> str:
         """The run directory: logging.output_dir, or runs/<name>."""
         return self.logging.output_dir or f"runs/{self.name}"

@@ -123,18 +123,12 @@ def check_context(cfg: Config, model_config) -> None:
     positions = getattr(model_config, "max_position_embeddings", None)
     if not isinstance(positions, int):
         return
-    if cfg.env.cls:  # episodes, the evaluation's too, end within env.max_tokens
-        adds = [("env.max_tokens", cfg.env.max_tokens)]
-    else:
-        adds = [("maker.max_new_tokens", cfg.maker.max_new_tokens)]
-        if cfg.eval.path and cfg.eval.max_new_tokens:
-            adds.append(("eval.max_new_tokens", cfg.eval.max_new_tokens))
-    longest = max(adds, key=lambda kv: kv[1])
-    if cfg.data.max_prompt_len + longest[1] > positions:
+    setting, tokens = cfg.response_budget
+    if cfg.max_context > positions:
         raise PreflightError(
-            f"data.max_prompt_len ({cfg.data.max_prompt_len}) + {longest[0]} ({longest[1]}) = "
-            f"{cfg.data.max_prompt_len + longest[1]} tokens, but model.pretrained={cfg.model.pretrained!r} has "
-            f"{positions} positions; lower data.max_prompt_len or {longest[0]} so that they add up to at most {positions}")
+            f"data.max_prompt_len ({cfg.data.max_prompt_len}) + {setting} ({tokens}) = {cfg.max_context} tokens, "
+            f"but model.pretrained={cfg.model.pretrained!r} has {positions} positions; lower data.max_prompt_len "
+            f"or {setting} so that they add up to at most {positions}")
 
 
 def check_model_path(key: str, value: str):

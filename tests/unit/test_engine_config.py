@@ -74,3 +74,25 @@ def test_hf_weights_of_a_lora_actor_are_the_merged_weights(tiny_path):
     for name in expected:
         torch.testing.assert_close(state[name], expected[name], rtol=0, atol=1e-6)
     assert all(torch.equal(v, base[k]) for k, v in actor.state_dict().items())  # the live copy is untouched
+
+
+@pytest.mark.parametrize("overrides, setting, tokens", [
+    ([], "maker.max_new_tokens", 8),
+    (["eval.path=data/toy_prompts.csv", "eval.max_new_tokens=20"], "eval.max_new_tokens", 20),
+    (["eval.path=data/toy_prompts.csv", "eval.max_new_tokens=4"], "maker.max_new_tokens", 8),
+    (["eval.max_new_tokens=20"], "maker.max_new_tokens", 8),  # no evaluation set: no evaluation answers
+    (["env.cls=ray_ppo.tasks.turns:TwoTurnEnv", "env.max_tokens=40", "eval.path=data/toy_prompts.csv",
+      "eval.max_new_tokens=20"], "env.max_tokens", 40),
+])
+def test_the_engine_context_holds_the_longest_response_an_evaluation_or_episode_included(
+        monkeypatch, overrides, setting, tokens):
+    """The vLLM engine's max_model_len is pre-flight's longest sequence: an evaluation answering
+    more tokens than maker.max_new_tokens, or an episode's env.max_tokens, must fit it."""
+    from ray_ppo.core import vllm_engine
+
+    asked = {}
+    monkeypatch.setattr(vllm_engine, "VllmEngine", lambda *args, **kwargs: asked.update(kwargs))
+    cfg = load_config("configs/tiny_vllm.yaml", ["eval.reward_fn=ray_ppo.tasks.toy:reward", *overrides])
+    assert cfg.response_budget == (setting, tokens)
+    vllm_engine.build_engine(cfg, "unused", seed=0, on_gpu=False)
+    assert asked["max_model_len"] == cfg.max_context == 16 + tokens

@@ -30,13 +30,15 @@ PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 3], [5], [9, 9, 8, 7, 6, 5, 4, 3]]
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_cache):
-    """A MakerWorker (no Ray: no coordinator) whose engine is vLLM, greedy sampling."""
+    """A MakerWorker (no Ray: no coordinator) whose engine is vLLM, greedy sampling; its evaluation
+    answers up to 12 tokens, more than its batches' 8."""
     from ray_ppo.api import resolve_config
     from ray_ppo.config import load_config
     from ray_ppo.runtime.maker import MakerWorker
 
     cfg = resolve_config(load_config("configs/tiny_vllm.yaml", [
-        "maker.engine=vllm", "maker.top_k=1", "maker.max_new_tokens=8", "maker.torch_threads=1"]))
+        "maker.engine=vllm", "maker.top_k=1", "maker.max_new_tokens=8", "maker.torch_threads=1",
+        "eval.path=data/toy_prompts.csv", "eval.max_new_tokens=12"]))
     start = time.perf_counter()
     worker = MakerWorker(0, cfg.to_dict(), coordinator=None)
     print(f"engine up in {time.perf_counter() - start:.1f} s")
@@ -113,7 +115,7 @@ def test_multi_turn_episodes_generate_with_the_engine_as_with_hf(worker):
 
     maker = worker.maker
     prompts = [maker.tokenizer.decode(p) for p in PROMPTS]
-    # 16 response tokens: with the longest prompt (8), what the engine's context holds (max_model_len 24)
+    # 16 response tokens: with the longest prompt (8), within the engine's context (max_model_len 16 + 12)
     maker.episodes = EpisodeRunner(TwoTurnEnv, EnvConfig(cls="ray_ppo.tasks.turns:TwoTurnEnv", max_tokens=16),
                                    maker.tokenizer)
     try:
@@ -128,6 +130,19 @@ def test_multi_turn_episodes_generate_with_the_engine_as_with_hf(worker):
         assert item.episode == hf_item.episode and torch.equal(item.response_ids, hf_item.response_ids)
         assert (item.action_mask is None and hf_item.action_mask is None) or torch.equal(item.action_mask, hf_item.action_mask)
         assert item.reward == hf_item.reward
+
+
+def test_the_engine_holds_an_evaluations_longest_answer(worker):
+    """eval.max_new_tokens (12) above maker.max_new_tokens (8): the engine's context is
+    data.max_prompt_len + 12 (``Config.max_context``, pre-flight's bound), so the longest prompt's
+    evaluation answer fits it."""
+    from ray_ppo.core.models.generation import SamplingParams
+
+    assert worker.engine.llm.model_config.max_model_len == 16 + 12
+    tokenizer = worker.maker.tokenizer
+    out = worker.engine.generate([[3] * 16], SamplingParams(max_new_tokens=12, top_k=1), tokenizer.pad_token_id,
+                                 tokenizer.eos_token_id)
+    assert 16 < out.sequences.shape[1] <= 16 + 12
 
 
 def test_greedy_generation_equals_the_hf_makers(worker):
