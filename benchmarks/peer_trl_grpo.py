@@ -62,8 +62,10 @@ Where TRL's GRPO, run as shipped, differs from ours (``algo.advantage: grpo``):
   the checkpoint's generation config; SmolLM2's lists only ``<|im_end|>``.
 - **Engineering defaults left out**: TRL's ``gradient_checkpointing=True`` (recomputes activations
   in the backward pass to save memory; ours never checkpoints, and a 135 M model needs no saving
-  on this machine) and ``bf16=True`` (refused on a CPU without ``use_cpu``; ours trains in float32)
-  are set to False; ``use_cpu`` and everything else stay TRL's.
+  on this machine) is set to False. ``bf16`` follows ``trainer.autocast`` (default false: ours trains
+  in float32): TRL's own default, ``bf16=True``, is bfloat16 autocast with float32 weights, as ours
+  with ``trainer.autocast=true``, and on a CPU it needs ``use_cpu=True``, which is then set.
+  Everything else stays TRL's.
 - **Prompt order**: both shuffle the prompts with the run's seed (``shuffle_dataset = data.shuffle``),
   each with its own generator, so the two sides of a seed see the prompts in different orders.
 
@@ -89,6 +91,8 @@ CONFIG = ROOT / "configs" / "smollm2_grpo.yaml"
 
 def trl_settings(cfg) -> dict:
     """The ``GRPOConfig`` arguments that carry ``cfg``'s work (see the module doc); TRL's own defaults for the rest."""
+    import torch
+
     t = cfg.trainer
     if t.train_batch_size != cfg.maker.batch_size * cfg.maker.samples_per_prompt:
         raise SystemExit(f"trainer.train_batch_size ({t.train_batch_size}) must be maker.batch_size x "
@@ -102,7 +106,7 @@ def trl_settings(cfg) -> dict:
         "max_completion_length": cfg.maker.max_new_tokens, "temperature": cfg.maker.temperature,
         "learning_rate": t.actor_lr, "lr_scheduler_type": "constant", "weight_decay": t.weight_decay,
         "max_grad_norm": t.max_grad_norm, "beta": cfg.ppo.kl_coef, "epsilon": cfg.ppo.eps_clip,
-        "gradient_checkpointing": False, "bf16": False,
+        "gradient_checkpointing": False, "bf16": t.autocast, "use_cpu": t.autocast and not torch.cuda.is_available(),
         "logging_steps": 1, "report_to": "none", "save_strategy": "no", "disable_tqdm": True,
     }
 

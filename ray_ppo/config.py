@@ -311,6 +311,8 @@ class TrainerConfig(_Section):
     """Pull the next step's batch while this step trains (for the version that step trains at, so ppo.max_staleness holds); false pulls at the start of each step."""
     max_nonfinite_updates: int = Field(10, ge=0)
     """Optimizer updates in a row skipped for a non-finite loss or gradient before the run fails."""
+    autocast: bool = False
+    """Mixed precision: the trainer's forward passes run under torch.autocast in bfloat16, weights, gradients and optimizer states stay float32 (several times faster on GPUs and on CPUs with AMX)."""
 
     @model_validator(mode="after")
     def _mini_batches_divide_the_batch(self) -> TrainerConfig:
@@ -336,6 +338,10 @@ class TrainerConfig(_Section):
                 f"trainer.strategy={self.strategy!r} runs on CUDA only, but trainer.use_gpu=false; "
                 f"set trainer.use_gpu=true, or use trainer.strategy=fsdp"
             )
+        if self.autocast and self.strategy in COLOSSALAI_STRATEGIES:
+            raise ConfigError(
+                f"trainer.autocast=true with trainer.strategy={self.strategy!r}: ColossalAI's plugin sets its own "
+                f"precision; set trainer.autocast=false, or use trainer.strategy=fsdp or ddp")
         return self
 
 
@@ -602,6 +608,14 @@ class Config(_Section):
             raise ConfigError(
                 f"model.lora.critic=true, but algo.advantage={advantage} builds no critic; "
                 f"set model.lora.critic=false or algo.advantage=gae")
+        return self
+
+    @model_validator(mode="after")
+    def _autocast_keeps_float32_weights(self) -> Config:
+        if self.trainer.autocast and self.model.dtype != "float32":
+            raise ConfigError(
+                f"trainer.autocast=true keeps float32 weights and computes in bfloat16, but model.dtype="
+                f"{self.model.dtype!r}; set model.dtype=float32 (maker.vllm.dtype sets a vLLM engine's own)")
         return self
 
     @model_validator(mode="after")

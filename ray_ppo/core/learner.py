@@ -9,6 +9,7 @@ Plain class, no Ray: the synchronous local loop and the Ray Train loop both driv
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -120,6 +121,7 @@ class PPOLearner:
             self.critic_optim = strategy.make_optimizer(self.critic, t.critic_lr, t.weight_decay)
             self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_optim, schedule)
         self.kl_coef = 0.0
+        self.autocast = t.autocast
         self.generator = torch.Generator().manual_seed(seed)
         self.device = strategy.device
         self.nonfinite_updates = 0  # updates skipped for a non-finite loss or gradient, whole run
@@ -161,6 +163,13 @@ class PPOLearner:
         metrics["nonfinite_updates"] = float(self.nonfinite_updates - skipped_before)
         return metrics
 
+    def _forward(self):
+        """The context of a forward pass: bfloat16 autocast with ``trainer.autocast`` (the weights stay
+        float32; logits and values are read in float32), else nothing."""
+        if self.autocast:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def _whitens(self) -> bool:
         """GAE: as ``ppo.whiten_advantages``; REINFORCE++: always (its batch normalisation); GRPO
         and RLOO: never (their advantages are already normalised within each group)."""
@@ -174,7 +183,8 @@ class PPOLearner:
         out = []
         for start in range(0, batch.batch_size, self.trainer.mini_batch_size):
             mb = batch.select(torch.arange(start, min(start + self.trainer.mini_batch_size, batch.batch_size)))
-            logits = action_logits(self.actor, mb.sequences, mb.attention_mask, mb.num_actions, self.temperature)
+            with self._forward():
+                logits = action_logits(self.actor, mb.sequences, mb.attention_mask, mb.num_actions, self.temperature)
             out.append(log_probs_from_logits(logits, mb.sequences[:, -mb.num_actions:]))
         return torch.where(batch.action_mask.bool(), torch.cat(out), 0.0)
 
@@ -221,7 +231,8 @@ class PPOLearner:
     def _actor_update(self, mb: ExperienceBatch, proximal: Proximal, idx: torch.Tensor) -> dict[str, float]:
         """One clipped policy update on minibatch ``mb`` (rows ``idx`` of the step's batch)."""
         p = self.ppo
-        logits = action_logits(self.actor, mb.sequences, mb.attention_mask, mb.num_actions, self.temperature)
+        with self._forward():
+            logits = action_logits(self.actor, mb.sequences, mb.attention_mask, mb.num_actions, self.temperature)
         log_probs = log_probs_from_logits(logits, mb.sequences[:, -mb.num_actions:])
         anchor = proximal.rows(idx, log_probs)
         weights = self._weights(anchor, mb.action_log_probs)
@@ -239,7 +250,8 @@ class PPOLearner:
                 "approx_kl": float(stats["approx_kl"]), "actor_grad_norm": grad_norm}
 
     def _critic_update(self, mb: ExperienceBatch) -> dict[str, float]:
-        values = action_values(self.critic, mb.sequences, mb.attention_mask, mb.num_actions)
+        with self._forward():
+            values = action_values(self.critic, mb.sequences, mb.attention_mask, mb.num_actions).float()
         vf_loss, stats = value_loss(values, mb.values, mb.returns, mb.action_mask, self.ppo.value_clip)
         grad_norm = self._optimize(vf_loss, self.critic, self.critic_optim, self.critic_sched, "critic")
         return {"value_loss": vf_loss.item(), "vf_clipfrac": float(stats["vf_clipfrac"]), "critic_grad_norm": grad_norm}

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -98,6 +99,10 @@ def test_trl_settings_carry_the_grpo_config():
     assert (s["beta"], s["epsilon"], s["max_grad_norm"], s["weight_decay"]) == (0.0, 0.2, 1.0, 0.0)
     assert not s["gradient_checkpointing"] and not s["bf16"]
     assert "loss_type" not in s and "scale_rewards" not in s  # TRL's defaults, as shipped
+    cpu = not torch.cuda.is_available()
+    assert not s["use_cpu"]
+    s = peer_trl_grpo.trl_settings(load_config(peer_trl_grpo.CONFIG, ["trainer.autocast=true"]))
+    assert s["bf16"] and s["use_cpu"] == cpu  # TRL's bf16 autocast, as ours with trainer.autocast
 
 
 def test_trl_settings_refuse_a_step_of_other_than_one_generation_batch():
