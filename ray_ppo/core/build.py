@@ -85,14 +85,15 @@ def build_experience_maker(cfg: Config, actor=None, critic=None, name: str = "ma
                            device: torch.device | None = None) -> ExperienceMaker:
     """An ``ExperienceMaker`` with every model on ``device`` (default ``maker_device(cfg)``);
     pass ``actor``/``critic`` to share models with a learner (local loop: its device). No critic
-    for the critic-free estimators."""
+    for the critic-free estimators. The models it builds itself are in ``cfg.maker_dtype``."""
     device = device if device is not None else maker_device(cfg)
-    actor = (actor if actor is not None else build_actor(cfg)).to(device)
-    critic = (critic if critic is not None else build_critic(cfg)).to(device) if has_critic(cfg) else None
+    own = cfg if actor is not None else cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": cfg.maker_dtype})})
+    actor = (actor if actor is not None else build_actor(own)).to(device)
+    critic = (critic if critic is not None else build_critic(own)).to(device) if has_critic(cfg) else None
     # With LoRA the reference is the actor with adapters disabled: no second copy of the weights.
     # Without a KL term (ppo.uses_reference) there is no reference at all.
     reference = cfg.ppo.uses_reference
-    ref = build_actor(cfg, with_lora=False).eval().to(device) if reference and cfg.model.lora.rank == 0 else None
+    ref = build_actor(own, with_lora=False).eval().to(device) if reference and cfg.model.lora.rank == 0 else None
     reward_model = RewardModel.from_pretrained(cfg.model.reward_pretrained, cfg.model.dtype).eval().to(device) \
         if cfg.model.reward_pretrained else None
     reward_fn = load_reward_fn(cfg.model.reward_fn) if reward_model is None else None

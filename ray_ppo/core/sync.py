@@ -276,6 +276,13 @@ def bucket_nbytes(bucket: Bucket) -> int:
     return sum(int(a.nbytes) for a in bucket[1])
 
 
+def cast_floating(state: Mapping[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """``state`` with its floating-point tensors in ``dtype`` (a name: "bfloat16"), as a receiver of
+    that dtype holds them after a push (``copy_`` rounds as ``to`` does); the others as they are."""
+    target = getattr(torch, dtype)
+    return {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
+
+
 def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
     """SHA-256 over names, dtypes, shapes and bytes, in name order: equal iff the weights are bit-identical."""
     h = hashlib.sha256()

@@ -79,7 +79,7 @@ def test_tree_names_and_defaults_are_the_public_contract():
         "data": {"path": None, "format": None, "prompt_column": "prompt", "max_prompt_len": 64,
                  "chat_template": False, "shuffle": True},
         "maker": {"num_makers": 1, "batch_size": 16, "max_new_tokens": 8, "temperature": 1.0, "top_k": 0,
-                  "top_p": 1.0, "quantization": None, "num_cpus": 0.5, "num_gpus": 0.0, "torch_threads": 1,
+                  "top_p": 1.0, "quantization": None, "dtype": None, "num_cpus": 0.5, "num_gpus": 0.0, "torch_threads": 1,
                   "wait_for_weights": False, "max_restarts": 3, "node_resource": None,
                   "engine": "hf", "engine_logprobs": None,
                   "vllm": {"gpu_memory_utilization": 0.3, "kv_cache_gib": 1.0, "enforce_eager": True, "dtype": None},

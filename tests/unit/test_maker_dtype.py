@@ -1,0 +1,61 @@
+"""maker.dtype: a detached maker holds its models in a dtype of its own (bfloat16 generates faster
+on GPUs and AMX CPUs); the trainer's float32 pushes are cast to it, the weight check compares the
+trainer's state cast the same way, and the experience it makes stays float32."""
+
+import copy
+
+import pytest
+import torch
+
+from ray_ppo.config import Config, ConfigError, load_config
+from ray_ppo.core.sync import cast_floating, fingerprint, join_state, make_buckets, push_aliases
+from ray_ppo.runtime.device_checks import as_stored, bad_item_fields, deliver_push
+from ray_ppo.runtime.maker import MakerWorker
+
+PROMPTS = [[3, 4, 5], [6, 7, 8, 9]]
+
+
+def float32_push(worker: MakerWorker, seed: int = 1) -> tuple[dict[str, torch.Tensor], list]:
+    """(the trainer's float32 state, its push) for perturbed float32 copies of the maker's models."""
+    actor, critic = (copy.deepcopy(m).float() for m in (worker.float_actor, worker.maker.critic))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in [*actor.parameters(), *critic.parameters()]:
+            p.add_(0.1 * torch.randn_like(p))
+    full = join_state(actor.state_dict(), critic.state_dict())
+    aliases = push_aliases(actor, critic)
+    push = {k: v for k, v in full.items() if k not in aliases}
+    return full, [as_stored(b) for b in make_buckets(push, bucket_mb=0.05)]
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_a_bfloat16_maker_holds_the_trainers_pushes_cast_to_it(tiny_path, zero_copy):
+    cfg = Config().with_overrides({"model.pretrained": tiny_path, "maker.max_new_tokens": 6, "maker.dtype": "bfloat16",
+                                   "algo.advantage": "gae", "ppo.kl_coef": 0.05, "sync.zero_copy": zero_copy})
+    assert (cfg.maker_dtype, cfg.model.dtype) == ("bfloat16", "float32")
+    worker = MakerWorker(0, cfg.to_dict(), coordinator=None)
+    maker = worker.maker
+    for model in (maker.actor, maker.critic, maker.ref):
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    items, _ = maker.make_experience(PROMPTS, policy_version=0)
+    assert not bad_item_fields(items)
+    assert {i.action_log_probs.dtype for i in items} == {i.values.dtype for i in items} == {torch.float32}
+
+    full, push = float32_push(worker)
+    assert {v.dtype for v in full.values()} == {torch.float32}
+    assert deliver_push(worker, 1, push)
+    assert {p.dtype for p in worker.float_actor.parameters()} == {torch.bfloat16}  # cast, not swapped for float32
+    assert worker.weights_fingerprint() == (1, fingerprint(cast_floating(full, "bfloat16")))
+    assert fingerprint(cast_floating(full, "bfloat16")) != fingerprint(full)
+    assert not bad_item_fields(maker.make_experience(PROMPTS, policy_version=1)[0])
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["maker.dtype=bfloat16", "maker.quantization=int8"],
+     r"maker\.quantization='int8' quantizes float32 weights, but maker\.dtype='bfloat16'; set one of them to null"),
+    (["maker.dtype=bfloat16", "maker.engine=vllm"],
+     r"maker\.dtype='bfloat16' sets an HF maker's weights, but maker\.engine='vllm'; .*maker\.vllm\.dtype=bfloat16"),
+])
+def test_maker_dtype_refuses_what_it_cannot_go_with(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
