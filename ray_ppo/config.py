@@ -687,6 +687,14 @@ class Config(_Section):
         return self.maker.dtype or self.model.dtype
 
     @property
+    def engine_dtype(self) -> str:
+        """The dtype of the weights a maker generates with: maker.vllm.dtype (or model.dtype) with a vLLM
+        engine, else ``maker_dtype``."""
+        if self.maker.engine == "vllm":
+            return self.maker.vllm.dtype or self.model.dtype
+        return self.maker_dtype
+
+    @property
     def response_budget(self) -> tuple[str, int]:
         """The setting that bounds the tokens a sequence adds to its prompt, and its value: ``env.max_tokens``
         with an environment (episodes end within it, an evaluation's too), else the larger of

@@ -283,6 +283,13 @@ def cast_floating(state: Mapping[str, torch.Tensor], dtype: str) -> dict[str, to
     return {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
 
 
+def as_held(state: Mapping[str, torch.Tensor], actor_dtype: str, critic_dtype: str) -> dict[str, torch.Tensor]:
+    """A joined push state (``join_state``) as a maker holds it: the actor's floating tensors in
+    ``actor_dtype`` (its engine's), the critic's in ``critic_dtype``."""
+    actor, critic = split_state(state)
+    return join_state(cast_floating(actor, actor_dtype), cast_floating(critic, critic_dtype))
+
+
 def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
     """SHA-256 over names, dtypes, shapes and bytes, in name order: equal iff the weights are bit-identical."""
     h = hashlib.sha256()

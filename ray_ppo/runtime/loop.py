@@ -32,7 +32,7 @@ from ray_ppo.core.learner import PPOLearner, drop_absent
 from ray_ppo.core.metrics import experience_metrics
 from ray_ppo.core.models import load_tokenizer
 from ray_ppo.core.strategies import make_strategy
-from ray_ppo.core.sync import cast_floating, fingerprint
+from ray_ppo.core.sync import as_held, fingerprint
 from ray_ppo.eval_records import attach_evals, split_evals
 from ray_ppo.runtime.messages import ItemsLost, PullRequest, RunHandles
 from ray_ppo.runtime.monitor import MakerMonitor, verify_makers
@@ -318,7 +318,7 @@ def _complete_row(run: _Run, plan: _StepPlan, over_ranks: Callable[[], dict[str,
     if run.rank == 0:
         metrics.update(run.monitor.metrics(step_s, plan.step))
         if plan.last:
-            held = cast_floating(state, run.cfg.maker_dtype)  # what the makers hold: pushes are cast to maker.dtype
+            held = as_held(state, run.cfg.engine_dtype, run.cfg.maker_dtype)  # pushes are cast to the makers' dtypes
             metrics["weights_in_sync"] = verify_makers(run.coordinator, plan.next_version, fingerprint(held))
         if plan.push and run.cfg.eval.due(plan.step, plan.last, run.cfg.trainer.update_steps):
             # waited for: the coordinator runs one caller's calls out of order

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ray_ppo.config import Config, ConfigError, load_config
-from ray_ppo.core.sync import cast_floating, fingerprint, join_state, make_buckets, push_aliases
+from ray_ppo.core.sync import as_held, cast_floating, fingerprint, join_state, make_buckets, push_aliases
 from ray_ppo.runtime.device_checks import as_stored, bad_item_fields, deliver_push
 from ray_ppo.runtime.maker import MakerWorker
 
@@ -46,6 +46,8 @@ def test_a_bfloat16_maker_holds_the_trainers_pushes_cast_to_it(tiny_path, zero_c
     assert deliver_push(worker, 1, push)
     assert {p.dtype for p in worker.float_actor.parameters()} == {torch.bfloat16}  # cast, not swapped for float32
     assert worker.weights_fingerprint() == (1, fingerprint(cast_floating(full, "bfloat16")))
+    assert cast_floating(full, "bfloat16").keys() == full.keys()
+    assert fingerprint(as_held(full, cfg.engine_dtype, cfg.maker_dtype)) == fingerprint(cast_floating(full, "bfloat16"))
     assert fingerprint(cast_floating(full, "bfloat16")) != fingerprint(full)
     assert not bad_item_fields(maker.make_experience(PROMPTS, policy_version=1)[0])
 
@@ -59,3 +61,19 @@ def test_a_bfloat16_maker_holds_the_trainers_pushes_cast_to_it(tiny_path, zero_c
 def test_maker_dtype_refuses_what_it_cannot_go_with(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, overrides)
+
+
+def test_the_weight_check_casts_the_actor_to_the_engines_dtype_and_the_critic_to_the_makers():
+    """The end-of-run check fingerprints the trainer's state as each maker holds it: a vLLM
+    engine's actor in maker.vllm.dtype, the HF critic beside it in model.dtype."""
+    cfg = Config()
+    state = join_state({"w": torch.ones(2), "step": torch.tensor(3)}, {"v": torch.ones(2)})
+    held = as_held(state, "bfloat16", "float32")
+    assert {k: v.dtype for k, v in held.items()} == {"actor.w": torch.bfloat16, "actor.step": torch.int64,
+                                                     "critic.v": torch.float32}
+    assert (cfg.engine_dtype, cfg.maker_dtype) == ("float32", "float32")
+    vllm = Config().model_copy(update={"maker": Config().maker.model_copy(update={
+        "engine": "vllm", "vllm": Config().maker.vllm.model_copy(update={"dtype": "bfloat16"})})})
+    assert (vllm.engine_dtype, vllm.maker_dtype) == ("bfloat16", "float32")
+    bf16 = load_config(None, ["maker.dtype=bfloat16"])
+    assert (bf16.engine_dtype, bf16.maker_dtype) == ("bfloat16", "bfloat16")
