@@ -1,6 +1,7 @@
 """Where a step of the SmolLM2 GRPO run goes on this machine, and what more trainer threads or no reference model buy.
 
     python benchmarks/real_model_speed.py                       # the variants below, 240 s of training each
+    python benchmarks/real_model_speed.py --variants base bf16 bf16_threads2 --budget 180 --tag bf16
     python benchmarks/real_model_speed.py --variants base threads2 --budget 120
 
 Each variant is one ``ray-ppo train --config configs/smollm2_grpo.yaml`` (one maker, one trainer
@@ -15,6 +16,9 @@ worker, GRPO on SmolLM2-135M-Instruct, 32 responses a step) with evaluation off 
   threads2    base with ``trainer.torch_threads=2``: the trainer, the slower side, gets the second
               core while the maker is idle (3 threads on 2 cores while it is not)
   threads2_reference  threads2 with the reference model
+  bf16        base in bfloat16: ``trainer.autocast=true`` (float32 weights, bfloat16 compute) and
+              ``maker.dtype=bfloat16`` (the maker's weights), for CPUs with AMX
+  bf16_threads2  bf16 with ``trainer.torch_threads=2``
 
 The table reads each run's ``metrics.jsonl`` from its 4th step on (its first steps wait for the
 first batches): steady samples/s (trained responses over the steps' wall time), the trainer's
@@ -42,6 +46,8 @@ VARIANTS = {
     "reference": ["ppo.kl_coef=1e-9"],
     "threads2": ["trainer.torch_threads=2"],
     "threads2_reference": ["trainer.torch_threads=2", "ppo.kl_coef=1e-9"],
+    "bf16": ["trainer.autocast=true", "maker.dtype=bfloat16"],
+    "bf16_threads2": ["trainer.autocast=true", "maker.dtype=bfloat16", "trainer.torch_threads=2"],
 }
 SKIP_STEPS = 3
 """Steps left out at the start of a run: the trainer's first steps wait for the first batches."""
