@@ -322,7 +322,7 @@ class TrainerConfig(_Section):
     max_nonfinite_updates: int = Field(10, ge=0)
     """Optimizer updates in a row skipped for a non-finite loss or gradient before the run fails."""
     autocast: bool = False
-    """Mixed precision: the trainer's forward passes run under torch.autocast in bfloat16, weights, gradients and optimizer states stay float32 (several times faster on GPUs and on CPUs with AMX)."""
+    """Mixed precision: the trainer's forward passes run under torch.autocast in bfloat16, weights, gradients and optimizer states stay float32 (faster on GPUs and on CPUs with AMX)."""
 
     @model_validator(mode="after")
     def _mini_batches_divide_the_batch(self) -> TrainerConfig:

@@ -50,6 +50,10 @@ def run_local(cfg: Config, prompts: Sequence[Prompt | None] | None = None,
     if cfg.maker.engine != "hf":  # the loop's maker shares the learner's live weights: nothing to push
         raise ConfigError(f"the synchronous loop generates with HF only, but maker.engine={cfg.maker.engine!r}; "
                           f"set maker.engine=hf, or run ray-ppo train for vLLM makers")
+    if cfg.maker.dtype not in (None, cfg.model.dtype):
+        raise ConfigError(f"the synchronous loop's maker generates with the learner's own weights, in model.dtype="
+                          f"{cfg.model.dtype!r}, not maker.dtype={cfg.maker.dtype!r}; set maker.dtype=null, or run "
+                          f"ray-ppo train for makers in a dtype of their own")
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer.torch_threads)
     if prompts is None and cfg.data.path:

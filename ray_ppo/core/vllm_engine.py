@@ -256,7 +256,7 @@ def engine_actor_state(engine: VllmEngine, actor: nn.Module) -> dict[str, torch.
 def build_engine(cfg: Config, model_path: str, seed: int, on_gpu: bool) -> VllmEngine:
     """The maker's engine from ``cfg.maker.vllm`` (``model_path``: the resolved ``model.pretrained``)."""
     opts = cfg.maker.vllm
-    return VllmEngine(model_path, opts.dtype or cfg.model.dtype, seed, max_model_len=cfg.max_context,
+    return VllmEngine(model_path, cfg.engine_dtype, seed, max_model_len=cfg.max_context,
                       gpu_memory_utilization=opts.gpu_memory_utilization, kv_cache_gib=opts.kv_cache_gib,
                       enforce_eager=opts.enforce_eager, on_gpu=on_gpu, temperature=cfg.maker.temperature)
 

@@ -77,3 +77,11 @@ def test_the_weight_check_casts_the_actor_to_the_engines_dtype_and_the_critic_to
     assert (vllm.engine_dtype, vllm.maker_dtype) == ("bfloat16", "float32")
     bf16 = load_config(None, ["maker.dtype=bfloat16"])
     assert (bf16.engine_dtype, bf16.maker_dtype) == ("bfloat16", "bfloat16")
+
+
+def test_the_synchronous_loop_refuses_a_maker_dtype_of_its_own():
+    """Its maker generates with the learner's live weights: a maker.dtype would be silently ignored."""
+    from ray_ppo.local import run_local
+
+    with pytest.raises(ConfigError, match=r"synchronous loop's maker .* not maker\.dtype='bfloat16'; set maker\.dtype=null"):
+        run_local(load_config(None, ["maker.dtype=bfloat16", "trainer.total_steps=1"]))
