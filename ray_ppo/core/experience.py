@@ -287,7 +287,7 @@ class ExperienceMaker:
         log_probs = self._behaviour_log_probs(rollout, stats)
         ref_log_probs = self._ref_log_probs(rollout) if self.reference else log_probs  # no reference: no KL
         values = torch.zeros_like(log_probs) if self.critic is None else \
-            action_values(self.critic, rollout.sequences, rollout.attention_mask, rollout.num_actions).float() * mask
+            action_values(self.critic, rollout.sequences, rollout.attention_mask, rollout.num_actions) * mask
         p = self.ppo
         kl = compute_kl(log_probs, ref_log_probs, p.kl_estimator) * mask
         rewards, advantages, returns = compute_advantages(

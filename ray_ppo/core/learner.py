@@ -121,7 +121,6 @@ class PPOLearner:
             self.critic_optim = strategy.make_optimizer(self.critic, t.critic_lr, t.weight_decay)
             self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_optim, schedule)
         self.kl_coef = 0.0
-        self.autocast = t.autocast
         self.generator = torch.Generator().manual_seed(seed)
         self.device = strategy.device
         self.nonfinite_updates = 0  # updates skipped for a non-finite loss or gradient, whole run
@@ -166,7 +165,7 @@ class PPOLearner:
     def _forward(self):
         """The context of a forward pass: bfloat16 autocast with ``trainer.autocast`` (the weights stay
         float32; logits and values are read in float32), else nothing."""
-        if self.autocast:
+        if self.trainer.autocast:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -251,7 +250,7 @@ class PPOLearner:
 
     def _critic_update(self, mb: ExperienceBatch) -> dict[str, float]:
         with self._forward():
-            values = action_values(self.critic, mb.sequences, mb.attention_mask, mb.num_actions).float()
+            values = action_values(self.critic, mb.sequences, mb.attention_mask, mb.num_actions)
         vf_loss, stats = value_loss(values, mb.values, mb.returns, mb.action_mask, self.ppo.value_clip)
         grad_norm = self._optimize(vf_loss, self.critic, self.critic_optim, self.critic_sched, "critic")
         return {"value_loss": vf_loss.item(), "vf_clipfrac": float(stats["vf_clipfrac"]), "critic_grad_norm": grad_norm}

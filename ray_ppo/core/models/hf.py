@@ -166,8 +166,8 @@ class Critic(nn.Module):
 
 
 def action_values(critic: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int) -> torch.Tensor:
-    """Values (B, R) of the states in which each response token was chosen."""
-    return critic(sequences, attention_mask)[:, -num_actions - 1:-1]
+    """Values (B, R), in float32, of the states in which each response token was chosen."""
+    return critic(sequences, attention_mask)[:, -num_actions - 1:-1].float()
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
