@@ -222,10 +222,11 @@ def _token_auth_if_set_up() -> None:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
-def _init_ray(args, sweep: bool = False) -> None:
+def _init_ray(args, sweep: bool = False, on_give_up=None) -> None:
     """Attach to ``--address``, or start a local cluster (``ray_ppo.cluster``). ``sweep``: the
     local cluster serves Ray's state API (on loopback), which Ray Train's placement-group cleaner
-    needs in a sweep."""
+    needs in a sweep. A local start that is interrupted or does not finish within the readiness
+    bound calls ``on_give_up`` and ends the process in one line (``ray_ppo.startup``)."""
     import logging
 
     import ray
@@ -240,7 +241,7 @@ def _init_ray(args, sweep: bool = False) -> None:
         # Errors reach the driver as exceptions.
         ray.init(address=args.address, log_to_driver=False)  # in token mode where one is set up (main: _token_auth_if_set_up)
         return
-    start_local_cluster(args.num_cpus, sweep=sweep)
+    start_local_cluster(args.num_cpus, sweep=sweep, label=f"ray-ppo {args.command}", on_give_up=on_give_up)
 
 
 def cmd_train(args) -> int:
@@ -274,7 +275,7 @@ def cmd_train(args) -> int:
     history: list[dict] = []
     try:
         callbacks, close = _run_outputs(cfg, out_dir, resume_state["step"] if resume_state else None)
-        _init_ray(args)
+        _init_ray(args, on_give_up=claim.release)
         start = time.perf_counter()
         # Checkpoints reach out_dir/checkpoint as they are written (PPOTrainer.fit publishes them).
         # The coordinator and makers belong to this process (detached=False): a driver killed

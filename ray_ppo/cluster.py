@@ -1,6 +1,6 @@
 """The local Ray cluster that ``ray-ppo``, ``PPOTrainer.fit()`` and ``sweep()`` start when none is connected.
 
-    start_local_cluster(num_cpus=None, dashboard=False)
+    start_local_cluster(num_cpus=None, sweep=False, label="ray-ppo train", on_give_up=claim.release)
 
 Always a new cluster (``address="local"``), never one that already runs on the machine (a plain
 ``ray.init()`` would attach to it); attach to one on purpose with ``ray.init(address=...)`` or
@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import socket
+from typing import Callable
 
 MIN_LOCAL_CPUS = 8
 """Logical CPUs of a local cluster at least: more than a small machine's cores, so fractional
@@ -29,10 +30,15 @@ def local_cpus(num_cpus: int | None = None) -> int:
     return num_cpus or max(MIN_LOCAL_CPUS, os.cpu_count() or 1)
 
 
-def start_local_cluster(num_cpus: int | None = None, sweep: bool = False, **init_kwargs) -> None:
+def start_local_cluster(num_cpus: int | None = None, sweep: bool = False, label: str = "ray_ppo",
+                        on_give_up: Callable[[], None] | None = None, **init_kwargs) -> None:
     """Start a local cluster with ``local_cpus(num_cpus)`` logical CPUs (``init_kwargs`` go to
     ``ray.init``). ``sweep``: the cluster serves Ray's state API (the dashboard, on loopback),
-    which a sweep needs (``ray_ppo.sweep.wait_for_cleaner``), and this returns once it answers."""
+    which a sweep needs (``ray_ppo.sweep.wait_for_cleaner``), and this returns once it answers.
+
+    One start at a time on the machine, bounded and interruptible (``ray_ppo.startup``): on
+    Ctrl-C or past the readiness bound the process prints one line starting with ``label``,
+    calls ``on_give_up`` and exits."""
     import ray
 
     # The driver's one Ray Data execution (reading the prompt file's schema) would log its plan and
@@ -62,8 +68,11 @@ def start_local_cluster(num_cpus: int | None = None, sweep: bool = False, **init
     # No dashboard for one run: the run's placement groups end with the job. A sweep needs it:
     # Tune ends an early-stopped trial's process, its Ray Train controller dies with it, and only
     # the dashboard's state API lets Ray Train see that and free the worker group's CPUs.
+    from ray_ppo.startup import StartupWatch, start_lock
+
     if not sweep:
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, **init_kwargs)
+        with start_lock(label), StartupWatch(label, on_give_up=on_give_up):
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, **init_kwargs)
         return
     port = free_port()
     _dashboard_startup_bound()
@@ -71,7 +80,8 @@ def start_local_cluster(num_cpus: int | None = None, sweep: bool = False, **init
     # to look for Ray, it raised "Found multiple active Ray instances" whenever another cluster ran on
     # the machine, and the CPUs of a trial Tune stopped stayed reserved. Named in the environment the
     # cluster's processes inherit, it reaches this cluster (a value the caller set is kept).
-    with scoped_env(API_SERVER_ENV, f"http://127.0.0.1:{port}", users_wins=True):
+    with scoped_env(API_SERVER_ENV, f"http://127.0.0.1:{port}", users_wins=True), start_lock(label), \
+            StartupWatch(label, on_give_up=on_give_up):
         ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
                  dashboard_port=port, log_to_driver=False, **init_kwargs)
     from ray_ppo.readiness import wait_for_state_api
