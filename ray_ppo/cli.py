@@ -201,7 +201,7 @@ def _summary(history: list[dict], wall_s: float, out_dir: Path) -> str:
     first = sum(m["reward_mean"] for m in rows[:n]) / n
     last = sum(m["reward_mean"] for m in rows[-n:]) / n
     samples_per_s = sum(m["samples_per_s"] for m in rows) / len(rows)
-    counts = counts_summary(rows[-1])
+    counts = counts_summary(rows)
     steps = f"{len(rows)} steps"
     if len(rows) > len(history):
         steps += f" (steps {history[0]['step']}-{history[-1]['step']} in this process, {len(history)} steps)"

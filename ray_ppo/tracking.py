@@ -30,13 +30,29 @@ def counts_text(metrics: dict) -> str:
     return ", ".join(f"{label} {int(metrics[key])}" for key, label in COUNT_KEYS if metrics.get(key))
 
 
-def counts_summary(metrics: dict) -> str:
-    """``512 prompts: 3 blank, 2 truncated, 0 lost; 16 items discarded`` from a train run's last row ("" without counters)."""
-    if "prompts_served" not in metrics:
-        return ""
-    n = {key: int(metrics.get(key) or 0) for key, _ in COUNT_KEYS}
-    return (f"{int(metrics['prompts_served'])} prompts: {n['prompts_blank']} blank, {n['prompts_truncated']} truncated, "
-            f"{n['prompts_lost']} lost; {n['items_discarded']} items discarded")
+def counts_summary(rows: list[dict]) -> str:
+    """``512 prompts: 3 blank, 2 truncated, 0 lost; 16 items discarded; 9 episodes ended on an environment
+    fault`` from a run's rows: the prompt and item counters of a train run's last row (the local loop
+    has none), and the faulted episodes of every step if any ("" when there is nothing to say)."""
+    last, parts = rows[-1], []
+    if "prompts_served" in last:
+        n = {key: int(last.get(key) or 0) for key, _ in COUNT_KEYS}
+        parts += [f"{int(last['prompts_served'])} prompts: {n['prompts_blank']} blank, {n['prompts_truncated']} "
+                  f"truncated, {n['prompts_lost']} lost", f"{n['items_discarded']} items discarded"]
+    if faults := round(sum(row.get("fault_count") or 0 for row in rows)):
+        parts.append(f"{faults} episodes ended on an environment fault")
+    return "; ".join(parts)
+
+
+def fault_lines(metrics: dict) -> list[str]:
+    """The lines under a step's live line for its environment faults: one per fault the row's samples
+    carry (``ray_ppo.samples.pick_faults``: a few, from rank 0's items), then how many more the step had
+    (``fault_count``, the whole worker group's)."""
+    shown = [sample["fault"] for sample in split_samples(metrics)[1] if "fault" in sample]
+    lines = [f"  episode ended on an environment fault: {fault}" for fault in shown]
+    if (more := round(metrics.get("fault_count") or 0) - len(shown)) > 0:
+        lines.append(f"  ... and {more} more environment faults this step (env/fault {metrics['env/fault']:.2f})")
+    return lines
 
 TENSORBOARD_MISSING = ("logging.tensorboard=true needs the tensorboard package: "
                        "pip install tensorboard or set logging.tensorboard=false")
@@ -197,9 +213,8 @@ class LiveLine:
         print(" | ".join(parts), file=self.stream, flush=True)
         for report in split_evals(metrics)[1]:
             print(eval_line(report), file=self.stream, flush=True)
-        for sample in split_samples(metrics)[1]:
-            if "fault" in sample:
-                print(f"  episode ended on an environment fault: {sample['fault']}", file=self.stream, flush=True)
+        for line in fault_lines(metrics):
+            print(line, file=self.stream, flush=True)
 
 
 class Progress:

@@ -11,6 +11,9 @@ from typing import Callable
 
 import torch
 
+SUMMED_METRICS = frozenset({"fault_count"})
+"""Counts of the whole worker group: summed over the ranks, not averaged."""
+
 
 def multi_rank() -> bool:
     """Whether a process group of more than one rank exists."""
@@ -18,9 +21,9 @@ def multi_rank() -> bool:
 
 
 def all_reduce_metrics(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
-    """A step's metrics over the ranks: the mean (the max for ``*_max`` keys). A nan (a statistic
-    a rank has no data for, e.g. ``behaviour_kl_stale_<s>``) is left out: nan only when every
-    rank has nan."""
+    """A step's metrics over the ranks: the mean (the max for ``*_max`` keys, the sum for
+    ``SUMMED_METRICS``). A nan (a statistic a rank has no data for, e.g. ``behaviour_kl_stale_<s>``)
+    is left out: nan only when every rank has nan."""
     return start_all_reduce_metrics(metrics, device)()
 
 
@@ -43,7 +46,9 @@ def start_all_reduce_metrics(metrics: dict[str, float], device: torch.device) ->
         missing = torch.isnan(values)
         means = torch.nanmean(values, dim=0)  # nan where every rank has nan
         maxes = values.masked_fill(missing, float("-inf")).amax(dim=0).masked_fill(missing.all(dim=0), float("nan"))
-        return {k: float(maxes[i] if k.endswith("_max") else means[i]) for i, k in enumerate(keys)}
+        sums = torch.nansum(values, dim=0).masked_fill(missing.all(dim=0), float("nan"))
+        return {k: float(maxes[i] if k.endswith("_max") else sums[i] if k in SUMMED_METRICS else means[i])
+                for i, k in enumerate(keys)}
 
     return finish
 

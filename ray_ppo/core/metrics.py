@@ -10,7 +10,8 @@ from ray_ppo.core.algo import ExperienceItem
 
 def experience_metrics(items: list[ExperienceItem], version: int, reference: bool = True) -> dict[str, float]:
     """Reward, KL (with a ``reference``: ``ppo.uses_reference``), length and staleness statistics of
-    the items of one step, and the ``env/...`` means of multi-turn episodes' counts (``ExperienceItem.episode``)."""
+    the items of one step, and of multi-turn episodes the ``env/...`` means of their counts
+    (``ExperienceItem.episode``) and ``fault_count``, how many an environment fault ended."""
     rewards = torch.tensor([it.reward for it in items])
     lengths = torch.tensor([it.num_actions for it in items], dtype=torch.float32)
     kl = torch.cat([_actions(it.action_log_probs - it.ref_log_probs, it) for it in items])
@@ -21,6 +22,8 @@ def experience_metrics(items: list[ExperienceItem], version: int, reference: boo
     episodes = [it.episode for it in items if it.episode is not None]
     for key in sorted({key for counts in episodes for key, value in counts.items() if not isinstance(value, str)}):
         metrics[f"env/{key}"] = sum(counts.get(key, 0.0) for counts in episodes) / len(episodes)
+    if episodes:
+        metrics["fault_count"] = float(sum(counts["fault"] for counts in episodes))
     return metrics
 
 

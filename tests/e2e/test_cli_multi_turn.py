@@ -46,3 +46,4 @@ def test_two_turn_episodes_train_through_faults_and_the_reward_rises(tmp_path):
     assert any("not a ray_ppo.env.Turn" in line and "prompt '2 " in line for line in shown)
     faults = [s for s in map(json.loads, (out / "samples.jsonl").read_text().splitlines()) if "fault" in s]
     assert faults and all(s["prompt"][0] in "012" for s in faults)
+    assert f"{round(sum(r['fault_count'] for r in rows))} episodes ended on an environment fault" in proc.stdout

@@ -16,9 +16,9 @@ from ray_ppo.runtime.loop import _train
 
 ROWS = [  # what each rank's step measured
     {"loss": 1.0, "staleness_max": 2.0, "behaviour_kl_stale_3": float("nan"), "reward_max": float("nan"),
-     "only_nan": float("nan")},
+     "only_nan": float("nan"), "fault_count": 1.0},
     {"loss": 3.0, "staleness_max": 5.0, "behaviour_kl_stale_3": 0.25, "reward_max": 0.5,
-     "only_nan": float("nan")},
+     "only_nan": float("nan"), "fault_count": 2.0},
 ]
 
 
@@ -75,11 +75,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_metrics_are_averaged_or_maxed_over_ranks_leaving_out_nan():
+def test_metrics_are_averaged_maxed_or_summed_over_ranks_leaving_out_nan():
     got = _spawn()
     assert {k: repr(v) for k, v in got[0].items()} == {k: repr(v) for k, v in got[1].items()}  # one row everywhere
     row = got[0]
-    assert row["loss"] == 2.0 and row["staleness_max"] == 5.0
+    assert row["loss"] == 2.0 and row["staleness_max"] == 5.0 and row["fault_count"] == 3.0
     assert row["behaviour_kl_stale_3"] == 0.25 and row["reward_max"] == 0.5  # a rank's nan is left out
     assert math.isnan(row["only_nan"])  # nan only when no rank had a value
 

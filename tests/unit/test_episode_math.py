@@ -122,6 +122,7 @@ def test_step_metrics_count_actions_and_average_the_episodes_counts():
     metrics = experience_metrics(items, version=2)
     assert metrics["response_length"] == 2.5  # (3 + 2) policy tokens
     assert metrics["env/turns"] == 1.5 and metrics["env/fault"] == 0.5 and metrics["env/tool_calls"] == 1.0
+    assert metrics["fault_count"] == 1.0
     assert metrics["kl"] == 0.0  # the filled log-probs equal their reference's
 
 

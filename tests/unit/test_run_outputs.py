@@ -30,11 +30,36 @@ def test_live_line_shows_nonzero_counts():
 
 
 def test_summary_counts_prompts_and_items(tmp_path):
-    assert counts_summary(ROW) == "96 prompts: 2 blank, 3 truncated, 0 lost; 16 items discarded"
+    assert counts_summary([ROW]) == "96 prompts: 2 blank, 3 truncated, 0 lost; 16 items discarded"
     line = _summary([{**ROW, "samples_per_s": 10.0}], 12.0, tmp_path)
     assert line == (f"done: 1 steps in 12 s | reward 0.500 (first 10%) -> 0.500 (last 10%) | 10.0 samples/s | "
                     f"96 prompts: 2 blank, 3 truncated, 0 lost; 16 items discarded | run dir {tmp_path}")
-    assert counts_summary({"step": 1}) == ""  # the local loop has no coordinator counters
+    assert counts_summary([{"step": 1}]) == ""  # the local loop has no coordinator counters
+
+
+FAULT = "step raised RuntimeError: the environment broke (env.cls='e:E', prompt '0 9 4')"
+
+
+def test_the_live_line_says_how_many_faults_it_does_not_show():
+    samples = [{"step": 4, "prompt": "0 9 4", "response": "1", "reward": 0.0, "policy_version": 3, "uid": f"u{i}",
+                "fault": FAULT} for i in range(4)]
+    stream = io.StringIO()
+    LiveLine(total_steps=8, stream=stream)({"step": 4, "reward_mean": 0.5, "env/fault": 0.1875, "fault_count": 12.0,
+                                            SAMPLES_KEY: samples})
+    assert stream.getvalue().splitlines()[1:] == [f"  episode ended on an environment fault: {FAULT}"] * 4 + [
+        "  ... and 8 more environment faults this step (env/fault 0.19)"]
+    stream = io.StringIO()
+    LiveLine(total_steps=8, stream=stream)({"step": 4, "reward_mean": 0.5, "env/fault": 0.0625, "fault_count": 4.0,
+                                            SAMPLES_KEY: samples})
+    assert len(stream.getvalue().splitlines()) == 5  # every fault shown: nothing more to say
+
+
+def test_the_summary_counts_the_runs_faulted_episodes(tmp_path):
+    rows = [{**ROW, "step": s, "samples_per_s": 10.0, "fault_count": float(s % 2)} for s in range(1, 6)]
+    assert counts_summary(rows) == ("96 prompts: 2 blank, 3 truncated, 0 lost; 16 items discarded; "
+                                    "3 episodes ended on an environment fault")
+    assert counts_summary([{"step": 1, "fault_count": 2.0}]) == "2 episodes ended on an environment fault"  # local
+    assert counts_summary([{**ROW, "fault_count": 0.0}]).endswith("16 items discarded")
 
 
 def test_the_summary_of_a_resumed_run_covers_the_whole_run_and_says_what_this_process_trained(tmp_path):
