@@ -109,9 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Generate for a prompt file's prompts and score them with the config's rule "
                                     "reward: accuracy, mean reward and a few samples (ray_ppo.evaluate).")
     ev.add_argument("model", help="a run directory, a checkpoint directory, a model directory or a model name")
-    ev.add_argument("--config", "-c", help="YAML config: the reward function, prompt column, sampling settings")
-    ev.add_argument("--data", help="prompt file (default: the config's data.path)")
-    ev.add_argument("--num-prompts", type=int, default=None, help="the file's first N prompts (default: all)")
+    ev.add_argument("--config", "-c", help="YAML config: the reward function, prompt column, sampling settings "
+                                           "(default: the run's config.yaml when MODEL is a run or its checkpoint)")
+    ev.add_argument("--data", help="prompt file (default: the config's eval.path, else data.path)")
+    ev.add_argument("--num-prompts", type=int, default=None,
+                    help="the file's first N prompts (default: eval.num_prompts on the run's eval.path, else all)")
     ev.add_argument("--samples", type=int, default=None, metavar="K",
                     help="sample K responses a prompt (mean@K, pass@K) instead of one greedy response")
     ev.add_argument("--output", "-o", metavar="FILE.json", help="also write the result as JSON")
@@ -135,8 +137,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _current_directory_importable() -> None:
+    """``module:function`` settings (reward, environment, tools) name modules of the current
+    directory as ``python -m`` finds them; the ``ray-ppo`` script's own path holds only its folder.
+    Appended, so a file of the current directory never hides an installed module. Ray gives its
+    workers the driver's current directory too."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    _current_directory_importable()
     args.run_dir = None  # set by a command once its run directory is known
     _config_warnings_in_one_line(args.command)
     if getattr(args, "address", None):
@@ -432,15 +445,16 @@ def cmd_config(args) -> int:
 def cmd_eval(args) -> int:
     import json
 
-    from ray_ppo.evaluate import SHOWN_SAMPLES, evaluate
+    from ray_ppo.evaluate import SHOWN_SAMPLES, EvalSetup, evaluate_setup
 
-    cfg = load_config(args.config, args.overrides)
     if args.num_prompts is not None and args.num_prompts <= 0:
         raise ConfigError(f"--num-prompts must be > 0, got {args.num_prompts}")
     if args.samples is not None and args.samples <= 0:
         raise ConfigError(f"--samples must be > 0, got {args.samples}")
-    result = evaluate(cfg, args.model, args.data, args.num_prompts, samples_per_prompt=args.samples or 1,
-                      greedy=args.samples is None)
+    setup = EvalSetup.of(args.model, args.config, args.overrides, args.data, args.num_prompts, args.samples)
+    setup.check()
+    print(setup.line(), flush=True)
+    result = evaluate_setup(setup)
     for sample in result.samples[:SHOWN_SAMPLES]:
         print(f"  prompt {json.dumps(sample['prompt'])[:120]}\n  response {sample['response']!r} | reward {sample['reward']:g}")
     print(result.line())

@@ -79,8 +79,8 @@ def load_env_class(path: str) -> type:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise EnvError(f"env.cls={path!r}: cannot import module {module_name!r} ({e}); "
-                       f"check the name and that the module is installed on every node") from e
+        raise EnvError(f"env.cls={path!r}: cannot import module {module_name!r} ({e}); check the name, and that "
+                       f"the module is in the current directory, on PYTHONPATH or installed (on every node)") from e
     cls = getattr(module, name, None)
     if cls is None or not callable(getattr(cls, "step", None)):
         raise EnvError(f"env.cls={path!r}: module {module_name!r} has no class {name!r} with a step method")

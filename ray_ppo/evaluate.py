@@ -76,20 +76,141 @@ def resolve_model(model: str) -> str:
     return resolve_pretrained(model)
 
 
+RUN_CONFIG = "config.yaml"
+
+
+def run_config_of(model: str) -> Path | None:
+    """The ``config.yaml`` of the run ``model`` belongs to (a run directory, its ``checkpoint``
+    link or one of its ``checkpoints/step_N``), or None for a model outside a run."""
+    path = Path(model).expanduser()
+    for candidate in (path, path.parent, path.parent.parent):
+        if (candidate / RUN_CONFIG).is_file() and (candidate / "metrics.jsonl").exists():
+            return candidate / RUN_CONFIG
+    return None
+
+
+@dataclass(frozen=True)
+class EvalSetup:
+    """What ``ray-ppo eval`` evaluates and how: the model, the config it was read from, the prompts,
+    the reward and the sampling settings. A run's model is evaluated as the run evaluated it: with
+    the run's ``config.yaml`` (``--config`` and overrides on top) and its ``eval`` section's file,
+    prompt count, reward, decoding and answer length, each replaced by what the command line gives."""
+
+    cfg: Config
+    config_file: str | None
+    """The config file read: ``--config``, else the run's ``config.yaml``; None: the defaults."""
+    model: str
+    data: str | None
+    num_prompts: int | None
+    greedy: bool
+    samples_per_prompt: int
+    reward_fn: str | None
+    max_new_tokens: int
+
+    @classmethod
+    def of(cls, model: str, config: str | None = None, overrides: Sequence[str] = (), data: str | None = None,
+           num_prompts: int | None = None, samples: int | None = None) -> EvalSetup:
+        from ray_ppo.config import load_config
+
+        run_config = run_config_of(model)
+        config_file = config or (str(run_config) if run_config else None)
+        cfg = load_config(config_file, overrides)
+        e = cfg.eval
+        data = data or e.path or cfg.data.path
+        if num_prompts is None and e.path and data == e.path:
+            num_prompts = e.num_prompts  # the run's own evaluation set, as the run answered it
+        greedy = e.greedy if samples is None else False
+        k = e.samples_per_prompt if samples is None else samples
+        return cls(cfg, config_file, model, data, num_prompts, greedy, k, cfg.eval_reward_fn,
+                   e.max_new_tokens or cfg.maker.max_new_tokens)
+
+    def check(self) -> None:
+        """Pre-flight, as ``ray-ppo train`` has it: the model, its tokenizer, the prompt file, the
+        reward function (on a probe batch of the file's prompts) and the environment, each failure
+        a ``PreflightError`` of one line."""
+        from ray_ppo import preflight
+
+        check_eval_model(self.model)
+        cfg = self.cfg
+        tokenizer_path = _tokenizer_source(cfg, resolve_model(self.model))
+        tokenizer = preflight.load_tokenizer_checked("the model", tokenizer_path)
+        if not self.data:
+            raise preflight.PreflightError("nothing to evaluate on: give a prompt file with --data FILE (or set "
+                                           "eval.path or data.path in --config)")
+        found = preflight.probe_prompts(self.data, cfg.data.format, cfg.data.prompt_column, "--data")
+        preflight.check_chat_messages(tokenizer, tokenizer_path, found, self.data, "--data")
+        if cfg.env.cls:
+            preflight.check_env(cfg.env, found)
+        if not self.reward_fn:
+            raise preflight.PreflightError("scoring the answers needs a rule reward: give --config of the run, or "
+                                           "set model.reward_fn=module:function (e.g. ray_ppo.tasks.arithmetic:reward)")
+        preflight.check_reward_fn(self.reward_fn, found, "eval.reward_fn" if cfg.eval.reward_fn else "model.reward_fn")
+
+    def line(self) -> str:
+        """One line: which model, config, prompts, reward and sampling settings the evaluation uses."""
+        m = self.cfg.maker
+        how = "greedy" if self.greedy else (f"sampled k={self.samples_per_prompt}, temperature {m.temperature:g}, "
+                                            f"top_p {m.top_p:g}, top_k {m.top_k}")
+        prompts = f"first {self.num_prompts} of " if self.num_prompts else ""
+        config = self.config_file or "the defaults (no --config, not a run directory)"
+        return (f"eval: model {self.model} ({resolve_model(self.model)}) | config {config} | prompts {prompts}"
+                f"{self.data} | reward {self.reward_fn} | {how}, max_new_tokens {self.max_new_tokens}")
+
+
+def check_eval_model(model: str) -> None:
+    """``model`` is a run directory with a checkpoint, a checkpoint, a model directory or a model
+    name whose ``config.json`` loads; a ``PreflightError`` of one line otherwise."""
+    from transformers import AutoConfig
+
+    from ray_ppo.core.models.gguf import ModelSourceError
+    from ray_ppo.preflight import PreflightError, _first_line, _local_looking
+
+    kinds = "a run directory, a checkpoint directory (with actor/), a model directory (with config.json) or a model name"
+    path = Path(model).expanduser()
+    if run_config_of(model) == path / RUN_CONFIG and not (path / "checkpoint" / "actor").is_dir():
+        raise PreflightError(f"{model!r} is a run directory without a checkpoint (trainer.checkpoint_every=0, or "
+                             f"it stopped before its first); give {kinds}")
+    if _local_looking(model) and not path.exists():
+        raise PreflightError(f"{model!r} does not exist; give {kinds}")
+    if path.is_dir() and not any((path / p).exists() for p in ("config.json", "actor", "checkpoint")):
+        raise PreflightError(f"{model!r} is not a model: it holds no config.json, actor/ or checkpoint/; give {kinds}")
+    try:
+        AutoConfig.from_pretrained(resolve_model(model))
+    except ModelSourceError as e:
+        raise PreflightError(f"{model!r}: {e}") from None
+    except Exception as e:  # OSError, ValueError, hub errors: the first line is the reason
+        raise PreflightError(f"{model!r} cannot be loaded ({_first_line(e)}); give {kinds}") from None
+
+
+def _tokenizer_source(cfg: Config, path: str) -> str:
+    """Where the tokenizer of the model at ``path`` is: beside it, else the config's."""
+    if (Path(path) / "tokenizer_config.json").is_file():
+        return path
+    return cfg.model.tokenizer or cfg.model.pretrained
+
+
 def evaluate(cfg: Config, model: str | None = None, data: str | None = None, num_prompts: int | None = None,
-             samples_per_prompt: int = 1, greedy: bool = True) -> EvalResult:
+             samples_per_prompt: int = 1, greedy: bool = True, reward_fn: str | None = None,
+             max_new_tokens: int | None = None) -> EvalResult:
     """Generate for the first ``num_prompts`` prompts of ``data`` (default ``data.path``) with
-    ``model`` (default ``model.pretrained``) and score the responses with ``model.reward_fn``."""
+    ``model`` (default ``model.pretrained``) and score the responses with ``reward_fn`` (default
+    ``model.reward_fn``)."""
     from ray_ppo.core.models import load_actor, load_tokenizer
 
     data = data or cfg.data.path
     if not data:
         raise ConfigError("nothing to evaluate on: give a prompt file (ray-ppo eval --data FILE, or data.path)")
     path = resolve_model(model or cfg.model.pretrained)
-    has_tokenizer = (Path(path) / "tokenizer_config.json").is_file()
-    tokenizer = load_tokenizer(path if has_tokenizer else (cfg.model.tokenizer or cfg.model.pretrained))
-    evaluation = Evaluation(cfg, tokenizer, data, num_prompts, greedy, samples_per_prompt, cfg.model.reward_fn)
+    tokenizer = load_tokenizer(_tokenizer_source(cfg, path))
+    evaluation = Evaluation(cfg, tokenizer, data, num_prompts, greedy, samples_per_prompt,
+                            reward_fn or cfg.model.reward_fn, max_new_tokens)
     return evaluation.run(load_actor(path, cfg.model.dtype).eval(), model=str(model or cfg.model.pretrained))
+
+
+def evaluate_setup(setup: EvalSetup) -> EvalResult:
+    """``evaluate`` as ``setup`` says."""
+    return evaluate(setup.cfg, setup.model, setup.data, setup.num_prompts, setup.samples_per_prompt, setup.greedy,
+                    setup.reward_fn, setup.max_new_tokens)
 
 
 class Evaluation:

@@ -62,3 +62,66 @@ def test_bad_eval_options_are_one_line(capsys):
     assert capsys.readouterr().err.strip() == "ray-ppo eval: error: --samples must be > 0, got 0"
     with pytest.raises(ValueError, match="greedy evaluation gives one response a prompt"):
         evaluate(load_config(TINY), "tiny", PROMPTS, samples_per_prompt=2, greedy=True)
+
+
+def _fake_run(tiny_path, tmp_path: Path, config: str) -> Path:
+    """A run directory as `ray-ppo train` leaves it: config.yaml, metrics.jsonl and a checkpoint."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_path, run / "checkpoints" / "step_00000002" / "actor")
+    (run / "checkpoint").symlink_to(run / "checkpoints" / "step_00000002")
+    (run / "config.yaml").write_text(config)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    return run
+
+
+RUN_CONFIG = f"""model:
+  pretrained: tiny
+  reward_fn: ray_ppo.tasks.toy:reward
+maker:
+  max_new_tokens: 3
+eval:
+  path: {PROMPTS}
+  num_prompts: 5
+  max_new_tokens: 6
+"""
+
+
+def test_eval_of_a_run_directory_reads_the_runs_config(tiny_path, tmp_path, capsys):
+    """`ray-ppo eval RUN_DIR` scores as the run's own evaluation did: its reward, its eval file,
+    prompt count and answer length; it says which it used (before: the defaults, silently)."""
+    run = _fake_run(tiny_path, tmp_path, RUN_CONFIG)
+    assert main(["eval", str(run), "--output", str(tmp_path / "e.json")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"eval: model {run} (") and f"config {run / 'config.yaml'}" in out[0]
+    assert f"prompts first 5 of {PROMPTS}" in out[0] and "reward ray_ppo.tasks.toy:reward" in out[0]
+    assert "greedy, max_new_tokens 6" in out[0]
+    result = json.loads((tmp_path / "e.json").read_text())
+    cfg = load_config(run / "config.yaml")
+    expected = evaluate(cfg, str(run), PROMPTS, num_prompts=5, max_new_tokens=6)
+    assert (result["num_prompts"], result["accuracy"], result["reward_mean"]) == (5, expected.accuracy,
+                                                                                  expected.reward_mean)
+    # a checkpoint of the run finds the run's config too; --config and overrides win over it
+    from ray_ppo.evaluate import EvalSetup
+
+    assert EvalSetup.of(str(run / "checkpoints" / "step_00000002")).config_file == str(run / "config.yaml")
+    setup = EvalSetup.of(str(run), TINY, ["maker.max_new_tokens=2"], num_prompts=3, samples=2)
+    assert (setup.config_file, setup.max_new_tokens, setup.num_prompts, setup.greedy, setup.samples_per_prompt) == (
+        TINY, 2, 3, False, 2)
+
+
+@pytest.mark.parametrize("case", ["no_module", "no_dir", "run_without_checkpoint", "not_a_model", "no_data"])
+def test_eval_errors_are_one_line_with_status_2(case, tiny_path, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = {"no_module": ["tiny", "--data", PROMPTS, "model.reward_fn=fruit_reward:reward"],
+            "no_dir": ["./no_such_dir", "--data", PROMPTS],
+            "run_without_checkpoint": [str(tmp_path / "run"), "--data", PROMPTS],
+            "not_a_model": [str(tmp_path), "--data", PROMPTS],
+            "no_data": ["tiny", "--data", "missing.csv"]}[case]
+    if case == "run_without_checkpoint":
+        shutil.rmtree(_fake_run(tiny_path, tmp_path, RUN_CONFIG) / "checkpoints")
+    assert main(["eval", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("ray-ppo eval: error: ") and "Traceback" not in err
+    assert {"no_module": "no module named 'fruit_reward'", "no_dir": "'./no_such_dir' does not exist",
+            "run_without_checkpoint": "is a run directory without a checkpoint",
+            "not_a_model": "is not a model", "no_data": "'missing.csv' does not exist"}[case] in err
