@@ -43,6 +43,8 @@ def check_run(cfg: Config, prompts: Any = None) -> None:
     gives it. Prompts that pre-flight does not read (a given dataset, a remote URI) give no probe:
     the function is only imported, and the makers' first batch checks its answers."""
     m = cfg.model
+    if cfg.env.cls:  # before the context check, which counts env.max_tokens: a class that is not there comes first
+        load_env_checked(cfg.env.cls)
     check_context(cfg, check_model_path("model.pretrained", m.pretrained))
     for key in ("critic_pretrained", "reward_pretrained"):
         if getattr(m, key):
@@ -77,12 +79,9 @@ def check_env(env: EnvConfig, prompts: Sequence[Prompt]) -> None:
     import asyncio
     import concurrent.futures
 
-    from ray_ppo.env import EnvError, load_env_class, take_step
+    from ray_ppo.env import take_step
 
-    try:
-        cls = load_env_class(env.cls)
-    except EnvError as e:
-        raise PreflightError(str(e)) from None
+    cls = load_env_checked(env.cls)
     if not prompts:
         return
 
@@ -97,6 +96,16 @@ def check_env(env: EnvConfig, prompts: Sequence[Prompt]) -> None:
                        else f"{type(e).__name__}: {e}")
             raise PreflightError(f"env.cls={env.cls!r}: a probe episode on the prompt {prompts[0]!r:.80} failed at "
                                  f"its first step: {problem}") from None
+
+
+def load_env_checked(path: str) -> type:
+    """The class ``env.cls`` names (``ray_ppo.env.load_env_class``), or ``PreflightError`` saying why not."""
+    from ray_ppo.env import EnvError, load_env_class
+
+    try:
+        return load_env_class(path)
+    except EnvError as e:
+        raise PreflightError(str(e)) from None
 
 
 def warn_unused_reward_fn(reward_fn: str) -> None:
@@ -236,8 +245,7 @@ def check_reward_fn(spec: str, prompts: Sequence[Prompt], key: str = "model.rewa
 def _import_problem(e: Exception) -> str:
     cause = e.__cause__
     if isinstance(cause, ModuleNotFoundError):
-        return (f"cannot be imported: no module named {cause.name!r} in the current directory, on PYTHONPATH or "
-                f"among the installed packages")
+        return f"cannot be imported: no module named {cause.name!r}"
     if isinstance(cause, AttributeError):
         return f"cannot be imported: {_first_line(cause)}"
     return _first_line(e).replace(f"reward function {e.args[0]!r} ", "") if e.args else "is invalid"

@@ -276,3 +276,9 @@ def test_episodes_and_evaluation_answers_must_fit_the_models_positions(files, tm
                                              rf"model.pretrained='tiny' has 128 positions"):
         check_run(cfg)
     check_run(load_config(TINY, [*extra, "data.max_prompt_len=16", f"{key}=112"]))  # exactly the model's positions
+
+
+def test_an_environment_class_that_does_not_import_is_the_first_problem_named():
+    cfg = load_config(TINY, ["env.cls=no_such_env:Env"])  # env.max_tokens=256 outgrows tiny's 128 positions too
+    with pytest.raises(PreflightError, match="^env.cls='no_such_env:Env': cannot import module 'no_such_env'"):
+        check_run(cfg)
