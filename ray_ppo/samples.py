@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 SAMPLES_KEY = "samples"
 """Key of a metrics row that carries the step's samples from the trainer to the driver."""
 SAMPLES_PER_STEP = 4
@@ -28,12 +30,18 @@ def pick_samples(items: Sequence[Any], tokenizer, step: int, n: int = SAMPLES_PE
     """The first ``n`` items of a step as {step, prompt, response, reward, policy_version, uid}. The
     prompt is the item's as the data gave it (``ExperienceItem.prompt``: a text, or a list of chat
     messages, which ``samples.jsonl`` holds as JSON), or its token ids decoded for an item made from
-    token ids alone; the response is decoded without special tokens."""
+    token ids alone; the response is decoded without special tokens. The reward, a float32 score
+    (``ExperienceBatch.reward``), is written as float32's shortest decimal (0.3, not 0.30000001192092896)."""
     return [{"step": step, "prompt": it.prompt if it.prompt is not None else
              tokenizer.decode(it.prompt_ids.tolist(), skip_special_tokens=True),
              "response": tokenizer.decode(it.response_ids.tolist(), skip_special_tokens=True),
-             "reward": float(it.reward), "policy_version": int(it.policy_version), "uid": it.uid}
+             "reward": _float32(it.reward), "policy_version": int(it.policy_version), "uid": it.uid}
             for it in list(items)[:n]]
+
+
+def _float32(value: float) -> float:
+    """The float whose repr is the shortest decimal that reads back as ``value`` in float32."""
+    return float(str(np.float32(value)))
 
 
 def pick_faults(items: Sequence[Any], tokenizer, step: int, n: int = SAMPLES_PER_STEP) -> list[dict]:

@@ -94,6 +94,14 @@ def test_samples_are_picked_every_n_steps():
                           "uid": "m-0-0"}
 
 
+def test_samples_write_a_float32_reward_as_its_shortest_decimal():
+    items = [_item([5, 6], [7, 1], float(torch.tensor(reward)), f"m-0-{i}") for i, reward in enumerate((0.3, 1 / 3))]
+    assert float(torch.tensor(0.3)) == 0.30000001192092896  # the float32 score, widened
+    samples = pick_samples(items, _Tokenizer(), step=5)
+    assert [json.dumps(s["reward"]) for s in samples] == ["0.3", "0.33333334"]
+    assert [torch.tensor(s["reward"]).item() for s in samples] == [it.reward for it in items]  # the same float32
+
+
 def test_run_directory_writes_samples_apart_from_metrics(tmp_path):
     cfg = Config().with_overrides({"logging.tensorboard": True})
     run = RunDirectory(tmp_path, cfg, tensorboard=True)
