@@ -16,36 +16,57 @@ from pathlib import Path
 
 RUN_PANELS = (("reward_mean", "reward"), ("kl", "KL(pi || pi_ref), k1"), ("policy_loss", "policy loss"),
               ("value_loss", "value loss"))
-"""(metric key, y-axis label) of the four panels of ``plot_run``; the metrics are defined in docs/metrics.md."""
+"""(metric key, y-axis label) of ``plot_run``'s panels, each drawn when the rows have its metric
+(a GRPO run without a KL term has no ``kl`` and, without a critic, no ``value_loss``); the
+metrics are defined in docs/metrics.md."""
+ENV_LABELS = {"env/turns": "policy turns per episode", "env/fault": "share of episodes ended by a fault"}
+"""y-axis labels of the ``env/...`` panels; any other ``env/<count>`` is a mean per episode."""
 
 
 def plot_run(rows: list[dict], path: str | Path, evals: list[dict] | None = None) -> Path:
-    """One PNG of a run's rows (``metrics.jsonl``): reward (± reward_std band), kl, policy and value loss by step,
-    and with ``evals`` (``eval.jsonl``) a fifth panel, held-out accuracy by the step evaluated.
+    """One PNG of a run's rows (``metrics.jsonl``): ``run_figure``."""
+    return _save(run_figure(rows, evals), path)
 
-    A panel whose metric is missing from every row says so instead of drawing a curve.
-    """
+
+def run_figure(rows: list[dict], evals: list[dict] | None = None):
+    """A run's curves by step, two panels a row: reward (± reward_std band), kl, policy and value
+    loss (``RUN_PANELS``, those the rows have), one panel per ``env/...`` metric of a multi-turn
+    run, and with ``evals`` (``eval.jsonl``) held-out accuracy by the step evaluated."""
+    panels = run_panels(rows)
     done = sorted((e for e in evals or [] if e.get("error") is None), key=lambda e: e["step"])
-    fig, axes = _figure(nrows=3 if done else 2, ncols=2, figsize=(11, 10.5 if done else 7), sharex=True)
+    count = len(panels) + bool(done)
+    nrows = max(1, math.ceil(count / 2))
+    fig, axes = _figure(nrows=nrows, ncols=2, figsize=(11, 3.5 * nrows), squeeze=False)
+    cells = list(axes.flat)
+    for ax, (key, label) in zip(cells, panels):
+        _metric_panel(ax, rows, key, label)
     if done:
-        _eval_panel(axes[2, 0], done)
-        axes[2, 1].set_visible(False)
-    for ax, (key, label) in zip(axes.flat, RUN_PANELS):
-        steps, values = _series(rows, key)
-        ax.set_title(key)
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        if not steps:
-            ax.text(0.5, 0.5, f"no '{key}' in the rows", ha="center", va="center", transform=ax.transAxes)
-            ax.set_yticks([])
-            continue
-        ax.plot(steps, values, marker="." if len(steps) < 50 else None)
-        if key == "reward_mean":
-            _std_band(ax, rows)
-    for ax in axes[-1]:
+        _eval_panel(cells[len(panels)], done)
+    for ax in cells[count:]:
+        ax.set_visible(False)
+    for ax in cells[max(0, count - 2):count]:  # the lowest panel of each column
         ax.set_xlabel("step")
     fig.suptitle(f"training curves ({len(rows)} steps)")
-    return _save(fig, path)
+    return fig
+
+
+def run_panels(rows: list[dict]) -> list[tuple[str, str]]:
+    """(metric key, y-axis label) of the metric panels of ``run_figure``: the ``RUN_PANELS`` that
+    some row has a number for, then the ``env/...`` metrics, by name."""
+    present = {key for row in rows for key, value in row.items() if _finite(value)}
+    env = sorted(key for key in present if key.startswith("env/"))
+    return ([(key, label) for key, label in RUN_PANELS if key in present]
+            + [(key, ENV_LABELS.get(key, "mean per episode")) for key in env])
+
+
+def _metric_panel(ax, rows: list[dict], key: str, label: str) -> None:
+    steps, values = _series(rows, key)
+    ax.plot(steps, values, marker="." if len(steps) < 50 else None)
+    ax.set_title(key)
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+    if key == "reward_mean":
+        _std_band(ax, rows)
 
 
 def _eval_panel(ax, evals: list[dict]) -> None:

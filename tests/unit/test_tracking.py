@@ -11,7 +11,7 @@ import pytest
 from matplotlib.image import imread
 
 from ray_ppo.config import Config
-from ray_ppo.plots import plot_run, plot_sweep, write_trials_csv
+from ray_ppo.plots import plot_run, plot_sweep, run_figure, write_trials_csv
 from ray_ppo.tracking import TENSORBOARD_MISSING, LiveLine, Progress, RunDirectory, TensorBoardWriter, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -188,6 +188,21 @@ def test_plot_run_with_missing_keys_and_nulls(tmp_path):
     path = plot_run(rows, tmp_path / "sub" / "curves.png")
 
     assert_png(path)
+
+
+def test_plot_run_draws_the_panels_whose_metric_the_rows_have_and_the_environments(tmp_path):
+    """A GRPO run without a KL term has no kl, and without a critic no value_loss; a multi-turn run has env/..."""
+    rows = [{"step": i, "reward_mean": i / 10, "reward_std": 0.1, "policy_loss": -0.01 * i, "env/fault": 0.19,
+             "env/turns": 1.5, "env/tool_calls": 0.5, "fault_count": 12.0} for i in range(1, 6)]
+    evals = [{"step": 0, "accuracy": 0.1, "num_prompts": 8, "error": None}]
+    fig = run_figure(rows, evals)
+    shown = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in shown] == ["reward_mean", "policy_loss", "env/fault", "env/tool_calls",
+                                                "env/turns", "eval/accuracy"]
+    assert all(ax.lines for ax in shown) and not any(ax.texts for ax in shown)  # a curve in each, no "no 'kl'"
+    assert [ax.get_title() for ax in run_figure(fake_rows()).axes if ax.get_visible()] == [
+        "reward_mean", "kl", "policy_loss", "value_loss"]
+    assert_png(plot_run(rows, tmp_path / "curves.png", evals))
 
 
 def test_plot_run_overwrites_an_existing_file(tmp_path):
