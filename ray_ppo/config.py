@@ -286,7 +286,7 @@ class TrainerConfig(_Section):
     total_steps: int = Field(50, gt=0)
     """Training steps; one step = one batch of train_batch_size items per rank, ppo_epochs passes."""
     time_budget_s: float = Field(0.0, ge=0)
-    """Seconds of training after which the step that ends is the last (0 = no limit; total_steps still caps)."""
+    """Seconds of training, counted from the first step (start-up is not), after which the step that ends is the last, with the last step's evaluation and checkpoint (0 = no limit; total_steps still caps); ray-ppo train and ray-ppo local alike."""
     update_steps: int = Field(1, gt=0)
     """Push weights to the makers every this many steps."""
     train_batch_size: int = Field(32, gt=0)

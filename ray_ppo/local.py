@@ -15,6 +15,7 @@ import torch
 from ray_ppo.config import Config, ConfigError
 from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, make_kl_controller
 from ray_ppo.core.build import build_actor, build_critic_if_needed, build_experience_maker, resolve_config
+from ray_ppo.core.collectives import broadcast_time_up
 from ray_ppo.core.learner import PPOLearner, drop_absent
 from ray_ppo.core.metrics import experience_metrics
 from ray_ppo.core.strategies import LocalStrategy
@@ -43,17 +44,11 @@ def prompt_batches(prompts: Sequence[Prompt | None], batch_size: int, shuffle: b
 
 def run_local(cfg: Config, prompts: Sequence[Prompt | None] | None = None,
               on_metrics: Callable[[dict], None] | None = None) -> list[dict]:
-    """Train ``cfg.trainer.total_steps`` synchronous PPO steps; returns the per-step metrics.
-    ``prompts`` (each a ``ray_ppo.data.Prompt``: a text or a list of chat messages)
-    default to ``data.path``'s, else the toy task's."""
+    """Train ``cfg.trainer.total_steps`` synchronous PPO steps, or fewer when ``trainer.time_budget_s``
+    runs out; returns the per-step metrics. ``prompts`` (each a ``ray_ppo.data.Prompt``: a text or a
+    list of chat messages) default to ``data.path``'s, else the toy task's."""
+    _refuse_what_it_cannot_honour(cfg)
     cfg = resolve_config(cfg)
-    if cfg.maker.engine != "hf":  # the loop's maker shares the learner's live weights: nothing to push
-        raise ConfigError(f"the synchronous loop generates with HF only, but maker.engine={cfg.maker.engine!r}; "
-                          f"set maker.engine=hf, or run ray-ppo train for vLLM makers")
-    if cfg.maker.dtype not in (None, cfg.model.dtype):
-        raise ConfigError(f"the synchronous loop's maker generates with the learner's own weights, in model.dtype="
-                          f"{cfg.model.dtype!r}, not maker.dtype={cfg.maker.dtype!r}; set maker.dtype=null, or run "
-                          f"ray-ppo train for makers in a dtype of their own")
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer.torch_threads)
     if prompts is None and cfg.data.path:
@@ -69,7 +64,7 @@ def run_local(cfg: Config, prompts: Sequence[Prompt | None] | None = None,
     batches = prompt_batches(prompts, cfg.maker.batch_size, cfg.data.shuffle, cfg.seed)
     evaluation = Evaluation.of_config(cfg, maker.tokenizer) if cfg.eval.path else None
     reports = [_evaluate(evaluation, learner.actor, 0, 0)] if cfg.eval.due(0, last=False) else []
-    history, start = [], time.perf_counter()
+    history, start = [], time.perf_counter()  # the time budget counts from here, as the detached loop's does
     for step in range(1, cfg.trainer.total_steps + 1):
         step_start = time.perf_counter()
         items, generate_s = _collect(maker, encoder, batches, cfg.trainer.train_batch_size, step - 1, kl_ctl.value)
@@ -84,14 +79,48 @@ def run_local(cfg: Config, prompts: Sequence[Prompt | None] | None = None,
         metrics.update(step=step, policy_version=step, kl_coef=kl_ctl.value, generate_s=generate_s,
                        train_s=time.perf_counter() - train_start, samples_per_s=len(items) / step_s,
                        elapsed_s=time.perf_counter() - start)
-        if cfg.eval.due(step, last=step == cfg.trainer.total_steps):
+        # the last step: the one at total_steps, or the first to end past the time budget (the detached loop's rule)
+        last = step == cfg.trainer.total_steps or broadcast_time_up(cfg.trainer.time_budget_s, start, learner.device)
+        if cfg.eval.due(step, last=last):
             reports.append(_evaluate(evaluation, learner.actor, step, step))
         row, reports = attach_evals(metrics, reports), []
         history.append(split_evals(row)[0])
         if on_metrics:
             samples = step_samples(items, maker.tokenizer, step, cfg.logging.samples_every)
             on_metrics({**row, SAMPLES_KEY: samples} if samples else row)
+        if last:
+            break
     return history
+
+
+def _refuse_what_it_cannot_honour(cfg: Config) -> None:
+    """Raise a one-line ``ConfigError`` for a setting the synchronous loop could only ignore: it
+    trains in one process on the CPU, its maker generates with the learner's live weights (nothing
+    is pushed), and it writes no checkpoint. The keys it shares with the detached loop mean the
+    same in both (docs/getting-started.md, tests/unit/test_loop_parity.py)."""
+    t = cfg.trainer
+    refusals = [
+        (cfg.maker.engine != "hf",
+         f"the synchronous loop generates with HF only, but maker.engine={cfg.maker.engine!r}; "
+         f"set maker.engine=hf, or run ray-ppo train for vLLM makers"),
+        (cfg.maker.dtype not in (None, cfg.model.dtype),
+         f"the synchronous loop's maker generates with the learner's own weights, in model.dtype="
+         f"{cfg.model.dtype!r}, not maker.dtype={cfg.maker.dtype!r}; set maker.dtype=null, or run "
+         f"ray-ppo train for makers in a dtype of their own"),
+        (t.use_gpu, "the synchronous loop trains on the CPU, but trainer.use_gpu=true; set trainer.use_gpu=false, "
+                    "or run ray-ppo train to train on a GPU"),
+        (t.num_workers > 1, f"the synchronous loop trains in one process, but trainer.num_workers={t.num_workers}; "
+                            f"set trainer.num_workers=1, or run ray-ppo train for several workers"),
+        (t.update_steps > 1, f"the synchronous loop's maker generates every step with the weights being trained, but "
+                             f"trainer.update_steps={t.update_steps}; set trainer.update_steps=1, or run ray-ppo "
+                             f"train to push weights every {t.update_steps} steps"),
+        (t.checkpoint_every > 0, f"the synchronous loop writes no checkpoint, but trainer.checkpoint_every="
+                                 f"{t.checkpoint_every}; set trainer.checkpoint_every=0, or run ray-ppo train "
+                                 f"for checkpoints"),
+    ]
+    for refused, message in refusals:
+        if refused:
+            raise ConfigError(message)
 
 
 def _evaluate(evaluation: Evaluation, actor: torch.nn.Module, step: int, version: int):
