@@ -189,6 +189,9 @@ def _config_warnings_in_one_line(command: str) -> None:
 
 
 def _load(args):
+    if args.command in ("train", "local") and not (args.config or args.overrides or getattr(args, "resume", None)):
+        raise ConfigError(f"ray-ppo {args.command} needs a config: give --config FILE (configs/tiny.yaml is the "
+                          f"CPU demo) or key=value settings; ray-ppo config lists every key")
     cfg = load_config(args.config, args.overrides)
     if args.output:
         cfg = cfg.with_overrides({"logging.output_dir": args.output})

@@ -79,8 +79,10 @@ def claim_run_dir(path: str | Path, *, resume: bool = False, overwrite: bool = F
         return RunDirClaim(path, created=True, set_aside=None)
     if not overwrite:
         shown = ", ".join(holds[:4]) + (", ..." if len(holds) > 4 else "")
-        raise RunDirError(f"run directory {path} already holds a run ({shown}); continue it with --resume {path}, "
-                          f"replace it with --overwrite, or give another --output")
+        resume = f"continue it with --resume {path}, " if (path / LINK).exists() else \
+            "it wrote no checkpoint to continue from; "
+        raise RunDirError(f"run directory {path} already holds a run ({shown}); {resume}replace it with --overwrite, "
+                          f"or give another --output")
     set_aside = path.with_name(f".{path.name}.overwritten-{uuid.uuid4().hex[:8]}")
     path.rename(set_aside)
     path.mkdir()

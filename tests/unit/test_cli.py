@@ -178,3 +178,14 @@ def test_version_is_the_projects_and_has_a_changelog_entry(capsys):
     assert done.value.code == 0
     assert capsys.readouterr().out == f"ray-ppo {version}\n"
     assert f"## [{version}]" in (ROOT / "CHANGELOG.md").read_text()
+
+
+@pytest.mark.parametrize("command", ["train", "local"])
+def test_a_run_without_any_config_is_refused(command, capsys, monkeypatch, tmp_path):
+    """`ray-ppo train` alone started a 50-step run of the defaults in ./runs/ray_ppo."""
+    monkeypatch.chdir(tmp_path)
+    assert main([command]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"ray-ppo {command}: error: ray-ppo {command} needs a config: give --config FILE (configs/tiny.yaml is the "
+        f"CPU demo) or key=value settings; ray-ppo config lists every key")
+    assert not (tmp_path / "runs").exists()

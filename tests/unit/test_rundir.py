@@ -18,9 +18,13 @@ def test_an_existing_run_is_refused_with_what_to_do(tmp_path):
     run = old_run(tmp_path / "run")
     with pytest.raises(RunDirError) as e:
         claim_run_dir(run)
-    assert str(e.value) == (f"run directory {run} already holds a run (config.yaml, metrics.jsonl); continue it with "
-                            f"--resume {run}, replace it with --overwrite, or give another --output")
+    # a run without a checkpoint cannot be resumed, so that is not offered
+    assert str(e.value) == (f"run directory {run} already holds a run (config.yaml, metrics.jsonl); it wrote no "
+                            f"checkpoint to continue from; replace it with --overwrite, or give another --output")
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
+    (run / "checkpoint").mkdir()
+    with pytest.raises(RunDirError, match=f"; continue it with --resume {run}, replace it with --overwrite, or give"):
+        claim_run_dir(run)
 
 
 def test_a_new_run_that_fails_before_its_first_step_leaves_nothing(tmp_path):
