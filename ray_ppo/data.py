@@ -4,7 +4,8 @@ A prompt (``Prompt``) is a string, or a chat: a list of
 ``{"role": str, "content": str}`` messages. It travels as the data gave it, from the reader
 through the coordinator and the makers to the reward function and the items; only the encoder
 turns it into token ids. Reading validates the input once, with errors that name the path or the
-columns present, and refuses a prompt of any other shape naming its row. Encoding skips blank
+columns present, reads a text cell that holds a JSON chat as that chat, and refuses a prompt of
+any other shape, or a chat with a role outside ``ROLES``, naming its row. Encoding skips blank
 prompts and truncates long ones, and counts both. The coordinator serves the prompts to makers
 by prompt identity (``ray_ppo.runtime.feed``). Nothing here imports Ray or ``ray_ppo.runtime``:
 the local loop reads its prompts with this module alone.
@@ -12,7 +13,9 @@ the local loop reads its prompts with this module alone.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +25,11 @@ import numpy as np
 
 Prompt = Union[str, list[dict[str, Any]]]
 """A prompt as the data gives it: a text, or a chat, a list of messages, each a dict with a str
-``role`` and a str ``content`` (other keys are kept for the chat template)."""
+``role`` (one of ``ROLES``) and a str ``content`` (other keys are kept for the chat template)."""
+
+ROLES = ("system", "user", "assistant", "tool")
+"""The roles a chat message may have: those of the chat templates' conversations (a template writes
+any other role as it is, ``<|im_start|>robot``, a turn the model never saw)."""
 
 FORMATS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".json": "json", ".jsonl": "json"}
 
@@ -34,29 +41,58 @@ class DataError(ValueError):
 VALUE_FIX = 'write each prompt as a string, or as a list of chat messages [{"role": ..., "content": ...}]'
 MESSAGES_FIX = ('write a chat prompt as a list of {"role": str, "content": str} messages, e.g. '
                 '[{"role": "user", "content": "..."}]')
+ROLES_FIX = f"give each message one of the roles {', '.join(ROLES)}"
+JSON_CHAT_FIX = 'write the chat as JSON, with double quotes: [{"role": "user", "content": "..."}]'
+
+JSON_CHAT = re.compile(r"""\s*\[\s*\{\s*["'](role|content)["']""")
+"""A text that begins as a chat written as JSON does (``[{"role"``, or ``"content"`` first; single
+quotes too, as pandas writes a list of dicts into a CSV file): a chat in a text cell (a CSV file's,
+or a string column's of Parquet or JSON Lines)."""
 
 
 class PromptShapeError(ValueError):
-    """A value that is neither a string nor a list of chat messages; its text is what the value
-    is and the fix, for the reader to prefix with where it is."""
+    """A value that is no prompt (neither a string nor a list of chat messages with known roles);
+    its text is what the value is and the fix, for the reader to prefix with where it is."""
 
 
 def to_prompt(value: Any) -> Prompt | None:
     """``value`` as read (pandas, pyarrow, or Ray Data's NumPy batches, where a chat is an object
-    array of dicts) as a ``Prompt``; None for a missing value (None, NaN). A message's keys whose
+    array of dicts) as a ``Prompt``; None for a missing value (None, NaN). A text that begins as a
+    JSON chat (``JSON_CHAT``: a CSV cell, a Parquet string) is that chat. A message's keys whose
     value is null are dropped: Arrow gives every message of a column every key any of them has.
-    Raises ``PromptShapeError`` for anything else."""
+    Raises ``PromptShapeError`` for anything else, a chat with a role outside ``ROLES``, and such a
+    text that is not JSON."""
     if value is None or isinstance(value, float) and math.isnan(value):
         return None
     if isinstance(value, str):
-        return value
+        return _json_chat(value) if JSON_CHAT.match(value) else value
     if isinstance(value, (list, tuple, np.ndarray)):
         messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, Mapping) else m for m in value]
         problem = _messages_problem(messages)
         if problem:
             raise PromptShapeError(f"a list whose {problem}, not a chat message; {MESSAGES_FIX}")
+        problem = unknown_role(messages)
+        if problem:
+            raise PromptShapeError(f"a chat whose {problem}; {ROLES_FIX}")
         return messages
     raise PromptShapeError(f"{_a(type(value).__name__)} ({_short(value)}), not a prompt; {VALUE_FIX}")
+
+
+def _json_chat(text: str) -> Prompt:
+    """The chat that ``text`` (``JSON_CHAT``) holds as JSON, checked as ``to_prompt`` checks a list."""
+    try:
+        return to_prompt(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise PromptShapeError(f"a text that begins as a JSON chat ({_short(text)}) but is not JSON "
+                               f"({e.msg} at character {e.pos}); {JSON_CHAT_FIX}") from None
+
+
+def unknown_role(messages: list[dict]) -> str | None:
+    """``message 0 has the role 'robot'``: the first message whose role is not one of ``ROLES``."""
+    for i, message in enumerate(messages):
+        if message["role"] not in ROLES:
+            return f"message {i} has the role {message['role']!r}"
+    return None
 
 
 def _messages_problem(messages: list) -> str | None:

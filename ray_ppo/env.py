@@ -30,7 +30,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_ppo.data import Prompt
+from ray_ppo.data import ROLES_FIX, Prompt, unknown_role
 
 
 @dataclass
@@ -99,6 +99,9 @@ def check_turn(turn: Any) -> Turn:
     if obs is not None and not isinstance(obs, str) and not is_messages:
         raise EnvError(f"step returned a Turn whose observation is {type(obs).__name__} {obs!r:.80}, "
                        f"not a text or a list of chat messages with role and content")
+    role = unknown_role(obs) if is_messages else None
+    if role:
+        raise EnvError(f"step returned a Turn whose observation's {role}; {ROLES_FIX}")
     if not isinstance(turn.info, dict) or not all(isinstance(v, numbers.Real) for v in turn.info.values()):
         raise EnvError(f"step returned a Turn whose info is {turn.info!r:.80}, not a dict of numbers")
     return turn

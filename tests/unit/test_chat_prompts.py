@@ -158,6 +158,24 @@ def test_preflight_refuses_malformed_messages_naming_the_row(tmp_path, messages,
     assert str(info.value) == f"data.prompt_column='prompt' of '{path}', row 2: {found}; {MESSAGES_FIX}"
 
 
+def test_preflight_refuses_a_role_outside_system_user_assistant_tool_naming_the_row(tmp_path, chat_dir):
+    path = write_jsonl(tmp_path / "p.jsonl", [USER, [{"role": "robot", "content": "hi"}]])
+    with pytest.raises(PreflightError) as info:
+        check_run(preflight_config(path, f"model.tokenizer={chat_dir}"))
+    assert str(info.value) == (f"data.prompt_column='prompt' of '{path}', row 2: a chat whose message 0 has the role "
+                               f"'robot'; give each message one of the roles system, user, assistant, tool")
+
+
+def test_preflight_reads_json_chats_in_a_csv_file_as_messages(tmp_path, chat_dir):
+    path = tmp_path / "p.csv"
+    pd.DataFrame({"prompt": [json.dumps(SYSTEM), json.dumps(USER)]}).to_csv(path, index=False)
+    chat_rewards.calls.clear()
+    check_run(preflight_config(path, f"model.tokenizer={chat_dir}"))
+    assert chat_rewards.calls == [([SYSTEM, USER], ["", "9 4 2 0 8 0"])]
+    with pytest.raises(PreflightError, match="holds chat messages, but the tokenizer of 'tiny' has no chat template"):
+        check_run(preflight_config(path))
+
+
 def test_preflight_refuses_messages_without_a_chat_template(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [SYSTEM])
     with pytest.raises(PreflightError) as info:
@@ -212,6 +230,36 @@ def test_the_reward_function_receives_a_text_as_given_under_data_chat_template(c
     run_local(Config().with_overrides({**SMALL, "model.tokenizer": chat_dir, "data.chat_template": True}),
               prompts=["1 2", "3 4 5", "6"])
     assert sorted({p for call in chat_rewards.calls for p in call[0]}) == ["1 2", "3 4 5", "6"]  # not "8 1 2 7"
+
+
+TEXTS = ["1 2", "3 4 5", "6"]
+
+
+@pytest.mark.parametrize("rows, chat_template", [(TEXTS, False), (TEXTS, True), (CHATS, False)],
+                         ids=["texts", "texts-under-data.chat_template", "chats"])
+def test_every_path_hands_the_reward_function_the_prompts_as_the_data_gave_them(tmp_path, tiny_path, chat_dir, rows,
+                                                                                chat_template):
+    from ray_ppo.local import run_local
+    from ray_ppo.runtime.maker import MakerWorker
+
+    if rows is TEXTS:
+        path = tmp_path / "prompts.csv"
+        pd.DataFrame({"prompt": rows}).to_csv(path, index=False)
+    else:
+        path = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    cfg = Config().with_overrides({**SMALL, "data.path": str(path), "model.pretrained": tiny_path,
+                                   "model.tokenizer": chat_dir, "data.chat_template": chat_template,
+                                   "eval.path": str(path)})
+    worker = MakerWorker(0, cfg.to_dict(), coordinator=None)
+    paths = {"pre-flight's probes (data.path, eval.path)": lambda: check_run(cfg),
+             "the local loop": lambda: run_local(cfg),
+             "a maker": lambda: worker._make(rows, [0, 1, 2], worker.encoder.encode(rows), 0.0),
+             "a maker's evaluation": lambda: worker.evaluation.run(worker.maker.actor)}
+    for where, call in paths.items():
+        chat_rewards.calls.clear()
+        call()
+        given = [p for prompts, _ in chat_rewards.calls for p in prompts]
+        assert given and all(p in rows for p in given), f"{where} gave the reward function {given[0]!r}"
 
 
 def test_a_maker_tags_its_items_with_their_prompts(tiny_path, chat_dir):

@@ -87,6 +87,52 @@ def test_json_lines_keeps_string_prompts_verbatim(tmp_path):
     assert read_prompt_texts(str(path), "q") == ["007", "12", "1e3"]
 
 
+CHAT = [{"role": "system", "content": "1"}, {"role": "user", "content": "2 3"}]
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_a_text_cell_holding_a_json_chat_is_read_as_that_chat(tmp_path, suffix):
+    path = tmp_path / f"prompts{suffix}"
+    frame = pd.DataFrame({"prompt": [json.dumps(CHAT), "4 5", ' [ {"content": "6", "role": "user"}]']})
+    frame.to_csv(path, index=False) if suffix == ".csv" else frame.to_parquet(path)
+    assert read_prompt_texts(str(path), "prompt") == [CHAT, "4 5", [{"content": "6", "role": "user"}]]
+
+
+@pytest.mark.parametrize("cell, problem", [
+    (str(CHAT), "Expecting property name enclosed in double quotes at character 2"),  # a Python list, as pandas writes it
+    (json.dumps(CHAT) + " and answer", f"Extra data at character {len(json.dumps(CHAT)) + 1}"),
+])
+def test_a_text_cell_that_begins_as_a_json_chat_but_is_not_json_is_refused_naming_its_row(tmp_path, cell, problem):
+    path = tmp_path / "prompts.csv"
+    pd.DataFrame({"prompt": ["4 5", cell]}).to_csv(path, index=False)
+    with pytest.raises(DataError) as info:
+        read_prompt_texts(str(path), "prompt")
+    assert str(info.value) == (f"data.prompt_column='prompt' of {str(path)!r}, row 2: a text that begins as a JSON "
+                               f"chat ({repr(cell)[:57]}...) but is not JSON ({problem}); write the chat as JSON, with "
+                               f'double quotes: [{{"role": "user", "content": "..."}}]')
+
+
+@pytest.mark.parametrize("cell", ["[1, 2] is a list", "[{1, 2}] is a set", '[{"name": "x"}]', "see [{role}]"])
+def test_a_text_that_only_looks_like_a_list_stays_a_text(tmp_path, cell):
+    path = tmp_path / "prompts.csv"
+    pd.DataFrame({"prompt": [cell]}).to_csv(path, index=False)
+    assert read_prompt_texts(str(path), "prompt") == [cell]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_a_chat_role_outside_system_user_assistant_tool_is_refused_naming_its_row(tmp_path, suffix):
+    path = tmp_path / f"prompts{suffix}"
+    robot = [{"role": "user", "content": "1"}, {"role": "robot", "content": "hi"}]
+    if suffix == ".csv":
+        pd.DataFrame({"prompt": [json.dumps(CHAT), json.dumps(robot)]}).to_csv(path, index=False)
+    else:
+        path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [CHAT, robot]))
+    with pytest.raises(DataError) as info:
+        read_prompt_texts(str(path), "prompt")
+    assert str(info.value) == (f"data.prompt_column='prompt' of {str(path)!r}, row 2: a chat whose message 1 has "
+                               f"the role 'robot'; give each message one of the roles system, user, assistant, tool")
+
+
 def test_explicit_format_overrides_the_suffix(tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_text("prompt\n3 4\n")

@@ -113,7 +113,10 @@ def test_turns_are_checked_and_classes_loaded_with_errors_that_name_the_fix():
     assert check_turn(Turn("x", 1, False, {"tool_calls": 1})).reward == 1
     for bad, match in [("x", "not a ray_ppo.env.Turn"), (Turn(reward=float("nan")), "not a finite number"),
                        (Turn(observation=3), "not a text or a list of chat messages"),
-                       (Turn(info={"a": "b"}), "not a dict of numbers")]:
+                       (Turn(info={"a": "b"}), "not a dict of numbers"),
+                       (Turn([{"role": "robot", "content": "1"}]), "observation's message 0 has the role 'robot'; "
+                                                                    "give each message one of the roles system, user, "
+                                                                    "assistant, tool")]:
         with pytest.raises(EnvError, match=match):
             check_turn(bad)
     assert load_env_class("ray_ppo.tasks.turns:TwoTurnEnv") is TwoTurnEnv
