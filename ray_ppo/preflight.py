@@ -62,7 +62,7 @@ def check_run(cfg: Config, prompts: Any = None) -> None:
     if m.reward_fn and m.reward_pretrained:
         warn_unused_reward_fn(m.reward_fn)
     if cfg.env.cls:
-        check_env(cfg.env, found)
+        check_env(cfg.env, found, tokenizer, tokenizer_path)
     if cfg.eval.path:
         eval_prompts = probe_prompts(cfg.eval.path, None, cfg.data.prompt_column, "eval.path")
         check_chat_messages(tokenizer, tokenizer_path, eval_prompts, cfg.eval.path, "eval.path")
@@ -73,12 +73,15 @@ PROBE_RESPONSE = "1"
 """The policy's response in pre-flight's probe episode."""
 
 
-def check_env(env: EnvConfig, prompts: Sequence[Prompt]) -> None:
+def check_env(env: EnvConfig, prompts: Sequence[Prompt], tokenizer, tokenizer_path: str) -> None:
     """``env.cls`` imports; and, given prompts, a probe episode on the first: the environment is
-    built and answers one step (``PROBE_RESPONSE``) with a ``Turn`` within ``env.step_timeout_s``."""
+    built and answers one step (``PROBE_RESPONSE``) with a ``Turn`` within ``env.step_timeout_s``,
+    whose observation, if the episode goes on, ``tokenizer`` (that of ``tokenizer_path``) can spell
+    (``ray_ppo.core.episodes.lost_text``)."""
     import asyncio
     import concurrent.futures
 
+    from ray_ppo.core.episodes import lost_text
     from ray_ppo.env import take_step
 
     cls = load_env_checked(env.cls)
@@ -90,12 +93,17 @@ def check_env(env: EnvConfig, prompts: Sequence[Prompt]) -> None:
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a thread of its own: the caller may run an event loop
         try:
-            pool.submit(asyncio.run, probe()).result()
+            turn = pool.submit(asyncio.run, probe()).result()
         except Exception as e:
             problem = (f"took longer than env.step_timeout_s={env.step_timeout_s:g} s" if isinstance(e, TimeoutError)
                        else f"{type(e).__name__}: {e}")
             raise PreflightError(f"env.cls={env.cls!r}: a probe episode on the prompt {prompts[0]!r:.80} failed at "
                                  f"its first step: {problem}") from None
+    lost = None if turn.done or turn.observation is None else lost_text(tokenizer, turn.observation)
+    if lost:
+        raise PreflightError(f"env.cls={env.cls!r}: the probe episode's observation {lost[0]!r:.80} is lost to the "
+                             f"tokenizer of {tokenizer_path!r} (its tokens decode as {lost[1]!r:.80}); write "
+                             f"observations in words the tokenizer knows, or set model.tokenizer to one that spells them")
 
 
 def load_env_checked(path: str) -> type:

@@ -5,9 +5,10 @@
 
 An episode's response is every token after its prompt: the policy's turns and, between them, the
 environment's observations, rendered as the tokenizer's chat template renders the next message
-(a text prompt's observations are appended as they are). ``Episodes.rollout.action_mask`` marks the
-policy's tokens, which alone are trained; each turn's reward sits at the last token of that turn
-(``token_scores``).
+(a text prompt's observations are appended as they are; one whose text the tokenizer cannot spell,
+``lost_text``, is counted in ``Episode.lost_text`` and warned about once per runner).
+``Episodes.rollout.action_mask`` marks the policy's tokens, which alone are trained; each turn's
+reward sits at the last token of that turn (``token_scores``).
 
 Scheduling keeps generation busy while environments think: the episodes are cut into
 ``env.pipeline`` groups; a group generates its next turn while the steps of the others run on an
@@ -21,9 +22,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import logging
 import math
 import threading
 import time
+import unicodedata
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -38,6 +41,8 @@ from ray_ppo.env import EnvError, Turn, take_step
 Sample = Callable[[list[list[int]], int], list[tuple[list[int], bool]]]
 """sample(contexts, max_new_tokens) -> for each context, (the policy's new tokens, whether they end on
 a stop token): what ``Rollout.responses`` gives of a generated rollout."""
+
+logger = logging.getLogger(__name__)
 
 _PROBE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 
@@ -62,15 +67,19 @@ class Episode:
     done: bool = False
     stopped: bool = False
     """The policy's last turn ended on a stop token."""
+    lost_text: int = 0
+    """Observations put in the context whose text the tokenizer cannot spell (``lost_text``)."""
 
     @property
     def reward(self) -> float:
         return sum(self.scores)
 
     def counts(self) -> dict:
-        """What ``ExperienceItem.episode`` carries: turns, fault (0 or 1), the environment's counts,
-        and for a faulted episode what went wrong (``problem``, shown by ``ray_ppo.samples.pick_faults``)."""
-        counts = {"turns": float(self.turns), "fault": float(self.fault is not None), **self.info}
+        """What ``ExperienceItem.episode`` carries: turns, fault (0 or 1), lost_text where not 0, the
+        environment's counts, and for a faulted episode what went wrong (``problem``, shown by
+        ``ray_ppo.samples.pick_faults``)."""
+        counts = {"turns": float(self.turns), "fault": float(self.fault is not None),
+                  **({"lost_text": float(self.lost_text)} if self.lost_text else {}), **self.info}
         return counts if self.fault is None else {**counts, "problem": self.fault}
 
 
@@ -96,18 +105,41 @@ class Episodes:
         return self.generate_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
+def lost_text(tokenizer, observation: str | list[dict]) -> tuple[str, str] | None:
+    """(the text, what its tokens decode to) of the first text of ``observation`` (itself, or a
+    message's content) that the tokenizer cannot spell: decoding its tokens does not give it back,
+    whitespace and Unicode compatibility forms aside (a word outside a word-level vocabulary becomes
+    ``<unk>``; a BPE without byte fallback drops characters it has no token for). None if none."""
+    texts = [observation] if isinstance(observation, str) else [m["content"] for m in observation]
+    for text in texts:
+        if not isinstance(text, str):
+            continue
+        decoded = tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if _spelling(decoded) != _spelling(text):
+            return text, decoded
+    return None
+
+
+def _spelling(text: str) -> str:
+    """What a round trip through a tokenizer must keep of ``text``: its characters, NFKC-normalised,
+    without whitespace (tokenizers split on it, and their decoders rejoin it their own way)."""
+    return "".join(unicodedata.normalize("NFKC", text).split())
+
+
 class EpisodeRunner:
     """Runs episodes of ``env_cls`` for a maker.
 
     Responsibilities: keep generation fed while environment steps run (``env.pipeline`` groups),
-    turn observations into tokens with the tokenizer's chat template, bound each episode
-    (``env.max_turns``, ``env.max_tokens``, ``env.step_timeout_s``) and end a faulty one alone."""
+    turn observations into tokens with the tokenizer's chat template, count those it cannot spell,
+    bound each episode (``env.max_turns``, ``env.max_tokens``, ``env.step_timeout_s``) and end a
+    faulty one alone."""
 
     def __init__(self, env_cls: type, cfg: EnvConfig, tokenizer, chat_template: bool = False):
         self.env_cls, self.cfg, self.tokenizer, self.chat_template = env_cls, cfg, tokenizer, chat_template
         self.loop = asyncio.new_event_loop()
         self.loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="ray_ppo-env"))
         threading.Thread(target=self.loop.run_forever, name="ray_ppo-env-loop", daemon=True).start()
+        self.warned_lost_text = False
 
     def run(self, prompt_ids: Sequence[Sequence[int]], prompts: Sequence[Prompt], sample: Sample) -> Episodes:
         """Run one episode per prompt to its end; ``prompts`` as the data gave them."""
@@ -195,6 +227,19 @@ class EpisodeRunner:
         episode.tokens += observation
         episode.actions += [False] * len(observation)
         episode.scores += [0.0] * len(observation)
+        self._check_spelling(turn.observation, episode)
+
+    def _check_spelling(self, observation: str | list[dict], episode: Episode) -> None:
+        """Count an observation the tokenizer cannot spell in its episode; warn at the first."""
+        lost = lost_text(self.tokenizer, observation)
+        if lost is None:
+            return
+        episode.lost_text += 1
+        if not self.warned_lost_text:
+            self.warned_lost_text = True
+            logger.warning("env.cls=%s: the tokenizer cannot spell the observation %.80r (its tokens decode as "
+                           "%.80r), so the policy sees it garbled; counted in env/lost_text, this warning is not "
+                           "repeated. Write observations the tokenizer can spell", self.cfg.cls, *lost)
 
     def _fault(self, episode: Episode, problem: str) -> None:
         episode.fault, episode.done = f"{problem} (env.cls={self.cfg.cls}, prompt {episode.prompt!r:.120})", True

@@ -10,7 +10,7 @@ import torch
 
 from ray_ppo.config import Config, EnvConfig
 from ray_ppo.core.build import build_experience_maker, resolve_config
-from ray_ppo.core.episodes import EpisodeRunner
+from ray_ppo.core.episodes import EpisodeRunner, lost_text
 from ray_ppo.env import EnvError, Environment, Turn, check_turn, load_env_class
 from ray_ppo.tasks.turns import TwoTurnEnv
 from ray_ppo.testing import FaultyEnv, SleepyEnv
@@ -109,6 +109,29 @@ def test_a_template_that_rewrites_earlier_messages_is_refused(tokenizer):
         runner.observation_ids("4", chat=True, stopped=False)
 
 
+class Hints(Environment):
+    """Answers every turn with a word the tiny tokenizer has no token for (it knows ten digits)."""
+
+    def step(self, response):
+        return Turn(observation="higher")
+
+
+def test_lost_text_is_the_text_a_tokenizer_cannot_spell(tokenizer):
+    assert lost_text(tokenizer, "higher") == ("higher", "<unk>")
+    messages = [{"role": "tool", "content": "4  2"}, {"role": "user", "content": "4 lower"}]
+    assert lost_text(tokenizer, messages) == ("4 lower", "4 <unk>")
+    assert lost_text(tokenizer, " 3 1\n5 ") is None  # whitespace aside, every digit is spelled
+
+
+def test_an_observation_the_tokenizer_cannot_spell_is_counted_and_warned_about_once(tokenizer, caplog):
+    out = run(tokenizer, Hints, ["3", "4"], max_turns=3)
+    assert [e.counts()["lost_text"] for e in out.episodes] == [2.0, 2.0]  # two observations each, both lost
+    assert [r.getMessage() for r in caplog.records if "cannot spell" in r.getMessage()] == [
+        "env.cls=x:Y: the tokenizer cannot spell the observation 'higher' (its tokens decode as '<unk>'), so the "
+        "policy sees it garbled; counted in env/lost_text, this warning is not repeated. Write observations the "
+        "tokenizer can spell"]
+
+
 def test_turns_are_checked_and_classes_loaded_with_errors_that_name_the_fix():
     assert check_turn(Turn("x", 1, False, {"tool_calls": 1})).reward == 1
     for bad, match in [("x", "not a ray_ppo.env.Turn"), (Turn(reward=float("nan")), "not a finite number"),
@@ -169,6 +192,21 @@ def test_preflight_runs_a_probe_episode_on_the_first_prompt(tmp_path, tiny_path,
                                    f"failed at its first step: ") and problem in str(e.value)
     (tmp_path / "fine.csv").write_text("prompt\n3 4\n")
     check_run(cfg.with_overrides({"data.path": str(tmp_path / "fine.csv")}))  # a well-behaved first prompt passes
+
+
+def test_preflight_refuses_a_probe_observation_the_tokenizer_cannot_spell(tmp_path, tiny_path, monkeypatch):
+    from ray_ppo.preflight import PreflightError, check_run
+
+    (tmp_path / "hints.py").write_text("from ray_ppo.env import Turn\n\n\nclass Hints:\n"
+                                       "    def __init__(self, prompt):\n        pass\n\n"
+                                       "    def step(self, response):\n        return Turn(observation='1 higher')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = Config.from_dict({"model": {"pretrained": tiny_path}, "env": {"cls": "hints:Hints", "max_tokens": 32}})
+    with pytest.raises(PreflightError) as e:
+        check_run(cfg)
+    assert str(e.value) == (f"env.cls='hints:Hints': the probe episode's observation '1 higher' is lost to the "
+                            f"tokenizer of {tiny_path!r} (its tokens decode as '1 <unk>'); write observations in "
+                            f"words the tokenizer knows, or set model.tokenizer to one that spells them")
 
 
 def test_the_docs_example_environment_is_short_and_plays_a_game():
