@@ -77,8 +77,9 @@ def _cases(f: dict[str, Path]) -> list[tuple[str, list[str], str]]:
          "model.critic_pretrained to a model directory (one with config.json), a hub name, or tiny for the "
          "built-in tiny model"),
         ("reward_import", ["model.reward_fn=nomodule:fn"],
-         "ray-ppo train: error: model.reward_fn='nomodule:fn' cannot be imported: no module named 'nomodule'; set "
-         "model.reward_fn to module:function of an importable module (e.g. ray_ppo.tasks.toy:reward)"),
+         "ray-ppo train: error: model.reward_fn='nomodule:fn' cannot be imported: no module named 'nomodule' in the "
+         "current directory, on PYTHONPATH or among the installed packages; set model.reward_fn to module:function "
+         "of an importable module (e.g. ray_ppo.tasks.toy:reward)"),
         ("reward_attr", ["model.reward_fn=ray_ppo.tasks.toy:nope"],
          "ray-ppo train: error: model.reward_fn='ray_ppo.tasks.toy:nope' cannot be imported: module "
          "'ray_ppo.tasks.toy' has no attribute 'nope'; set model.reward_fn to module:function of an importable "
@@ -200,8 +201,9 @@ def test_tune_checks_the_run_before_ray(files, capsys):
     status, seconds, new = _run(["tune", "--config", TINY, "--grid", "ppo.kl_coef=0.01,0.1",
                                  "model.reward_fn=nomodule:fn"])
     _assert_one_line_before_ray(capsys, status, seconds, new, (
-        "ray-ppo tune: error: model.reward_fn='nomodule:fn' cannot be imported: no module named 'nomodule'; set "
-        "model.reward_fn to module:function of an importable module (e.g. ray_ppo.tasks.toy:reward)"))
+        "ray-ppo tune: error: model.reward_fn='nomodule:fn' cannot be imported: no module named 'nomodule' in the "
+        "current directory, on PYTHONPATH or among the installed packages; set model.reward_fn to module:function "
+        "of an importable module (e.g. ray_ppo.tasks.toy:reward)"))
 
 
 def test_overrides_after_options_are_accepted(files, capsys):
