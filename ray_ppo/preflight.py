@@ -253,7 +253,8 @@ def check_reward_fn(spec: str, prompts: Sequence[Prompt], key: str = "model.rewa
 def _import_problem(e: Exception) -> str:
     cause = e.__cause__
     if isinstance(cause, ModuleNotFoundError):
-        return f"cannot be imported: no module named {cause.name!r}"
+        return (f"cannot be imported: no module named {cause.name!r} in the current directory, on PYTHONPATH or "
+                f"among the installed packages")
     if isinstance(cause, AttributeError):
         return f"cannot be imported: {_first_line(cause)}"
     return _first_line(e).replace(f"reward function {e.args[0]!r} ", "") if e.args else "is invalid"
