@@ -5,7 +5,9 @@
 Ray wraps an error raised in a trainer worker or an actor several times (``WorkerGroupError`` ->
 the worker's ``UserExceptionWithTraceback`` -> ``RayTaskError`` -> the error itself), and each
 wrapper's text repeats the tracebacks below it. ``root_cause`` unwraps them to the error the
-code raised, whose message is written to be read alone.
+code raised, whose message is written to be read alone. An error that began in another process
+than the one that raised it on its way to the driver (a maker's, which the trainer's pull raises)
+carries that process's traceback (``origin_traceback``), and ``error.log`` holds it too.
 """
 
 from __future__ import annotations
@@ -21,14 +23,25 @@ ERROR_LOG = "error.log"
 
 def root_cause(exc: BaseException) -> BaseException:
     """The innermost error of Ray's wrappers (Train worker failures, task errors, ``raise ... from``)."""
+    *_, innermost = _chain(exc)
+    return innermost
+
+
+def _chain(exc: BaseException):
+    """``exc`` and the errors it wraps, outermost first."""
     seen: set[int] = set()
-    while id(exc) not in seen:
+    while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        inner = _unwrap_once(exc)
-        if inner is None:
-            return exc
-        exc = inner
-    return exc
+        yield exc
+        exc = _unwrap_once(exc)
+
+
+def origin_tracebacks(exc: BaseException) -> list[str]:
+    """The tracebacks that errors of the chain carry from where the error began in another process
+    (``origin_traceback``: a maker's, ``ray_ppo.runtime.coordinator_state.MakerBook.failure``), which
+    neither the driver's traceback nor Ray's remote ones hold."""
+    found = (getattr(e, "origin_traceback", None) for e in _chain(exc))
+    return list(dict.fromkeys(text for text in found if text))
 
 
 def _unwrap_once(exc: BaseException) -> BaseException | None:
@@ -60,12 +73,15 @@ def one_line(exc: BaseException) -> str:
 
 
 def write_error_log(exc: BaseException, run_dir: str | Path) -> Path:
-    """Write the driver's traceback and every remote traceback Ray carried to ``run_dir/error.log`` (appended)."""
+    """Write the driver's traceback, every remote traceback Ray carried and the ``origin_tracebacks``
+    (where the error began: a reward function's frames in a maker) to ``run_dir/error.log`` (appended)."""
     path = Path(run_dir) / ERROR_LOG
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(f"=== {datetime.datetime.now().isoformat(timespec='seconds')} {one_line(exc)}\n")
         f.write("".join(traceback.format_exception(exc)))
+        for origin in origin_tracebacks(exc):
+            f.write(f"\nWhere the error began, in another process:\n\n{origin}")
         f.write("\n")
     return path
 

@@ -120,12 +120,12 @@ class Coordinator:
         than that version's ``max_staleness`` allows (``ray_ppo.runtime.transport.resolve`` fetches
         their items). Their prompts count as trained at ``request.step``.
 
-        Raises ``RuntimeError`` if a maker failed, ``TimeoutError`` (with what was seen) when
-        nothing arrives for ``request.timeout_s``; either way the items taken go back to the
-        buffer. The reply is CANCELLED, the items taken put back, if the pull was cancelled while it
-        waited (``cancel_pull``, or ``rewind``: its caller's worker group is gone), and REPLACED at
-        once, taking nothing, if it comes from a worker group that ``rewind`` has replaced (a dead
-        rank's pull can arrive after its successor's rewind).
+        Raises ``RuntimeError`` if a maker failed (with the maker's traceback: ``MakerBook.failure``),
+        ``TimeoutError`` (with what was seen) when nothing arrives for ``request.timeout_s``; either
+        way the items taken go back to the buffer. The reply is CANCELLED, the items taken put back,
+        if the pull was cancelled while it waited (``cancel_pull``, or ``rewind``: its caller's
+        worker group is gone), and REPLACED at once, taking nothing, if it comes from a worker group
+        that ``rewind`` has replaced (a dead rank's pull can arrive after its successor's rewind).
         """
         pull = self.state.on_pull(request)
         if pull is None:
@@ -201,9 +201,10 @@ class Coordinator:
         if push is not None:
             self._relay(maker_id, self.makers[maker_id], push)
 
-    def maker_failed(self, maker_id: int, error: str) -> None:
-        """Called by a maker whose loop raised; the next ``pull`` surfaces the error."""
-        self.state.on_maker_failed(maker_id, error)
+    def maker_failed(self, maker_id: int, error: str, origin_traceback: str = "") -> None:
+        """Called by a maker whose loop raised (``error`` in one line, and the loop's traceback), or by
+        the driver for a maker that died; the next ``pull`` raises the error with that traceback."""
+        self.state.on_maker_failed(maker_id, error, origin_traceback)
 
     # -- weights --------------------------------------------------------------------------------
     async def publish_start(self, header: PushHeader) -> None:

@@ -247,6 +247,7 @@ class MakerBook:
     def __init__(self, num_makers: int):
         self.states = {i: MakerStatus() for i in range(num_makers)}  # ``reserved`` is Admission's: left 0 here
         self.logprob_gaps: list[tuple[float, float, int]] = []  # per engine batch: (sum, max, tokens)
+        self.tracebacks: dict[int, str] = {}  # a failed maker's own traceback of its error, if it sent one
 
     def _update(self, maker_id: int, **changes) -> None:
         self.states[maker_id] = dataclasses.replace(self.states[maker_id], **changes)
@@ -262,20 +263,26 @@ class MakerBook:
     def loaded(self, maker_id: int, version: int) -> None:
         self._update(maker_id, version=max(self.states[maker_id].version, version))
 
-    def fail(self, maker_id: int, error: str) -> None:
+    def fail(self, maker_id: int, error: str, origin_traceback: str = "") -> None:
         self._update(maker_id, failed=error)
+        self.tracebacks[maker_id] = origin_traceback
 
     def restarted(self, maker_id: int) -> None:
         """A new process: back to the initial weights until it loads the latest push."""
         self._update(maker_id, version=0, restarts=self.states[maker_id].restarts + 1)
 
-    def failure(self) -> str | None:
-        """The first failed maker's error, as the run's one-line diagnosis; None if none failed."""
+    def failure(self) -> RuntimeError | None:
+        """The first failed maker's error: a ``RuntimeError`` whose message is the run's one-line
+        diagnosis and whose ``origin_traceback`` is that maker's own traceback of it (a reward
+        function's frames, say: the trainer's traceback of its pull does not hold them;
+        ``ray_ppo.failures`` writes it to ``RUN_DIR/error.log``). None if no maker failed."""
         failed = {i: s.failed for i, s in self.states.items() if s.failed}
         if not failed:
             return None
         maker_id, error = next(iter(failed.items()))
-        return f"maker_{maker_id} failed ({len(failed)}/{len(self.states)} makers failed): {error}"
+        diagnosis = RuntimeError(f"maker_{maker_id} failed ({len(failed)}/{len(self.states)} makers failed): {error}")
+        diagnosis.origin_traceback = self.tracebacks.get(maker_id, "")
+        return diagnosis
 
     def all_at(self, version: int) -> bool:
         """Every maker that has not failed loaded ``version`` (or later)."""
@@ -472,10 +479,10 @@ class CoordinatorState:
     def on_pull_attempt(self, pull: Pull) -> bool:
         """Take what the rank's buffer holds for the pull (dropping, and serving again, what became
         too stale); True once it holds its ``n`` items. Raises ``RuntimeError`` with the run's
-        diagnosis when a maker failed, ``PullCancelled`` when the pull was cancelled."""
+        diagnosis when a maker failed (``MakerBook.failure``), ``PullCancelled`` when the pull was cancelled."""
         request = pull.request
-        if error := self.book.failure():
-            raise RuntimeError(error)
+        if failure := self.book.failure():
+            raise failure
         if request.key in self.cancelled:
             raise PullCancelled
         if stale := self.buffers.drop_stale(request.rank, self.admission.oldest_allowed_at(request.version)):
@@ -532,9 +539,9 @@ class CoordinatorState:
         self.book.restarted(maker_id)
         return self.pushes.latest if maker_id in self.maker_ids else None
 
-    def on_maker_failed(self, maker_id: int, error: str) -> None:
-        """The next pull attempt raises the run's diagnosis."""
-        self.book.fail(maker_id, error)
+    def on_maker_failed(self, maker_id: int, error: str, origin_traceback: str = "") -> None:
+        """The next pull attempt raises the run's diagnosis, with the maker's traceback."""
+        self.book.fail(maker_id, error, origin_traceback)
 
     # -- weights ---------------------------------------------------------------------------------
     def on_push_start(self, header: PushHeader) -> Push:

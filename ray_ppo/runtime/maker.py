@@ -148,10 +148,10 @@ class MakerWorker:
                 if batch is None:
                     break
                 made = self._make(batch.prompts, batch.ids, encoded, waited_s)
-        except Exception as e:  # reported in one line; the full traceback stays in this actor's log
+        except Exception as e:  # reported in one line, with the full traceback for RUN_DIR/error.log
             where = traceback.extract_tb(e.__traceback__)[-1]
             summary = f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})"
-            ray.get(self.coordinator.maker_failed.remote(self.maker_id, summary))
+            ray.get(self.coordinator.maker_failed.remote(self.maker_id, summary, "".join(traceback.format_exception(e))))
             raise
         finally:
             if made is not None:

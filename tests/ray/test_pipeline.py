@@ -11,7 +11,7 @@ import ray
 from ray_ppo.api import PPOTrainer
 from ray_ppo.config import load_config
 from ray_ppo.data import DataError, read_texts
-from ray_ppo.failures import one_line
+from ray_ppo.failures import ERROR_LOG, one_line, report_failure
 from ray_ppo.preflight import PreflightError
 
 pytestmark = pytest.mark.ray
@@ -195,20 +195,25 @@ def test_a_run_larger_than_the_cluster_is_refused_before_any_actor(ray_session, 
 
 # One fault through a whole fit (maker -> coordinator -> trainer -> the user's one line); the other
 # faults' messages are checked where they are made (tests/unit/test_failures.py), on the same path.
-@pytest.mark.parametrize("reward, problem", [
-    ("nan_on_generated", r"returned nan for prompt '[\d ]+' \(response '[\d ]*'\)"),
+# error.log holds the maker's own traceback: the frame that raised, the reward function's if it raised itself.
+@pytest.mark.parametrize("reward, problem, frame", [
+    ("nan_on_generated", r"RewardError: model.reward_fn='faulty_rewards:nan_on_generated' returned nan for prompt "
+                         r"'[\d ]+' \(response '[\d ]*'\) in maker_0; a reward must be one finite float per response "
+                         r"\(at experience.py:\d+\)", "in _reward_fault"),
+    ("raise_on_generated", r"KeyError: '[\d ]+' \(at faulty_rewards.py:\d+\)", "in raise_on_generated"),
 ])
-def test_reward_fault_in_a_maker_names_the_function_and_prompt(ray_session, tmp_path, reward, problem):
+def test_reward_fault_in_a_maker_names_the_function_and_prompt(ray_session, tmp_path, reward, problem, frame):
     cfg = small_config(tmp_path, f"model.reward_fn=faulty_rewards:{reward}", "trainer.total_steps=2",
                        "maker.num_makers=1")  # one maker: a process less to start
     trainer = PPOTrainer(cfg)
     with pytest.raises(Exception) as info:
         trainer.fit()
     line = one_line(info.value)  # what the CLI prints
-    assert re.fullmatch(rf"RuntimeError: maker_0 failed \(1/1 makers failed\): RewardError: "
-                        rf"model.reward_fn='faulty_rewards:{reward}' {problem} in maker_0; a reward must be one "
-                        rf"finite float per response \(at experience.py:\d+\)", line), line
+    assert re.fullmatch(rf"RuntimeError: maker_0 failed \(1/1 makers failed\): {problem}", line), line
     assert trainer.namespace not in run_namespaces()
+    report_failure(info.value, tmp_path)
+    log = (tmp_path / ERROR_LOG).read_text()
+    assert "Where the error began, in another process:" in log and frame in log, log[-3000:]
 
 
 def test_runs_get_separate_namespaces(ray_session, tmp_path):

@@ -243,10 +243,11 @@ def test_maker_failure_surfaces_on_the_next_pull():
     async def main():
         coord = coordinator(num_makers=2)
         await coord.send(0, items(3), NO_STATS)
-        coord.maker_failed(1, "ValueError: boom")
+        coord.maker_failed(1, "ValueError: boom", "Traceback (most recent call last):\n  ...\nValueError: boom\n")
         with pytest.raises(RuntimeError) as info:
             await coord.pull(PullRequest(0, 2, trainer_version=0, timeout_s=1.0))
         assert str(info.value) == "maker_1 failed (1/2 makers failed): ValueError: boom"
+        assert info.value.origin_traceback.endswith("ValueError: boom\n")  # the maker's, for RUN_DIR/error.log
         assert coord.status().makers[1].failed == "ValueError: boom"
         assert coord.status().buffered == (3,)
         assert counters(coord).consumed == 0

@@ -12,6 +12,7 @@ from ray_ppo.config import Config
 from ray_ppo.core.experience import ExperienceMaker, RewardError
 from ray_ppo.core.models import Critic, load_actor, load_tokenizer
 from ray_ppo.failures import ERROR_LOG, one_line, report_failure, root_cause
+from ray_ppo.runtime.coordinator_state import MakerBook
 from ray_ppo.tasks import toy
 
 
@@ -33,6 +34,40 @@ def test_root_cause_unwraps_ray_train_and_task_errors():
                                {0: UserExceptionWithTraceback(task_error, "Traceback (most recent call last): ...")})
     assert root_cause(wrapped) is cause
     assert one_line(wrapped) == "RuntimeError: maker_0 failed (1/2 makers failed): RewardError: nan"
+
+
+def _reward_that_raises(prompts, responses):
+    return {"label": 1.0}[responses[0]]
+
+
+def test_error_log_holds_the_traceback_of_the_maker_where_the_error_began(tmp_path):
+    """A reward function raises in a maker; the trainer's pull raises the coordinator's error (pickled
+    across two processes), which Ray Train wraps: error.log holds the reward function's own frames."""
+    import pickle
+    import traceback
+
+    from ray.exceptions import RayTaskError
+    from ray.train import WorkerGroupError
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+
+    in_maker = _raised_by(lambda: _reward_that_raises(["1 2"], ["3"]))
+    book = MakerBook(num_makers=1)
+    book.fail(0, "KeyError: '3'", "".join(traceback.format_exception(in_maker)))
+    failed = pickle.loads(pickle.dumps(book.failure()))
+    task_error = RayTaskError("pull", "Traceback ...\n  the coordinator's frames", failed).as_instanceof_cause()
+    wrapped = WorkerGroupError("rank 0 failed:\n...", {0: UserExceptionWithTraceback(task_error, "Traceback ...")})
+    line = report_failure(_raised(wrapped), tmp_path)
+    assert line.startswith("RuntimeError: maker_0 failed (1/1 makers failed): KeyError: '3'")
+    log = (tmp_path / ERROR_LOG).read_text()
+    assert "Where the error began, in another process:" in log
+    assert "in _reward_that_raises" in log and 'return {"label": 1.0}[responses[0]]' in log
+
+
+def _raised_by(call) -> BaseException:
+    try:
+        call()
+    except BaseException as e:
+        return e
 
 
 def test_root_cause_follows_raise_from():
