@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ray_ppo.core.checkpoint import LINK, CheckpointError, publish_checkpoint, validate_checkpoint
+from ray_ppo.core.checkpoint import LINK, CheckpointError, publish_checkpoint, size_line, validate_checkpoint
 from ray_ppo.failures import ERROR_LOG
 
 
@@ -152,12 +152,15 @@ class CheckpointPublisher:
                 self.publish(step, checkpoint)
 
     def publish(self, step: int, checkpoint: Any) -> None:
-        """Publish the checkpoint of ``step`` (a ``ray.train.Checkpoint``) unless it already is."""
+        """Publish the checkpoint of ``step`` (a ``ray.train.Checkpoint``) unless it already is; the
+        first one published says its size (``size_line``)."""
         if step == self.published_step:
             return
         try:
             with checkpoint.as_directory() as directory:
-                publish_checkpoint(directory, self.run_dir, step, keep=self.keep)
+                published = publish_checkpoint(directory, self.run_dir, step, keep=self.keep)
+            if self.published_step is None:
+                print(size_line(published, self.run_dir, step, self.keep), flush=True)
             self.published_step = step
         except (OSError, CheckpointError) as e:
             print(f"ray-ppo: the checkpoint of step {step} was not published to {self.run_dir / LINK} ({e}); "

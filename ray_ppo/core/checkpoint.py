@@ -230,6 +230,23 @@ def publish_checkpoint(source: str | Path, run_dir: str | Path, step: int, keep:
     return final
 
 
+def size_line(directory: str | Path, run_dir: str | Path, step: int, keep: int) -> str:
+    """``checkpoint of step 2: 2.2 GB in RUN_DIR/checkpoints, up to 2 kept (trainer.keep_checkpoints=2)``:
+    the size of the published checkpoint ``directory``, which the driver prints once, for a run's
+    first. A checkpoint holds the weights twice (``actor/`` and ``critic/`` for users, ``trainer/``
+    for resuming) and the optimizer's two Adam moments: about four times the float32 weights."""
+    size = sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
+    return (f"checkpoint of step {step}: {_human(size)} in {Path(run_dir) / STORE}, up to {keep} kept "
+            f"(trainer.keep_checkpoints={keep})")
+
+
+def _human(size: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
+
+
 def _link_or_copy(src: str, dst: str) -> None:
     try:
         os.link(src, dst)

@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from ray_ppo.core.checkpoint import publish_checkpoint, write_trainer_state
-from ray_ppo.rundir import RunDirError, claim_run_dir, nothing_to_do, resume_point, resuming_line, stopped_line
+from ray_ppo.rundir import (
+    CheckpointPublisher,
+    RunDirError,
+    claim_run_dir,
+    nothing_to_do,
+    resume_point,
+    resuming_line,
+    stopped_line,
+)
 
 
 def old_run(path):
@@ -94,3 +102,31 @@ def test_a_resume_touches_the_run_record_only_from_its_first_step(tmp_path):
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]
     assert "resumed" in (run / "config.yaml").read_text()
     resumed.close()
+
+
+class _Stored:
+    """A ``ray.train.Checkpoint`` stand-in: a directory Ray Train stored."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def as_directory(self):
+        import contextlib
+
+        return contextlib.nullcontext(self.path)
+
+
+def test_the_first_checkpoint_published_says_its_size(tmp_path, capsys):
+    run = old_run(tmp_path / "run")
+    stored = []
+    for step in (2, 4):
+        stored.append(tmp_path / f"stored_{step}")
+        write_trainer_state(stored[-1], {"w": torch.zeros(250_000)}, None, {}, {"step": step, "policy_version": step})
+    publisher = CheckpointPublisher(coordinator=None, run_dir=run, keep=2)
+    for step, path in zip((2, 4), stored):
+        publisher.publish(step, _Stored(path))
+    size = sum(f.stat().st_size for f in (run / "checkpoints" / "step_00000002").rglob("*") if f.is_file())
+    assert 1.0e6 < size < 1.1e6  # 250 000 float32 weights and the state
+    assert capsys.readouterr().out == (f"checkpoint of step 2: {size / 1e6:.1f} MB in {run}/checkpoints, up to 2 kept "
+                                       f"(trainer.keep_checkpoints=2)\n")  # once, for the first
+    assert publisher.published_step == 4
