@@ -125,7 +125,8 @@ class Rank:
         uids, last, calls = [], None, 0
         while True:
             try:
-                chunks = ray.get(coordinator.pull.remote(PullRequest(rank, n, 0, timeout_s))).chunks
+                request = PullRequest(rank=rank, n=n, trainer_version=0, timeout_s=timeout_s)
+                chunks = ray.get(coordinator.pull.remote(request)).chunks
             except ray.exceptions.RayTaskError:  # no complete batch within timeout_s (items are put back)
                 if ray.get(done.get.remote()):
                     break  # the makers are done: what is left is drained by the driver
@@ -166,7 +167,8 @@ def run_once(groups, ranks, done, variant: str, num_makers: int, num_ranks: int,
     leftover = []
     for r, k in enumerate(status.buffered):
         if k:
-            leftover.extend(it.uid for it in resolve(ray.get(coord.pull.remote(PullRequest(r, k, 0, 5.0))).chunks).items)
+            request = PullRequest(rank=r, n=k, trainer_version=0, timeout_s=5.0)
+            leftover.extend(it.uid for it in resolve(ray.get(coord.pull.remote(request)).chunks).items)
     ray.get([groups[g].release.remote() for g in share])
     uids = [u for res in results for u in res[0]]
     t_end = max(res[1] for res in results if res[1] is not None)

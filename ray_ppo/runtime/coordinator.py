@@ -32,14 +32,13 @@ from ray_ppo.runtime.coordinator_state import CoordinatorState, PullCancelled, P
 from ray_ppo.runtime.feed import PromptFeed
 from ray_ppo.runtime.ledger import PromptLedger
 from ray_ppo.runtime.messages import (
-    CANCELLED,
-    REPLACED,
     CoordinatorStatus,
     Counters,
     EvalReport,
     ItemsLost,
     MakerStats,
     PromptBatch,
+    PullOutcome,
     PullReply,
     PullRequest,
     PushHeader,
@@ -122,14 +121,15 @@ class Coordinator:
 
         Raises ``RuntimeError`` if a maker failed (with the maker's traceback: ``MakerBook.failure``),
         ``TimeoutError`` (with what was seen) when nothing arrives for ``request.timeout_s``; either
-        way the items taken go back to the buffer. The reply is CANCELLED, the items taken put back,
-        if the pull was cancelled while it waited (``cancel_pull``, or ``rewind``: its caller's
-        worker group is gone), and REPLACED at once, taking nothing, if it comes from a worker group
-        that ``rewind`` has replaced (a dead rank's pull can arrive after its successor's rewind).
+        way the items taken go back to the buffer. The reply's outcome is ``PullOutcome.CANCELLED``,
+        the items taken put back, if the pull was cancelled while it waited (``cancel_pull``, or
+        ``rewind``: its caller's worker group is gone), and ``REPLACED`` at once, taking nothing, if
+        it comes from a worker group that ``rewind`` has replaced (a dead rank's pull can arrive
+        after its successor's rewind).
         """
         pull = self.state.on_pull(request)
         if pull is None:
-            return PullReply(outcome=REPLACED)
+            return PullReply(outcome=PullOutcome.REPLACED)
         deadline = time.monotonic() + request.timeout_s
         try:
             async with self.changed:
@@ -148,7 +148,7 @@ class Coordinator:
             return PullReply(chunks)
         except PullCancelled:
             self.state.on_pull_abandoned(pull)
-            return PullReply(outcome=CANCELLED)
+            return PullReply(outcome=PullOutcome.CANCELLED)
         except BaseException:
             self.state.on_pull_abandoned(pull)
             raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import queue
 import shutil
@@ -368,10 +369,12 @@ def _rewind_prompts(coordinator: Any, step: int, rank: int, device: torch.device
     return broadcast_from_rank_0(group, device)
 
 
-def _pull_call(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, step: int,
+def _pull_call(coordinator: Any, *, rank: int, n: int, version: int, timeout_s: float, step: int,
                for_version: int | None = None, group: int | None = None) -> ray.ObjectRef:
     """The coordinator's ``pull`` of ``n`` items for ``step``, sent (not awaited)."""
-    return coordinator.pull.remote(PullRequest(rank, n, version, timeout_s, os.getpid(), step, for_version, group))
+    request = PullRequest(rank=rank, n=n, trainer_version=version, timeout_s=timeout_s, pid=os.getpid(), step=step,
+                          for_version=for_version, group=group)
+    return coordinator.pull.remote(request)
 
 
 def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, step: int,
@@ -391,7 +394,8 @@ def _pull(coordinator: Any, rank: int, n: int, version: int, timeout_s: float, s
                 _, fetched, batch = pending.result()
             else:
                 batch = None  # the items came from more than one pull: the caller merges them
-                _, fetched = _fetch(_pull_call(coordinator, rank, n - len(items), version, timeout_s, step, group=group))
+                _, fetched = _fetch(_pull_call(coordinator, rank=rank, n=n - len(items), version=version,
+                                               timeout_s=timeout_s, step=step, group=group))
         except ray.exceptions.RayTaskError as e:
             if pending is not None and isinstance(e.as_instanceof_cause(), TimeoutError):
                 pending = None
@@ -419,12 +423,13 @@ def _pull_ahead(run: _Run, step: int, trainer_version: int, version: int) -> _Pu
     from the pull thread, which then fetches, unpacks and merges its items: the step being trained
     waits for none of it."""
     t, sent = run.cfg.trainer, Future()
-    call = (run.coordinator, run.rank, t.train_batch_size, trainer_version, t.pull_timeout_s, step, version, run.group)
+    call = functools.partial(_pull_call, run.coordinator, rank=run.rank, n=t.train_batch_size, version=trainer_version,
+                             timeout_s=t.pull_timeout_s, step=step, for_version=version, group=run.group)
     pad_token_id = run.tokenizer.pad_token_id
 
     def send_and_fetch():
         try:
-            ref = _pull_call(*call)
+            ref = call()
         except BaseException as e:
             sent.set_exception(e)
             raise

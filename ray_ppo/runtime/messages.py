@@ -25,6 +25,7 @@ pushes, passes the controller's value to ``ExperienceMaker.make_experience`` dir
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,9 +69,9 @@ class MakerStats:
     """With an inference engine: (sum, max, tokens) of |engine - HF| log-probs of the sampled tokens."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PullRequest:
-    """``n`` items for trainer rank ``rank`` (``Coordinator.pull``)."""
+    """``n`` items for trainer rank ``rank`` (``Coordinator.pull``); built with keywords only."""
 
     rank: int
     n: int
@@ -98,22 +99,29 @@ class PullRequest:
         return self.rank, self.pid
 
 
-PULLED, CANCELLED, REPLACED = "pulled", "cancelled", "replaced"
+class PullOutcome(enum.Enum):
+    """How a pull ended (``PullReply.outcome``)."""
+
+    PULLED = "pulled"
+    """It brought its ``n`` items."""
+    CANCELLED = "cancelled"
+    """It was cancelled while it waited (``cancel_pull``, or a rewind): nothing."""
+    REPLACED = "replaced"
+    """It came from a worker group a rewind replaced: refused, nothing."""
 
 
 @dataclass(frozen=True)
 class PullReply:
-    """What a pull brought: ``chunks`` holding its ``n`` items (``outcome`` PULLED), or nothing,
-    because it was cancelled while it waited (CANCELLED: ``cancel_pull``, or a rewind) or came
-    from a worker group a rewind replaced (REPLACED)."""
+    """What a pull brought: ``chunks`` holding its ``n`` items (``outcome`` ``PullOutcome.PULLED``),
+    or nothing (``CANCELLED``, ``REPLACED``)."""
 
     chunks: list = field(default_factory=list)
     """``ray_ppo.runtime.transport.ExperienceChunk``s; ``resolve`` fetches their items."""
-    outcome: str = PULLED
+    outcome: PullOutcome = PullOutcome.PULLED
 
     @property
     def pulled(self) -> bool:
-        return self.outcome == PULLED
+        return self.outcome is PullOutcome.PULLED
 
 
 @dataclass(frozen=True)

@@ -161,7 +161,8 @@ def test_slow_trainer_makes_makers_wait_and_loses_nothing(ray_session, cfg, acto
 
     pulled = []
     for _ in range(4):
-        pulled += resolve(ray.get(coordinator.pull.remote(PullRequest(0, 8, 0, 30))).chunks).items
+        request = PullRequest(rank=0, n=8, trainer_version=0, timeout_s=30)
+        pulled += resolve(ray.get(coordinator.pull.remote(request)).chunks).items
     final = ray.get(coordinator.finish.remote())
     summaries = ray.get(loops, timeout=30)
     counters = ray.get(coordinator.status.remote()).counters

@@ -17,12 +17,11 @@ from ray_ppo.core.algo import ExperienceItem
 from ray_ppo.runtime.coordinator import Coordinator
 from ray_ppo.runtime.feed import PromptFeed
 from ray_ppo.runtime.messages import (
-    CANCELLED,
-    REPLACED,
     Counters,
     ItemsLost,
     LastPush,
     MakerStats,
+    PullOutcome,
     PullReply,
     PullRequest,
     PushHeader,
@@ -128,6 +127,13 @@ PUSH_CALLS = ("start", "chunk", "end")
 # -- send and pull ------------------------------------------------------------------------------
 
 
+def test_a_pull_request_is_built_with_keywords_and_its_outcomes_keep_their_wire_values():
+    with pytest.raises(TypeError):
+        PullRequest(0, 1, 0, 1.0)  # the positional form is refused
+    assert [o.value for o in PullOutcome] == ["pulled", "cancelled", "replaced"]
+    assert PullReply().pulled and not PullReply(outcome=PullOutcome.CANCELLED).pulled
+
+
 def test_send_then_pull_returns_the_items_in_order():
     async def main():
         coord = coordinator()
@@ -139,7 +145,7 @@ def test_send_then_pull_returns_the_items_in_order():
         assert coord.status().makers[0].tokens == 6
         assert coord.status().buffered == (3,)
 
-        got = await coord.pull(PullRequest(0, 3, trainer_version=0, timeout_s=1.0))
+        got = await coord.pull(PullRequest(rank=0, n=3, trainer_version=0, timeout_s=1.0))
         assert uids(got) == ["m0-0", "m0-1", "m0-2"]
         c = counters(coord)
         assert (c.produced, c.consumed, c.in_flight, c.discarded) == (3, 3, 0, 0)
@@ -156,11 +162,11 @@ def test_send_waits_for_buffer_space():
         assert coord.status().buffered == (4,)
         assert counters(coord).in_flight == 6  # 4 buffered + 2 waiting for space
 
-        pull = asyncio.create_task(coord.pull(PullRequest(0, 4, trainer_version=0, timeout_s=1.0)))
+        pull = asyncio.create_task(coord.pull(PullRequest(rank=0, n=4, trainer_version=0, timeout_s=1.0)))
         assert await asyncio.wait_for(send, timeout=1.0) == 6
         assert uids(await pull) == ["m0-0", "m0-1", "m0-2", "m0-3"]
         assert coord.status().buffered == (2,)
-        assert uids(await coord.pull(PullRequest(0, 2, trainer_version=0, timeout_s=1.0))) == ["m0-4", "m0-5"]
+        assert uids(await coord.pull(PullRequest(rank=0, n=2, trainer_version=0, timeout_s=1.0))) == ["m0-4", "m0-5"]
         c = counters(coord)
         assert (c.produced, c.consumed, c.in_flight) == (6, 6, 0)
 
@@ -170,7 +176,7 @@ def test_send_waits_for_buffer_space():
 def test_pull_waits_for_items_to_arrive():
     async def main():
         coord = coordinator()
-        pull = asyncio.create_task(coord.pull(PullRequest(0, 3, trainer_version=0, timeout_s=5.0)))
+        pull = asyncio.create_task(coord.pull(PullRequest(rank=0, n=3, trainer_version=0, timeout_s=5.0)))
         await coord.send(0, items(2), NO_STATS)
         assert await is_blocked(pull)
         await coord.send(0, items(2, prefix="late"), NO_STATS)
@@ -187,14 +193,14 @@ def test_items_older_than_max_staleness_are_discarded_on_pull():
             chunk = ExperienceChunk.inline([item(version, name) for name in names])
             assert await coord.send(0, chunk, NO_STATS) == len(names)
         # trainer at version 2, max_staleness 1: the oldest usable version is 1, so "v0" goes
-        got = await coord.pull(PullRequest(0, 2, trainer_version=2, timeout_s=1.0))
+        got = await coord.pull(PullRequest(rank=0, n=2, trainer_version=2, timeout_s=1.0))
         assert uids(got) == ["v1", "v2a"]
         c = counters(coord)
         assert (c.produced, c.consumed, c.in_flight, c.discarded) == (4, 2, 1, 1)
         assert coord.status().trainer_version == 2
         # at version 4 the buffered v2 item is stale too
         with pytest.raises(TimeoutError):
-            await coord.pull(PullRequest(0, 1, trainer_version=4, timeout_s=0.05))
+            await coord.pull(PullRequest(rank=0, n=1, trainer_version=4, timeout_s=0.05))
         c = counters(coord)
         assert (c.consumed, c.in_flight, c.discarded) == (2, 0, 2)
 
@@ -210,7 +216,7 @@ def test_pull_timeout_reports_what_it_got_and_keeps_the_items():
         coord.register_makers({})
         await coord.send(0, items(2), NO_STATS)
         with pytest.raises(TimeoutError) as info:
-            await coord.pull(PullRequest(0, 5, trainer_version=0, timeout_s=0.2))
+            await coord.pull(PullRequest(rank=0, n=5, trainer_version=0, timeout_s=0.2))
         message = str(info.value)
         assert "rank 0:" in message
         assert "got 2/5 items" in message
@@ -219,7 +225,7 @@ def test_pull_timeout_reports_what_it_got_and_keeps_the_items():
         # the partial batch went back to the buffer, in order
         assert coord.status().buffered == (2,)
         assert counters(coord).consumed == 0
-        assert uids(await coord.pull(PullRequest(0, 2, trainer_version=0, timeout_s=1.0))) == ["m0-0", "m0-1"]
+        assert uids(await coord.pull(PullRequest(rank=0, n=2, trainer_version=0, timeout_s=1.0))) == ["m0-0", "m0-1"]
 
     asyncio.run(main())
 
@@ -230,7 +236,7 @@ def test_stall_report_pings_the_makers():
         coord.register_makers({0: FakeMaker(), 1: FakeMaker(dead=True)})
         coord.state.book.loaded(0, 3)
         with pytest.raises(TimeoutError) as info:
-            await coord.pull(PullRequest(0, 1, trainer_version=3, timeout_s=0.05))
+            await coord.pull(PullRequest(rank=0, n=1, trainer_version=3, timeout_s=0.05))
         message = str(info.value)
         assert "got 0/1 items" in message
         assert "makers alive 1/2" in message
@@ -245,7 +251,7 @@ def test_maker_failure_surfaces_on_the_next_pull():
         await coord.send(0, items(3), NO_STATS)
         coord.maker_failed(1, "ValueError: boom", "Traceback (most recent call last):\n  ...\nValueError: boom\n")
         with pytest.raises(RuntimeError) as info:
-            await coord.pull(PullRequest(0, 2, trainer_version=0, timeout_s=1.0))
+            await coord.pull(PullRequest(rank=0, n=2, trainer_version=0, timeout_s=1.0))
         assert str(info.value) == "maker_1 failed (1/2 makers failed): ValueError: boom"
         assert info.value.origin_traceback.endswith("ValueError: boom\n")  # the maker's, for RUN_DIR/error.log
         assert coord.status().makers[1].failed == "ValueError: boom"
@@ -258,7 +264,7 @@ def test_maker_failure_surfaces_on_the_next_pull():
 def test_maker_failure_wakes_a_waiting_pull_within_its_poll_interval():
     async def main():
         coord = coordinator(num_makers=1)
-        pull = asyncio.create_task(coord.pull(PullRequest(0, 1, trainer_version=0, timeout_s=30.0)))
+        pull = asyncio.create_task(coord.pull(PullRequest(rank=0, n=1, trainer_version=0, timeout_s=30.0)))
         assert await is_blocked(pull)
         coord.maker_failed(0, "killed")
         with pytest.raises(RuntimeError, match="maker_0 failed"):
@@ -294,11 +300,11 @@ def test_round_robin_balances_items_between_ranks():
         coord = coordinator(num_ranks=2, buffer_size=8)
         await coord.send(0, items(6), NO_STATS)
         assert coord.status().buffered == (3, 3,)
-        await coord.pull(PullRequest(0, 3, trainer_version=0, timeout_s=1.0))
+        await coord.pull(PullRequest(rank=0, n=3, trainer_version=0, timeout_s=1.0))
         assert coord.status().buffered == (0, 3,)
         await coord.send(0, items(3, prefix="b"), NO_STATS)  # the emptier rank fills first
         assert coord.status().buffered == (3, 3,)
-        assert uids(await coord.pull(PullRequest(0, 3, trainer_version=0, timeout_s=1.0))) == ["b-0", "b-1", "b-2"]
+        assert uids(await coord.pull(PullRequest(rank=0, n=3, trainer_version=0, timeout_s=1.0))) == ["b-0", "b-1", "b-2"]
 
     asyncio.run(main())
 
@@ -309,10 +315,11 @@ def test_a_chunk_is_sliced_across_ranks_and_pulls_without_copying_items():
         chunk = items(5)
         await coord.send(0, chunk, NO_STATS)
         assert sorted(coord.status().buffered) == [2, 3]
-        first = await coord.pull(PullRequest(0, 2, trainer_version=0, timeout_s=1.0))
-        second = await coord.pull(PullRequest(1, 2, trainer_version=0, timeout_s=1.0))
+        first = await coord.pull(PullRequest(rank=0, n=2, trainer_version=0, timeout_s=1.0))
+        second = await coord.pull(PullRequest(rank=1, n=2, trainer_version=0, timeout_s=1.0))
         assert all(c.payload is chunk.payload for c in first.chunks + second.chunks)  # slices of the one payload
-        rest = await coord.pull(PullRequest(max((0, 1), key=lambda r: coord.status().buffered[r]), 1, 0, timeout_s=1.0))
+        fuller = max((0, 1), key=lambda r: coord.status().buffered[r])
+        rest = await coord.pull(PullRequest(rank=fuller, n=1, trainer_version=0, timeout_s=1.0))
         assert sorted(uids(first) + uids(second) + uids(rest)) == [f"m0-{i}" for i in range(5)]
         c = counters(coord)
         assert (c.produced, c.consumed, c.in_flight) == (5, 5, 0)
@@ -324,8 +331,8 @@ def test_round_robin_uses_a_free_rank_when_one_is_full():
     async def main():
         coord = coordinator(num_ranks=2, buffer_size=2)
         await coord.send(0, items(2), NO_STATS)
-        await coord.pull(PullRequest(0, 1, trainer_version=0, timeout_s=1.0))
-        await coord.pull(PullRequest(1, 1, trainer_version=0, timeout_s=1.0))
+        await coord.pull(PullRequest(rank=0, n=1, trainer_version=0, timeout_s=1.0))
+        await coord.pull(PullRequest(rank=1, n=1, trainer_version=0, timeout_s=1.0))
         assert await asyncio.wait_for(coord.send(0, items(4, prefix="b"), NO_STATS), timeout=1.0) == 4
         assert coord.status().buffered == (2, 2,)
 
@@ -339,7 +346,7 @@ def test_modulo_routing_keeps_each_maker_on_its_ranks():
         assert coord.status().buffered == (0, 3,)
         await coord.send(0, items(2), NO_STATS)
         assert coord.status().buffered == (2, 3,)
-        assert uids(await coord.pull(PullRequest(1, 3, trainer_version=0, timeout_s=1.0))) == ["m1-0", "m1-1", "m1-2"]
+        assert uids(await coord.pull(PullRequest(rank=1, n=3, trainer_version=0, timeout_s=1.0))) == ["m1-0", "m1-1", "m1-2"]
 
     asyncio.run(main())
 
@@ -359,7 +366,8 @@ def test_admission_hand_computed():
         coord.state.admission.reserved[0] = 5
         assert not coord.state.admitted(0)                # 17 > 16
 
-        await coord.pull(PullRequest(0, 8, trainer_version=1, timeout_s=1.0))  # V = 1, consumed_at_version = 8, in_flight = 0
+        # V = 1, consumed_at_version = 8, in_flight = 0
+        await coord.pull(PullRequest(rank=0, n=8, trainer_version=1, timeout_s=1.0))
         coord.state.admission.reserved[0] = 0
         # maker 0 still at v = 0: capacity = (0 + 1 - 1 + 1) * 8 - 8 = 0
         assert not coord.state.admitted(0)                # 0 + 0 + 4 > 0
@@ -370,7 +378,7 @@ def test_admission_hand_computed():
         assert not coord.state.admitted(1)                # 9 > 8
 
         coord.state.admission.reserved[0] = 0
-        await coord.pull(PullRequest(0, 0, trainer_version=3, timeout_s=1.0))  # V = 3 resets consumed_at_version to 0
+        await coord.pull(PullRequest(rank=0, n=0, trainer_version=3, timeout_s=1.0))  # V = 3 resets consumed_at_version to 0
         assert not coord.state.admitted(1)                # v = 1: (1 + 1 - 3 + 1) * 8 - 0 = 0 < 4
         coord.state.book.loaded(1, 2)
         assert coord.state.admitted(1)                    # v = 2: (2 + 1 - 3 + 1) * 8 = 8 >= 4
@@ -386,10 +394,10 @@ def test_a_rank_finishing_the_previous_step_does_not_use_up_the_new_versions_adm
         coord = coordinator(num_ranks=2, num_makers=1, buffer_size=32, max_staleness=1, items_per_version=8,
                             prompt_batch_size=4)
         await coord.send(0, items(4), NO_STATS)                    # routed 2 + 2
-        await coord.pull(PullRequest(0, 2, trainer_version=0, timeout_s=1.0))  # rank 0's step-0 batch
+        await coord.pull(PullRequest(rank=0, n=2, trainer_version=0, timeout_s=1.0))  # rank 0's step-0 batch
         await coord.publish_weights(header(1, 0), [])              # rank 0 pushed v1: V = 1
         coord.state.book.loaded(0, 1)                                    # the maker loaded it
-        await coord.pull(PullRequest(1, 2, trainer_version=0, timeout_s=1.0))  # rank 1 finishes its step-0 pull late
+        await coord.pull(PullRequest(rank=1, n=2, trainer_version=0, timeout_s=1.0))  # rank 1 finishes its step-0 pull late
         assert coord.state.admission.consumed_at_version == 0
         # v = 1, V = 1: capacity = (1 + 1 - 1 + 1) * 8 - 0 = 16; in flight 0 -> admitted for 4 batches
         coord.state.admission.reserved[0] = 12
@@ -408,7 +416,7 @@ def test_a_pull_ahead_drops_what_is_too_stale_for_the_version_it_trains_at():
             await coord.send(0, ExperienceChunk.inline([item(version, name)]), NO_STATS)
         # the rank is at version 1 and pulls for its next step, which trains at version 2:
         # version 0 would be 2 versions stale there, so it goes, though version 1 still allows it
-        got = await coord.pull(PullRequest(0, 1, trainer_version=1, timeout_s=1.0, for_version=2))
+        got = await coord.pull(PullRequest(rank=0, n=1, trainer_version=1, timeout_s=1.0, for_version=2))
         assert uids(got) == ["v1"]
         assert coord.status().trainer_version == 1  # a pull ahead does not move the trainer's version
         c = counters(coord)
@@ -422,8 +430,8 @@ def test_a_pull_ahead_uses_up_admission_of_the_version_it_trains_at():
         # S = 1, 8 items per version, batches of 4 prompts, one maker
         coord = coordinator(num_makers=1, buffer_size=32, max_staleness=1, items_per_version=8, prompt_batch_size=4)
         await coord.send(0, items(16), NO_STATS)
-        await coord.pull(PullRequest(0, 8, trainer_version=0, timeout_s=1.0))                 # step 1, at version 0
-        await coord.pull(PullRequest(0, 8, trainer_version=0, timeout_s=1.0, for_version=1))  # step 2's, sent ahead
+        await coord.pull(PullRequest(rank=0, n=8, trainer_version=0, timeout_s=1.0))                 # step 1, at version 0
+        await coord.pull(PullRequest(rank=0, n=8, trainer_version=0, timeout_s=1.0, for_version=1))  # step 2's, sent ahead
         assert (coord.state.admission.consumed_at_version, coord.state.admission.ahead) == (8, {1: 8})
         # maker at v = 0, V = 0: capacity = (0 + 1 - 0 + 1) * 8 - 8 - 8 = 0: the 16 items are all
         # the trainer takes before v0 is too stale
@@ -454,8 +462,8 @@ def test_a_restarted_worker_group_gets_the_admission_its_dead_predecessor_used_u
         for _ in range(4):
             batch = await coord.next_prompts(0)
             await coord.send(0, answering(batch.ids, version=0), MakerStats(num_prompts=4, prompt_ids=tuple(batch.ids)))
-        await coord.pull(PullRequest(0, 8, trainer_version=0, timeout_s=1.0, pid=7, step=1, group=first))
-        await coord.pull(PullRequest(0, 8, trainer_version=0, timeout_s=1.0, pid=7, step=2, for_version=1, group=first))
+        await coord.pull(PullRequest(rank=0, n=8, trainer_version=0, timeout_s=1.0, pid=7, step=1, group=first))
+        await coord.pull(PullRequest(rank=0, n=8, trainer_version=0, timeout_s=1.0, pid=7, step=2, for_version=1, group=first))
         # S = 1, v = V = 0: capacity (0 + 1 - 0 + 1) * 8 - 8 - 8 = 0, all taken by the group that now dies
         waiting = asyncio.create_task(coord.next_prompts(0))
         assert await is_blocked(waiting)
@@ -472,15 +480,15 @@ def test_a_cancelled_pull_ahead_puts_back_what_it_took_and_returns_none():
         coord = coordinator()
         await coord.cancel_pull(0, pid=7)  # no pull in progress: nothing to cancel, and the next pull is not affected
         await coord.send(0, items(2), NO_STATS)
-        pull = asyncio.create_task(coord.pull(PullRequest(0, 5, trainer_version=0, timeout_s=5.0, pid=7, for_version=1)))
+        pull = asyncio.create_task(coord.pull(PullRequest(rank=0, n=5, trainer_version=0, timeout_s=5.0, pid=7, for_version=1)))
         assert await is_blocked(pull)
         await coord.cancel_pull(0, pid=8)  # another process's pull (a restarted worker group's)
         assert await is_blocked(pull)
         await coord.cancel_pull(0, pid=7)
-        assert (await asyncio.wait_for(pull, timeout=2.0)).outcome == CANCELLED
+        assert (await asyncio.wait_for(pull, timeout=2.0)).outcome is PullOutcome.CANCELLED
         assert coord.status().buffered == (2,) and coord.state.admission.ahead == {}
         assert counters(coord).consumed == 0
-        assert uids(await coord.pull(PullRequest(0, 2, trainer_version=0, timeout_s=1.0))) == ["m0-0", "m0-1"]
+        assert uids(await coord.pull(PullRequest(rank=0, n=2, trainer_version=0, timeout_s=1.0))) == ["m0-0", "m0-1"]
 
     asyncio.run(main())
 
@@ -488,12 +496,13 @@ def test_a_cancelled_pull_ahead_puts_back_what_it_took_and_returns_none():
 def test_a_rewind_cancels_the_pulls_of_the_worker_group_that_died():
     async def main():
         coord = coordinator()
-        dead = asyncio.create_task(coord.pull(PullRequest(0, 4, trainer_version=0, timeout_s=5.0, pid=7, step=5, for_version=1)))
+        dead = asyncio.create_task(coord.pull(PullRequest(rank=0, n=4, trainer_version=0, timeout_s=5.0, pid=7, step=5,
+                                                          for_version=1)))
         assert await is_blocked(dead)
         await coord.rewind(3)  # the restarted group's rank 0, before any of its ranks pulls
-        assert (await asyncio.wait_for(dead, timeout=2.0)).outcome == CANCELLED
+        assert (await asyncio.wait_for(dead, timeout=2.0)).outcome is PullOutcome.CANCELLED
         await coord.send(0, items(4), NO_STATS)  # what the dead pull would have taken goes to the new group
-        got = await coord.pull(PullRequest(0, 4, trainer_version=0, timeout_s=1.0, pid=8, step=4))
+        got = await coord.pull(PullRequest(rank=0, n=4, trainer_version=0, timeout_s=1.0, pid=8, step=4))
         assert uids(got) == [f"m0-{i}" for i in range(4)]
 
     asyncio.run(main())
@@ -504,16 +513,16 @@ def test_a_pull_of_a_replaced_worker_group_arriving_after_the_rewind_takes_nothi
         coord = coordinator()
         first = await coord.rewind(0)   # the first worker group starts
         await coord.send(0, items(4), NO_STATS)
-        got = await coord.pull(PullRequest(0, 2, trainer_version=0, timeout_s=1.0, pid=7, step=1, group=first))
+        got = await coord.pull(PullRequest(rank=0, n=2, trainer_version=0, timeout_s=1.0, pid=7, step=1, group=first))
         assert uids(got) == ["m0-0", "m0-1"]
         second = await coord.rewind(0)  # it died; the restarted group's rank 0
         assert second == first + 1
         # the dead rank's pull, sent before it died, arrives now: refused at once, nothing taken
-        late = PullRequest(0, 2, trainer_version=0, timeout_s=5.0, pid=7, step=2, group=first)
+        late = PullRequest(rank=0, n=2, trainer_version=0, timeout_s=5.0, pid=7, step=2, group=first)
         refused = await asyncio.wait_for(coord.pull(late), timeout=1.0)
-        assert (refused.outcome, refused.chunks) == (REPLACED, [])
+        assert (refused.outcome, refused.chunks) == (PullOutcome.REPLACED, [])
         assert coord.status().buffered == (2,) and counters(coord).consumed == 2
-        got = await coord.pull(PullRequest(0, 2, trainer_version=0, timeout_s=1.0, pid=8, step=1, group=second))
+        got = await coord.pull(PullRequest(rank=0, n=2, trainer_version=0, timeout_s=1.0, pid=8, step=1, group=second))
         assert uids(got) == ["m0-2", "m0-3"]
 
     asyncio.run(main())
@@ -525,14 +534,14 @@ def test_a_pull_ahead_handed_back_is_buffered_again_and_its_prompts_are_not_trai
         feed(coord, [f"p{i}" for i in range(8)])
         batch = await coord.next_prompts(0)
         await coord.send(0, answering(batch.ids), MakerStats(num_prompts=4, prompt_ids=tuple(batch.ids)))
-        await coord.pull(PullRequest(0, 2, trainer_version=0, timeout_s=1.0, step=1))
-        ahead = await coord.pull(PullRequest(0, 2, trainer_version=0, timeout_s=1.0, step=2, for_version=1))
+        await coord.pull(PullRequest(rank=0, n=2, trainer_version=0, timeout_s=1.0, step=1))
+        ahead = await coord.pull(PullRequest(rank=0, n=2, trainer_version=0, timeout_s=1.0, step=2, for_version=1))
         assert uids(ahead) == ["u2", "u3"] and coord.status().counters.prompts_trained == 4
         await coord.hand_back(0, ahead.chunks, for_version=1)  # step 1 was the run's last
         c = counters(coord)
         assert (c.consumed, c.in_flight, c.prompts_trained) == (2, 2, 2)
         assert coord.state.admission.ahead == {} and coord.data_state(step=1)["trained"] == [[1, [0, 1]]]
-        got = await coord.pull(PullRequest(0, 2, trainer_version=0, timeout_s=1.0, step=2))  # the same items, in order
+        got = await coord.pull(PullRequest(rank=0, n=2, trainer_version=0, timeout_s=1.0, step=2))  # the same items, in order
         assert uids(got) == ["u2", "u3"] and coord.status().counters.prompts_trained == 4
 
     asyncio.run(main())
@@ -548,8 +557,9 @@ def test_a_steps_counters_count_the_prompts_trained_by_it_and_go_on_after_a_resu
         batch = await coord.next_prompts(0)
         await coord.send(0, answering(batch.ids[1:]), MakerStats(num_prompts=4, prompt_ids=tuple(batch.ids),
                                                                   blank=1, truncated=2))
-        await coord.pull(PullRequest(0, 2, trainer_version=0, timeout_s=1.0, step=1))
-        await coord.pull(PullRequest(0, 1, trainer_version=0, timeout_s=1.0, step=2, for_version=1))  # ahead, while step 1 trains
+        await coord.pull(PullRequest(rank=0, n=2, trainer_version=0, timeout_s=1.0, step=1))
+        # ahead, while step 1 trains
+        await coord.pull(PullRequest(rank=0, n=1, trainer_version=0, timeout_s=1.0, step=2, for_version=1))
         assert [coord.status(step).counters.prompts_trained for step in (1, 2)] == [2, 3]
         c = coord.status(1).counters
         assert (c.prompts_served, c.blank_prompts, c.truncated_prompts, c.lost) == (4, 1, 2, 0)
@@ -562,7 +572,7 @@ def test_a_steps_counters_count_the_prompts_trained_by_it_and_go_on_after_a_resu
         batch = await resumed.next_prompts(0)
         assert batch.ids == [3, 4, 5, 6]  # prompt 3, trained after step 1, is trained again
         await resumed.send(0, answering(batch.ids), MakerStats(num_prompts=4, prompt_ids=tuple(batch.ids)))
-        await resumed.pull(PullRequest(0, 2, trainer_version=0, timeout_s=1.0, step=2))
+        await resumed.pull(PullRequest(rank=0, n=2, trainer_version=0, timeout_s=1.0, step=2))
         assert (resumed.status(2).counters.prompts_trained, resumed.status(2).counters.prompts_served) == (4, 8)
 
     asyncio.run(main())
@@ -767,7 +777,7 @@ def test_a_chunk_that_fails_fails_the_push_instead_of_leaving_the_maker_behind()
         await coord.publish_weights(header(2, 2), ["a", "b"])
         assert await coord.wait_for_version(2, timeout_s=1.0) == {0: 2, 1: 0}
         with pytest.raises(RuntimeError, match="maker_1 failed .*weight push v2 failed: ValueError: bucket lost"):
-            await coord.pull(PullRequest(0, 1, trainer_version=2, timeout_s=1.0))
+            await coord.pull(PullRequest(rank=0, n=1, trainer_version=2, timeout_s=1.0))
 
     asyncio.run(main())
 
@@ -779,7 +789,7 @@ def test_a_failed_weight_push_fails_the_maker():
         await coord.publish_weights(header(2, 1), ["ref"])
         assert await coord.wait_for_version(2, timeout_s=1.0) == {0: 2, 1: 0}
         with pytest.raises(RuntimeError, match="maker_1 failed .*weight push v2 failed: ConnectionError: maker died"):
-            await coord.pull(PullRequest(0, 1, trainer_version=2, timeout_s=1.0))
+            await coord.pull(PullRequest(rank=0, n=1, trainer_version=2, timeout_s=1.0))
 
     asyncio.run(main())
 
@@ -803,10 +813,10 @@ def test_the_coordinator_follows_prompts_by_identity_until_trained():
         assert (a.ids, b.ids, a.prompts) == ([0, 1], [2, 3], ["p0", "p1"])
         await coord.send(1, answering([2]), MakerStats(num_prompts=2, prompt_ids=(2, 3)))  # prompt 3 was blank
         await coord.send(0, answering([0, 1]), MakerStats(num_prompts=2, prompt_ids=(0, 1)))
-        await coord.pull(PullRequest(0, 2, trainer_version=0, timeout_s=1.0, step=1))  # prompts 2 and 0, in arrival order
+        await coord.pull(PullRequest(rank=0, n=2, trainer_version=0, timeout_s=1.0, step=1))  # prompts 2 and 0, in arrival order
         state = coord.data_state(step=1)
         assert state["trained"] == [[1, [2, 0]]] and (state["watermark"], state["next"], state["done"]) == (1, 4, [2, 3])
-        await coord.pull(PullRequest(0, 1, trainer_version=0, timeout_s=1.0, step=2))
+        await coord.pull(PullRequest(rank=0, n=1, trainer_version=0, timeout_s=1.0, step=2))
         assert coord.data_state(step=1)["watermark"] == 1  # prompt 1 was trained after step 1's checkpoint
         assert coord.data_state(step=2)["watermark"] == 4
         assert coord.status().counters.prompts_trained == 3
@@ -822,13 +832,13 @@ def test_stale_lost_and_rewound_prompts_are_served_again():
         await coord.next_prompts(1)                       # 2, 3: maker 1 dies holding them
         await coord.send(0, answering([0, 1], version=0), MakerStats(num_prompts=2, prompt_ids=(0, 1)))
         await coord.maker_restarted(1)
-        await coord.pull(PullRequest(0, 0, trainer_version=2, timeout_s=1.0))  # items of version 0 are too stale now
+        await coord.pull(PullRequest(rank=0, n=0, trainer_version=2, timeout_s=1.0))  # items of version 0 are too stale now
         coord.state.book.loaded(0, 2)  # maker 0 loaded the new weights: admitted again
         assert coord.status().counters.discarded == 2
         assert (await coord.next_prompts(0)).ids == [2, 3]   # the lost ones first ...
         assert (await coord.next_prompts(0)).ids == [0, 1]   # ... then the discarded ones
         await coord.send(0, answering([2, 3], version=2), MakerStats(num_prompts=2, prompt_ids=(2, 3)))
-        await coord.pull(PullRequest(0, 2, trainer_version=2, timeout_s=1.0, step=1))
+        await coord.pull(PullRequest(rank=0, n=2, trainer_version=2, timeout_s=1.0, step=1))
         await coord.rewind(0)                                # a restarted worker group redoes step 1
         assert coord.status().counters.prompts_requeued == 2 + 2 + 2
         assert (await coord.next_prompts(0)).ids == [2, 3]

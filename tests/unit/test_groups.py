@@ -52,7 +52,7 @@ def test_groups_stay_whole_on_one_rank_and_in_one_pull(group_size):
             if status[rank] < 2 * n:
                 await asyncio.sleep(0)
                 continue
-            out = resolve((await coord.pull(PullRequest(rank, 2 * n, 0, timeout_s=1.0))).chunks).items
+            out = resolve((await coord.pull(PullRequest(rank=rank, n=2 * n, trainer_version=0, timeout_s=1.0))).chunks).items
             pulled += len(out)
             groups = [group_of(it.uid) for it in out]
             for g in set(groups):

@@ -2,6 +2,7 @@
 living as long as the loop, running what they are handed in order; a pull sent ahead comes back
 merged; a step's metrics row is completed and recorded off the step's path."""
 
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -53,6 +54,21 @@ def test_a_pull_sent_ahead_that_brought_every_item_hands_on_its_thread_s_batch()
     pending.set_result(([], Fetched(items, lost=0), merged))
     got, batch = _pull(None, rank=0, n=4, version=0, timeout_s=1, step=1, pending=pending)  # no coordinator call
     assert got == items and batch is merged
+
+
+def test_a_pull_sent_ahead_names_every_field_of_its_request(monkeypatch):
+    sent = []
+    coordinator = SimpleNamespace(pull=SimpleNamespace(remote=lambda request: sent.append(request) or "ref"))
+    monkeypatch.setattr(loop, "_fetch", lambda ref: (None, None))  # a pull that brought nothing
+    trainer = SimpleNamespace(train_batch_size=4, pull_timeout_s=30.0)
+    run = SimpleNamespace(cfg=SimpleNamespace(trainer=trainer), coordinator=coordinator, rank=1, group=2,
+                          tokenizer=SimpleNamespace(pad_token_id=0), threads=SimpleNamespace(puller=_Background("test")))
+    ahead = loop._pull_ahead(run, step=5, trainer_version=3, version=4)
+    assert ahead.fetched.result(timeout=10) == (None, None, None)
+    (request,) = sent
+    assert (request.rank, request.n, request.trainer_version, request.timeout_s) == (1, 4, 3, 30.0)
+    assert (request.pid, request.step, request.for_version, request.group) == (os.getpid(), 5, 4, 2)
+    run.threads.puller.close()
 
 
 class SlowMonitor:
