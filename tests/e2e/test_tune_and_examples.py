@@ -70,6 +70,11 @@ def test_example_fit_from_script(tmp_path):
     proc = run([sys.executable, "examples/fit_from_script.py", "--steps", "3", "--output", str(tmp_path / "fit"),
                 *EXAMPLE_SMALL])
     assert "steps=3 reward" in proc.stdout
+    # quiet: Ray's start-up lines, the resource plan and the result; no Ray Data plan logging, and no
+    # placement-group cleaner traceback ("Found multiple active Ray instances") beside another cluster
+    output = proc.stdout + proc.stderr
+    assert "Traceback" not in output and "multiple active Ray instances" not in output
+    assert "Execution plan of Dataset" not in output and len(output.splitlines()) <= 8, output
 
 
 def test_example_tune_sweep(tmp_path):
