@@ -239,7 +239,7 @@ class PPOTrainer(TorchTrainer):
         from ray_ppo.outputs import run_outputs
 
         callbacks, close = run_outputs(self.ppo_config, self.output_dir,
-                                       self.resume_state["step"] if self.resume_state else None, progress=False)
+                                       self.resume_state.step if self.resume_state else None, progress=False)
         self.metrics_callbacks += callbacks
         return close
 
@@ -277,8 +277,8 @@ class PPOTrainer(TorchTrainer):
             max_staleness=cfg.ppo.max_staleness, routing=cfg.topology.routing, prompts=dataset, prompt_column=prompt_column,
             items_per_version=cfg.items_per_version,
             prompt_batch_size=cfg.maker.batch_size, shuffle=cfg.data.shuffle, seed=cfg.seed,
-            initial_version=self.resume_state["policy_version"] if self.resume_state else 0,
-            data_start=self.resume_state.get("data") if self.resume_state else None,
+            initial_version=self.resume_state.policy_version if self.resume_state else 0,
+            data_start=self.resume_state.data if self.resume_state else None,
             samples_per_prompt=cfg.maker.samples_per_prompt)
         maker_cls = maker_actor_class(cfg.maker.num_cpus, cfg.maker.num_gpus, cfg.maker.max_restarts,
                                       {cfg.maker.node_resource: 1} if cfg.maker.node_resource else None)

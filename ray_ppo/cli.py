@@ -270,7 +270,7 @@ def cmd_train(args) -> int:
         resume_from, resume_state = resume_point(args.resume)
     cfg = _load(args)
     out_dir = Path(cfg.output_dir).resolve()
-    if resume_state and (line := nothing_to_do(args.resume, resume_state["step"], cfg.trainer.total_steps)):
+    if resume_state and (line := nothing_to_do(args.resume, resume_state.step, cfg.trainer.total_steps)):
         print(line)
         return 0
     check_run(cfg)
@@ -283,14 +283,14 @@ def cmd_train(args) -> int:
     claim = claim_run_dir(out_dir, resume=bool(args.resume), overwrite=args.overwrite)
     args.run_dir = out_dir
     if resume_state:
-        print(resuming_line(args.resume, resume_state["step"], resume_from), flush=True)
+        print(resuming_line(args.resume, resume_state.step, resume_from), flush=True)
     import ray  # after pre-flight: importing Ray and Ray Train takes seconds
 
     from ray_ppo.api import PPOTrainer
 
     history: list[dict] = []
     try:
-        callbacks, close = _run_outputs(cfg, out_dir, resume_state["step"] if resume_state else None)
+        callbacks, close = _run_outputs(cfg, out_dir, resume_state.step if resume_state else None)
         _init_ray(args, on_give_up=claim.release)
         start = time.perf_counter()
         # Checkpoints reach out_dir/checkpoint as they are written (PPOTrainer.fit publishes them).

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ray_ppo.core.checkpoint import LINK, CheckpointError, publish_checkpoint, size_line, validate_checkpoint
+from ray_ppo.core.checkpoint import LINK, CheckpointError, RunState, publish_checkpoint, size_line, validate_checkpoint
 from ray_ppo.failures import ERROR_LOG
 
 
@@ -89,7 +89,7 @@ def claim_run_dir(path: str | Path, *, resume: bool = False, overwrite: bool = F
     return RunDirClaim(path, created=True, set_aside=set_aside)
 
 
-def resume_point(run_dir: str | Path) -> tuple[Path, dict]:
+def resume_point(run_dir: str | Path) -> tuple[Path, RunState]:
     """(checkpoint directory, its run state) that ``--resume run_dir`` continues from."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():

@@ -7,7 +7,7 @@ A checkpoint directory holds:
                              the trainer's exact state dicts (LoRA adapters included) for resuming
                              (no critic/ and no critic.safetensors for the critic-free estimators)
     trainer/optimizer.pt     optimizer, scheduler and RNG state (plain tensors; loaded weights_only)
-    state.json               step, policy version, KL controller, prompt-stream position
+    state.json               step, policy version, KL controller, prompt-stream position (``RunState``)
 
 Rank 0 of the train loop writes one with ``CheckpointWriter`` into a temporary directory, reports
 it to Ray Train (which copies it to the run's storage) and removes the temporary directory; the
@@ -20,12 +20,14 @@ Nothing is ever unpickled: weights are safetensors and ``optimizer.pt`` is read 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
 import shutil
 import tempfile
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -48,25 +50,52 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used, with the file and the reason."""
 
 
+@dataclass(frozen=True)
+class RunState:
+    """Where the run stands at a checkpoint, besides weights and optimizer: ``state.json``."""
+
+    step: int
+    """The step the checkpoint was written at; a resumed run starts at the next one."""
+    policy_version: int
+    """The policy version of the checkpoint's weights (one up from the step's when it pushed)."""
+    kl_ctl: dict = field(default_factory=dict)
+    """The KL controller's ``state_dict`` (``ray_ppo.core.algo.make_kl_controller``)."""
+    data: dict | None = None
+    """Where the prompt stream continues (``PromptLedger.state`` at ``step``, with ``first_prompt``)."""
+    has_critic: bool = True
+    """Whether the checkpoint holds a critic (``CRITIC_FILE``); False for the critic-free estimators."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """``state.json``'s content, its keys in the file's order."""
+        return {"format": FORMAT_VERSION, "has_critic": self.has_critic, "step": self.step,
+                "policy_version": self.policy_version, "kl_ctl": self.kl_ctl, "data": self.data}
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> RunState:
+        """The run state of a ``state.json`` (its ``format`` checked by ``read_state``)."""
+        return cls(step=int(state["step"]), policy_version=int(state["policy_version"]),
+                   kl_ctl=state.get("kl_ctl", {}), data=state.get("data"), has_critic=bool(state.get("has_critic", True)))
+
+
 def save_tensors(state: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
     save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}, str(path))
 
 
-def write_trainer_state(directory: Path, actor: dict, critic: dict | None, optimizer: dict, run_state: dict) -> None:
+def write_trainer_state(directory: Path, actor: dict, critic: dict | None, optimizer: dict, run_state: RunState) -> None:
     """The resumable part of a checkpoint (``trainer/`` and ``state.json``) into ``directory``;
-    ``critic`` None for a critic-free run."""
+    ``critic`` None for a critic-free run (``state.json`` says whether it has one)."""
     (directory / TRAINER_DIR).mkdir(parents=True, exist_ok=True)
     save_tensors(actor, directory / TRAINER_DIR / "actor.safetensors")
     if critic is not None:
         save_tensors(critic, directory / CRITIC_FILE)
     torch.save(optimizer, directory / TRAINER_DIR / "optimizer.pt")
-    (directory / STATE_FILE).write_text(json.dumps({"format": FORMAT_VERSION, "has_critic": critic is not None,
-                                                    **run_state}, indent=2))
+    run_state = dataclasses.replace(run_state, has_critic=critic is not None)
+    (directory / STATE_FILE).write_text(json.dumps(run_state.to_dict(), indent=2))
 
 
-def read_state(directory: str | Path) -> dict[str, Any]:
+def read_state(directory: str | Path) -> RunState:
     """``state.json`` of a checkpoint, after checking every required file is there (the critic's
     too, unless ``state.json`` says the run had none)."""
     directory = Path(directory)
@@ -81,9 +110,13 @@ def read_state(directory: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint file {directory / STATE_FILE} is corrupt: {e}") from None
     if state.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {directory} has format {state.get('format')!r}; this ray_ppo reads {FORMAT_VERSION}")
-    if state.get("has_critic", True) and not (directory / CRITIC_FILE).is_file():
+    try:
+        run_state = RunState.from_dict(state)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint file {directory / STATE_FILE} is corrupt: {type(e).__name__}: {e}") from None
+    if run_state.has_critic and not (directory / CRITIC_FILE).is_file():
         raise CheckpointError(f"checkpoint {directory} is incomplete: missing {CRITIC_FILE}")
-    return state
+    return run_state
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -95,7 +128,7 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"checkpoint file {path} is corrupt or truncated: {type(e).__name__}: {e}") from None
 
 
-def validate_checkpoint(directory: str | Path) -> dict[str, Any]:
+def validate_checkpoint(directory: str | Path) -> RunState:
     """Check a checkpoint without loading its weights (safetensors headers and sizes, the
     optimizer file); returns its run state. Raises ``CheckpointError`` naming the bad file."""
     from safetensors import safe_open
@@ -104,7 +137,7 @@ def validate_checkpoint(directory: str | Path) -> dict[str, Any]:
     run_state = read_state(directory)
     for name in ("actor", "critic"):
         path = directory / TRAINER_DIR / f"{name}.safetensors"
-        if name == "critic" and not run_state.get("has_critic", True):
+        if name == "critic" and not run_state.has_critic:
             continue  # a critic-free run's checkpoint
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -131,8 +164,8 @@ class TrainerState(NamedTuple):
     critic: dict | None
     """The critic's state dict; None in a critic-free run's checkpoint."""
     optimizer: dict
-    run: dict
-    """The run state: step, policy version, KL controller, data position (``read_state``)."""
+    run: RunState
+    """The run state: step, policy version, KL controller, data position."""
 
 
 def load_trainer_state(directory: str | Path) -> TrainerState:
@@ -140,7 +173,7 @@ def load_trainer_state(directory: str | Path) -> TrainerState:
     directory = Path(directory)
     run_state = read_state(directory)
     actor = load_tensors(directory / TRAINER_DIR / "actor.safetensors")
-    critic = load_tensors(directory / CRITIC_FILE) if run_state.get("has_critic", True) else None
+    critic = load_tensors(directory / CRITIC_FILE) if run_state.has_critic else None
     return TrainerState(actor, critic, _load_optimizer(directory), run_state)
 
 
@@ -153,7 +186,7 @@ class CheckpointWriter:
         self.cfg = cfg
         self._actor = self._critic = None  # CPU copies that receive full state dicts before saving
 
-    def write(self, state: dict[str, torch.Tensor], optim_state: dict, run_state: dict) -> Path:
+    def write(self, state: dict[str, torch.Tensor], optim_state: dict, run_state: RunState) -> Path:
         if self._actor is None:
             self._actor, self._critic = build_actor(self.cfg), build_critic_if_needed(self.cfg)
         actor_state, critic_state = split_state(state)
@@ -169,7 +202,7 @@ class CheckpointWriter:
                                 optim_state, run_state)
         except OSError as e:  # a full disk: no partial checkpoint is left, the previous one is intact
             shutil.rmtree(directory, ignore_errors=True)
-            raise OSError(e.errno, f"the checkpoint of step {run_state['step']} could not be written ({e}); "
+            raise OSError(e.errno, f"the checkpoint of step {run_state.step} could not be written ({e}); "
                                    f"RUN_DIR/checkpoint still holds the previous one: free space, then "
                                    f"ray-ppo train --resume RUN_DIR") from None
         return directory
@@ -268,6 +301,6 @@ def _point_at(run_dir: Path, final: Path) -> None:
 def linked_step(run_dir: str | Path) -> int | None:
     """The step ``run_dir/checkpoint`` holds, or None if there is none."""
     try:
-        return int(read_state(Path(run_dir) / LINK)["step"])
+        return read_state(Path(run_dir) / LINK).step
     except CheckpointError:
         return None

@@ -27,7 +27,7 @@ import torch
 from ray_ppo.config import Config, TrainerConfig
 from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, KLController, make_kl_controller
 from ray_ppo.core.build import build_actor, build_critic_if_needed, tokenizer_path
-from ray_ppo.core.checkpoint import CheckpointWriter, TrainerState, restore_point, restored_critic
+from ray_ppo.core.checkpoint import CheckpointWriter, RunState, TrainerState, restore_point, restored_critic
 from ray_ppo.core.collectives import all_reduce_metrics, broadcast_from_rank_0, broadcast_time_up, start_all_reduce_metrics
 from ray_ppo.core.learner import PPOLearner, drop_absent
 from ray_ppo.core.metrics import experience_metrics
@@ -185,8 +185,8 @@ def _start(cfg: Config, loop_config: dict, threads: _Threads) -> tuple[_Run, _Ca
     first_step, version = 1, 0
     if restored:
         learner.load_state(restored.optimizer)
-        run.kl_ctl.load_state_dict(restored.run["kl_ctl"])
-        first_step, version = restored.run["step"] + 1, restored.run["policy_version"]
+        run.kl_ctl.load_state_dict(restored.run.kl_ctl)
+        first_step, version = restored.run.step + 1, restored.run.policy_version
     version, group = _start_makers(run, restored is not None, first_step, version)
     return dataclasses.replace(run, group=group, start=time.perf_counter()), _Carry(version), first_step
 
@@ -286,8 +286,8 @@ def _checkpoint(run: _Run, plan: _StepPlan, state: dict[str, torch.Tensor]) -> r
     optim_state = run.learner.full_state_dict()
     if run.rank != 0:
         return None
-    run_state = {"step": plan.step, "policy_version": plan.next_version, "kl_ctl": run.kl_ctl.state_dict(),
-                 "data": ray.get(run.coordinator.data_state.remote(plan.step))}
+    run_state = RunState(step=plan.step, policy_version=plan.next_version, kl_ctl=run.kl_ctl.state_dict(),
+                         data=ray.get(run.coordinator.data_state.remote(plan.step)))
     return ray.train.Checkpoint.from_directory(str(run.checkpoints.write(state, optim_state, run_state)))
 
 

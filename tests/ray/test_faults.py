@@ -14,7 +14,7 @@ from ray.train import FailureConfig, RunConfig
 
 from ray_ppo.api import PPOTrainer
 from ray_ppo.config import load_config
-from ray_ppo.core.checkpoint import validate_checkpoint
+from ray_ppo.core.checkpoint import RunState, validate_checkpoint
 from ray_ppo.runtime.messages import CoordinatorStatus
 from ray_ppo.testing import WaitingExperienceMaker
 
@@ -65,9 +65,9 @@ def accounted(status: CoordinatorStatus) -> bool:
     return c.produced == c.consumed + c.in_flight + c.discarded + c.lost_in_transit
 
 
-def trained_ids(state: dict) -> list[int]:
+def trained_ids(state: RunState) -> list[int]:
     """Prompt ids in a checkpoint's per-step log of trained prompts, step by step."""
-    return [pid for _, ids in state["data"]["trained"] for pid in ids]
+    return [pid for _, ids in state.data["trained"] for pid in ids]
 
 
 def test_a_run_survives_a_killed_maker_and_trainer_worker_then_resumes_where_it_stopped(ray_session, tmp_path):
@@ -117,20 +117,20 @@ def test_a_run_survives_a_killed_maker_and_trainer_worker_then_resumes_where_it_
           f"{time.monotonic() - killed['maker_at']:.1f} s after the kill; steps reported: {steps}")
     # Exactly once: the final checkpoint's log holds each prompt once, over steps 1..8.
     saved = validate_checkpoint(tmp_path / "checkpoint")
-    assert saved["step"] == 8
+    assert saved.step == 8
     trained = trained_ids(saved)
     assert len(trained) == 8 * 16 == len(set(trained))
-    assert [s for s, _ in saved["data"]["trained"]] == list(range(1, 9))
+    assert [s for s, _ in saved.data["trained"]] == list(range(1, 9))
 
     resumed = PPOTrainer(config(tmp_path, *base, "trainer.total_steps=10"), resume_from=tmp_path / "checkpoint")
     result = resumed.fit()
     assert [m["step"] for m in resumed.history] == [9, 10]
-    assert [m["policy_version"] for m in resumed.history] == [saved["policy_version"] + 1, saved["policy_version"] + 2]
+    assert [m["policy_version"] for m in resumed.history] == [saved.policy_version + 1, saved.policy_version + 2]
     # The resumed stream starts at the first prompt (file order: data.shuffle=false) not trained
     # by the checkpoint: prompts are read in file order (Ray Data's preserve_order), so this
     # holds on every run, not only when Ray Data happens to keep the blocks in order.
     assert trainer.final_status.data["first_prompt"] == PROMPTS[0]
-    assert resumed.final_status.data["first_prompt"] == PROMPTS[saved["data"]["watermark"]]
+    assert resumed.final_status.data["first_prompt"] == PROMPTS[saved.data["watermark"]]
     with result.checkpoint.as_directory() as directory:
         trained = trained_ids(validate_checkpoint(directory))
     assert len(trained) == 10 * 16 == len(set(trained))  # across the resume: no prompt trained twice

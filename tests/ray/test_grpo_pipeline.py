@@ -37,4 +37,4 @@ def test_grpo_groups_without_a_critic(ray_session, tmp_path):
     with result.checkpoint.as_directory() as directory:
         assert not (Path(directory) / "critic").exists()
         actor, critic, optim, state = load_trainer_state(directory)
-        assert critic is None and "critic" not in optim and state["has_critic"] is False
+        assert critic is None and "critic" not in optim and state.has_critic is False

@@ -5,14 +5,18 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
+from ray_ppo.core.algo import make_kl_controller
 from ray_ppo.core.checkpoint import (
     CheckpointError,
+    RunState,
     load_trainer_state,
     publish_checkpoint,
     validate_checkpoint,
     write_trainer_state,
 )
+from ray_ppo.runtime.ledger import PromptLedger
 
 
 @pytest.fixture
@@ -23,18 +27,19 @@ def checkpoint(tmp_path):
     optim = {"actor": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}},
                        "param_groups": [{"lr": 0.1, "params": [0]}]},
              "generator": torch.Generator().manual_seed(1).get_state()}
-    write_trainer_state(directory, actor, critic, optim, {"step": 7, "policy_version": 7, "data": {"epoch": 0, "position": 96}})
+    write_trainer_state(directory, actor, critic, optim,
+                        RunState(step=7, policy_version=7, data={"epoch": 0, "position": 96}))
     return directory, actor, critic, optim
 
 
 def test_round_trip(checkpoint):
     directory, actor, critic, optim = checkpoint
-    assert validate_checkpoint(directory)["step"] == 7
+    assert validate_checkpoint(directory).step == 7
     a, c, o, state = load_trainer_state(directory)
     assert a.keys() == actor.keys() and all(torch.equal(a[k], actor[k]) and a[k].dtype == actor[k].dtype for k in a)
     assert torch.equal(c["v"], critic["v"])
     assert torch.equal(o["actor"]["state"][0]["exp_avg"], torch.ones(2)) and torch.equal(o["generator"], optim["generator"])
-    assert state["data"] == {"epoch": 0, "position": 96} and state["policy_version"] == 7
+    assert state.data == {"epoch": 0, "position": 96} and state.policy_version == 7
 
 
 @pytest.mark.parametrize("name", ["trainer/actor.safetensors", "trainer/critic.safetensors", "trainer/optimizer.pt"])
@@ -79,7 +84,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(checkpoint, tmp_path, mo
     directory = checkpoint[0]
     run = tmp_path / "run"
     publish_checkpoint(directory, run, step=7)
-    assert validate_checkpoint(run / "checkpoint")["step"] == 7
+    assert validate_checkpoint(run / "checkpoint").step == 7
 
     real_copy2 = shutil.copy2
     copied = []
@@ -99,7 +104,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(checkpoint, tmp_path, mo
     with pytest.raises(OSError, match="simulated crash"):
         publish_checkpoint(directory, run, step=8)
     monkeypatch.undo()
-    assert validate_checkpoint(run / "checkpoint")["step"] == 7  # still the previous complete one
+    assert validate_checkpoint(run / "checkpoint").step == 7  # still the previous complete one
     assert os.readlink(run / "checkpoint") == os.path.join("checkpoints", "step_00000007")
     publish_checkpoint(directory, run, step=9)  # a later save succeeds and replaces it
     assert os.readlink(run / "checkpoint") == os.path.join("checkpoints", "step_00000009")
@@ -128,7 +133,7 @@ def test_a_full_disk_leaves_the_previous_checkpoint_intact(checkpoint, tmp_path,
         publish_checkpoint(directory, run, step=8)
     monkeypatch.undo()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000007"]
-    assert validate_checkpoint(run / "checkpoint")["step"] == 7
+    assert validate_checkpoint(run / "checkpoint").step == 7
     assert load_trainer_state(run / "checkpoint")[0]["w"].shape == (4, 3)
 
 
@@ -170,15 +175,84 @@ def test_a_full_disk_on_the_trainer_leaves_no_partial_checkpoint(tmp_path, monke
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(OSError, match=r"the checkpoint of step 3 could not be written \(\[Errno 28\] No space left "
                                       r"on device\); RUN_DIR/checkpoint still holds the previous one"):
-        checkpoint_module.CheckpointWriter(cfg).write(state, {}, {"step": 3})
+        checkpoint_module.CheckpointWriter(cfg).write(state, {}, RunState(step=3, policy_version=3))
     assert list(tmp_path.iterdir()) == []
 
 
 def test_critic_free_checkpoint_round_trip(tmp_path):
     """A critic-free run (algo.advantage=grpo, rloo, reinforce_pp) writes and reads no critic."""
     directory = tmp_path / "ckpt"
-    write_trainer_state(directory, {"w": torch.ones(2)}, None, {"actor": {}}, {"step": 3, "policy_version": 3})
+    write_trainer_state(directory, {"w": torch.ones(2)}, None, {"actor": {}}, RunState(step=3, policy_version=3))
     assert not (directory / "trainer" / "critic.safetensors").exists()
-    assert validate_checkpoint(directory)["has_critic"] is False
+    assert validate_checkpoint(directory).has_critic is False
     actor, critic, _, state = load_trainer_state(directory)
-    assert critic is None and torch.equal(actor["w"], torch.ones(2)) and state["step"] == 3
+    assert critic is None and torch.equal(actor["w"], torch.ones(2)) and state.step == 3
+
+
+STATE_JSON_BEFORE_RUN_STATE = """{
+  "format": 1,
+  "has_critic": true,
+  "step": 2,
+  "policy_version": 2,
+  "kl_ctl": {
+    "value": 0.04,
+    "target": 6.0,
+    "horizon": 10000
+  },
+  "data": {
+    "num_prompts": 8,
+    "shuffle": true,
+    "seed": 3,
+    "epoch": 0,
+    "watermark": 3,
+    "next": 6,
+    "done": [],
+    "trained": [
+      [
+        1,
+        [
+          6,
+          7
+        ]
+      ],
+      [
+        2,
+        [
+          2
+        ]
+      ]
+    ],
+    "counts": {
+      "taken": 6,
+      "blank": 0,
+      "truncated": 0,
+      "lost": 0,
+      "requeued": 0,
+      "trained": 3
+    },
+    "first_prompt": "prompt 6"
+  }
+}"""
+"""``state.json`` as the loop wrote it when the run state was a dict: step 2 of a run with an
+adaptive KL controller, 8 shuffled prompts (seed 3), prompts 6, 7 and 2 trained, 1, 4 and 5 in flight."""
+
+
+def test_a_checkpoint_written_before_run_state_loads_resumes_and_is_written_the_same(tmp_path):
+    old = tmp_path / "old"
+    (old / "trainer").mkdir(parents=True)
+    save_file({"w": torch.ones(2)}, str(old / "trainer" / "actor.safetensors"))
+    save_file({"v": torch.ones(1)}, str(old / "trainer" / "critic.safetensors"))
+    torch.save({"actor": {}}, old / "trainer" / "optimizer.pt")
+    (old / "state.json").write_text(STATE_JSON_BEFORE_RUN_STATE)
+
+    restored = load_trainer_state(old)
+    assert (restored.run.step, restored.run.policy_version, restored.run.has_critic) == (2, 2, True)
+    kl_ctl = make_kl_controller(0.05, 6.0, 10000)
+    kl_ctl.load_state_dict(restored.run.kl_ctl)  # as the loop resumes it
+    assert kl_ctl.value == 0.04
+    ledger = PromptLedger(shuffle=False, seed=0, start=restored.run.data)  # as the coordinator resumes it
+    ledger.configure(8)
+    assert ledger.take(4, maker_id=0) == [1, 4, 5, 3]  # the prompts in flight first, then the stream goes on
+    new = tmp_path / "new"
+    write_trainer_state(new, restored.actor, restored.critic, restored.optimizer, restored.run)
+    assert (new / "state.json").read_text() == STATE_JSON_BEFORE_RUN_STATE

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ray_ppo.core.checkpoint import publish_checkpoint, write_trainer_state
+from ray_ppo.core.checkpoint import RunState, publish_checkpoint, write_trainer_state
 from ray_ppo.rundir import (
     CheckpointPublisher,
     RunDirError,
@@ -70,10 +70,10 @@ def test_resume_messages(tmp_path):
     assert stopped_line("train", run, 3) == ("ray-ppo train: interrupted after step 3; no checkpoint was written "
                                              "(trainer.checkpoint_every=0?), nothing to resume")
     ckpt = tmp_path / "ckpt"
-    write_trainer_state(ckpt, {"w": torch.zeros(1)}, {"v": torch.zeros(1)}, {}, {"step": 4, "policy_version": 4})
+    write_trainer_state(ckpt, {"w": torch.zeros(1)}, {"v": torch.zeros(1)}, {}, RunState(step=4, policy_version=4))
     publish_checkpoint(ckpt, run, step=4)
     directory, state = resume_point(run)
-    assert directory == run / "checkpoint" and state["step"] == 4
+    assert directory == run / "checkpoint" and state.step == 4
     assert resuming_line(run, 4, directory) == f"resuming {run} from step 4 (checkpoint {run}/checkpoints/step_00000004)"
     assert stopped_line("train", run, 5) == (f"ray-ppo train: interrupted after step 5; {run}/checkpoint holds step 4: "
                                              f"resume with: ray-ppo train --resume {run}")
@@ -121,7 +121,7 @@ def test_the_first_checkpoint_published_says_its_size(tmp_path, capsys):
     stored = []
     for step in (2, 4):
         stored.append(tmp_path / f"stored_{step}")
-        write_trainer_state(stored[-1], {"w": torch.zeros(250_000)}, None, {}, {"step": step, "policy_version": step})
+        write_trainer_state(stored[-1], {"w": torch.zeros(250_000)}, None, {}, RunState(step=step, policy_version=step))
     publisher = CheckpointPublisher(coordinator=None, run_dir=run, keep=2)
     for step, path in zip((2, 4), stored):
         publisher.publish(step, _Stored(path))
