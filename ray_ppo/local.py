@@ -6,7 +6,7 @@ baseline the benchmarks compare the detached pipeline against.
 
 from __future__ import annotations
 
-import random
+import itertools
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -18,6 +18,7 @@ from ray_ppo.core.build import build_actor, build_critic_if_needed, build_experi
 from ray_ppo.core.collectives import broadcast_time_up
 from ray_ppo.core.learner import PPOLearner, drop_absent
 from ray_ppo.core.metrics import experience_metrics
+from ray_ppo.core.seeds import prompt_order, rank_seed
 from ray_ppo.core.strategies import LocalStrategy
 from ray_ppo.data import DataError, Prompt, PromptEncoder, read_prompt_texts
 from ray_ppo.eval_records import attach_evals, split_evals
@@ -30,16 +31,14 @@ MAX_EMPTY_BATCHES = 1000
 
 
 def prompt_batches(prompts: Sequence[Prompt | None], batch_size: int, shuffle: bool, seed: int) -> Iterator[list]:
-    """Endless prompt batches, epoch after epoch, reshuffled each epoch."""
+    """Endless batches of ``batch_size`` prompts in the order the coordinator serves them to makers
+    (``ray_ppo.core.seeds.prompt_order``: a new order each epoch with ``shuffle``), the stream
+    running on from one epoch into the next."""
     if not prompts:
         raise DataError("the prompt list is empty")
-    rng = random.Random(seed)
-    order = list(range(len(prompts)))
+    rows = (int(row) for epoch in itertools.count() for row in prompt_order(len(prompts), seed, epoch, shuffle))
     while True:
-        if shuffle:
-            rng.shuffle(order)
-        for start in range(0, len(order), batch_size):
-            yield [prompts[i] for i in order[start:start + batch_size]]
+        yield [prompts[row] for row in itertools.islice(rows, batch_size)]
 
 
 def run_local(cfg: Config, prompts: Sequence[Prompt | None] | None = None,
@@ -56,7 +55,7 @@ def run_local(cfg: Config, prompts: Sequence[Prompt | None] | None = None,
     elif prompts is None:
         prompts = make_prompts(cfg.toy.num_prompts, cfg.toy.prompt_len, cfg.toy.seed)
     learner = PPOLearner(build_actor(cfg), build_critic_if_needed(cfg), LocalStrategy(), cfg,
-                         seed=cfg.seed)
+                         seed=rank_seed(cfg.seed, 0))
     maker = build_experience_maker(cfg, actor=learner.actor, critic=learner.critic, name="local",
                                    device=learner.device)
     encoder = PromptEncoder(maker.tokenizer, cfg.data.max_prompt_len, cfg.data.chat_template)

@@ -2,10 +2,11 @@
 across any number of crashes and resumes and with any number of makers.
 
 Identity. The run's prompt stream is a function of (number of prompts N, ``data.shuffle``,
-``seed``) alone: epoch e serves the dataset's rows in ``order(e)`` (a permutation seeded by
-seed + e, or file order). The s-th prompt served (its *serial*) has the *prompt id*
-``e * N + row`` with e = s // N and row = order(e)[s % N]. Items carry the prompt id of the
-prompt they answer, so several items (``samples_per_prompt`` > 1) may share one.
+``seed``) alone: epoch e serves the dataset's rows in ``order(e)`` (``ray_ppo.core.seeds.prompt_order``:
+a permutation seeded by seed + e, or file order; the synchronous loop serves the same). The s-th
+prompt served (its *serial*) has the *prompt id* ``e * N + row`` with e = s // N and
+row = order(e)[s % N]. Items carry the prompt id of the prompt they answer, so several items
+(``samples_per_prompt`` > 1) may share one.
 
 Life of a prompt: *taken* for a maker -> the maker returns its batch: no item (a blank prompt,
 done) or items, *buffered* by the coordinator -> a rank *pulls* the items for a step: once all of
@@ -36,6 +37,8 @@ import collections
 from typing import Iterable, Sequence
 
 import numpy as np
+
+from ray_ppo.core.seeds import prompt_order
 
 LOG_EPOCHS = 2
 """Epochs of the per-step log kept (the watermark's epoch and the one before)."""
@@ -88,7 +91,7 @@ class PromptLedger:
         """(rows in serving order, position of each row) of ``epoch``."""
         if epoch not in self._orders:
             n = self.num_prompts
-            order = np.random.default_rng(self.seed + epoch).permutation(n) if self.shuffle else np.arange(n)
+            order = prompt_order(n, self.seed, epoch, self.shuffle)
             inverse = np.empty(n, dtype=np.int64)
             inverse[order] = np.arange(n)
             if len(self._orders) > 4:

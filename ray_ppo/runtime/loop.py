@@ -32,6 +32,7 @@ from ray_ppo.core.collectives import all_reduce_metrics, broadcast_from_rank_0, 
 from ray_ppo.core.learner import PPOLearner, drop_absent
 from ray_ppo.core.metrics import experience_metrics
 from ray_ppo.core.models import load_tokenizer
+from ray_ppo.core.seeds import rank_seed
 from ray_ppo.core.strategies import make_strategy
 from ray_ppo.core.sync import as_held, fingerprint
 from ray_ppo.eval_records import attach_evals, split_evals
@@ -201,7 +202,7 @@ def _build_learner(cfg: Config, device: torch.device, rank: int, restored: Train
             critic.load_state_dict(restored_critic(restored.critic, cfg))
     strategy = make_strategy(cfg.trainer.strategy, device, cfg.trainer.max_grad_norm)
     learner_factory = learner_factory or PPOLearner  # benchmarks may simulate the update
-    return learner_factory(actor, critic, strategy, cfg, seed=cfg.seed + rank)
+    return learner_factory(actor, critic, strategy, cfg, seed=rank_seed(cfg.seed, rank))
 
 
 def _start_makers(run: _Run, restored: bool, first_step: int, version: int) -> tuple[int, int]:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from ray_ppo.config import Config
+from ray_ppo.core.seeds import maker_seed
 from ray_ppo.data import PromptEncoder
 from ray_ppo.runtime.messages import EvalReport, MakerStats, PushHeader, RunHandles
 from ray_ppo.runtime.transport import ExperienceChunk
@@ -65,7 +66,7 @@ class MakerWorker:
 
         self.cfg = Config.from_dict(config)
         torch.set_num_threads(self.cfg.maker.torch_threads)
-        self.seed = self.cfg.seed + 1000 * (maker_id + 1)  # each maker samples its own stream, reproducibly
+        self.seed = maker_seed(self.cfg.seed, maker_id)  # each maker samples its own stream, reproducibly
         torch.manual_seed(self.seed)
         if isinstance(coordinator, RunHandles):
             coordinator = coordinator.coordinator()

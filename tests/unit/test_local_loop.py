@@ -15,7 +15,7 @@ from ray_ppo.core.learner import PPOLearner, lr_lambda
 from ray_ppo.core.models import Critic, load_actor, load_tokenizer
 from ray_ppo.core.models.hf import disable_dropout
 from ray_ppo.core.strategies import LocalStrategy
-from ray_ppo.local import prompt_batches, run_local
+from ray_ppo.local import run_local
 from ray_ppo.tasks import toy
 
 ROOT = Path(__file__).parents[2]
@@ -68,21 +68,13 @@ def test_no_usable_prompts_is_an_error(prompts):
 
 def test_the_toy_task_is_learned():
     # configs/tiny.yaml (batch 64, lr 1e-3, kl_coef 0.001, gamma = lam = 1) with 4 PPO epochs instead of 2,
-    # so that 40 synchronous steps suffice; with seed 0 the reward goes ~0.08 -> ~0.5 (seed 1: ~0.7)
+    # so that 40 synchronous steps suffice; with seed 0 the reward goes ~0.09 -> ~0.7 (seed 1: ~0.6)
     cfg = load_config(ROOT / "configs" / "tiny.yaml",
                       ["trainer.total_steps=40", "trainer.ppo_epochs=4", "data.path=null", "seed=0"])
     rewards = [m["reward_mean"] for m in run_local(cfg)]
     first, last = mean(rewards[:10]), mean(rewards[-10:])
     assert first < 0.15  # an untrained model scores about 1/13
     assert last > first + 0.15, rewards
-
-
-def test_prompt_batches_cycle_through_epochs():
-    batches = prompt_batches(["a", "b", "c", "d", "e"], batch_size=2, shuffle=False, seed=0)
-    assert [next(batches) for _ in range(4)] == [["a", "b"], ["c", "d"], ["e"], ["a", "b"]]
-    shuffled = prompt_batches(list("abcdef"), batch_size=3, shuffle=True, seed=1)
-    epoch = next(shuffled) + next(shuffled)
-    assert sorted(epoch) == list("abcdef")
 
 
 # -- the learner --------------------------------------------------------------------------------
