@@ -68,12 +68,12 @@ def on_driver_node() -> NodeAffinitySchedulingStrategy:
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
-def _wait_until_dead(actor: Any, timeout_s: float) -> None:
-    """Wait until Ray has the killed ``actor`` dead (a call to it fails), at most ``timeout_s``."""
+def _wait_until_dead(handle: Any, timeout_s: float) -> None:
+    """Wait until Ray has the killed actor of ``handle`` dead (a call to it fails), at most ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while (left_s := deadline - time.monotonic()) > 0:
         try:
-            ray.get(actor.__ray_ready__.remote(), timeout=left_s)  # answers until the kill has landed
+            ray.get(handle.__ray_ready__.remote(), timeout=left_s)  # answers until the kill has landed
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return
         time.sleep(0.1)
@@ -101,7 +101,7 @@ class PPOTrainer(TorchTrainer):
             ``metrics.jsonl``, ``samples.jsonl``, TensorBoard events, ``curves.png``; ``ray_ppo.outputs``).
         experience_maker_factory: builds each maker's ``ExperienceMaker`` as
             ``factory(cfg, name=, device=)`` (default ``build.build_experience_maker``).
-        learner_factory: builds each trainer rank's learner as ``factory(actor, critic, strategy,
+        learner_factory: builds each trainer rank's learner as ``factory(policy, critic, strategy,
             params, seed=)`` (default ``PPOLearner``). Both are extension points for simulations
             and benchmarks (``benchmarks/overlap_sim.py``; ``ray_ppo.testing.WaitingExperienceMaker``
             is a maker whose rollout is a wait): they must be picklable.

@@ -19,14 +19,14 @@ def perturbed_push(worker: Any, scale: float, bucket_mb: float, seed: int = 1) -
     """(the trainer's full state, the buckets of its push as a maker reads them from the object
     store) for CPU copies of ``worker``'s models with ``scale``-sized noise added; tied aliases are
     left out of the push, as the trainer's ``WeightPublisher.to_push`` does."""
-    actor = copy.deepcopy(worker.float_actor).cpu()
+    policy = copy.deepcopy(worker.float_policy).cpu()
     critic = copy.deepcopy(worker.maker.critic).cpu() if worker.maker.critic is not None else None
     torch.manual_seed(seed)
     with torch.no_grad():
-        for p in itertools.chain(actor.parameters(), critic.parameters() if critic is not None else ()):
+        for p in itertools.chain(policy.parameters(), critic.parameters() if critic is not None else ()):
             p.add_(scale * torch.randn_like(p))
-    full = join_state(actor.state_dict(), critic.state_dict() if critic is not None else {})
-    aliases = push_aliases(actor, critic)
+    full = join_state(policy.state_dict(), critic.state_dict() if critic is not None else {})
+    aliases = push_aliases(policy, critic)
     push = {k: v for k, v in full.items() if k not in aliases}
     return full, [as_stored(bucket) for bucket in make_buckets(push, bucket_mb)]
 

@@ -71,16 +71,16 @@ class MakerWorker:
         if isinstance(coordinator, RunHandles):
             coordinator = coordinator.coordinator()
         self.maker_id, self.coordinator = maker_id, coordinator
-        self.device = maker_device(self.cfg)  # cuda:0 (the GPU Ray gave this actor) if maker.num_gpus > 0
+        self.device = maker_device(self.cfg)  # cuda:0 (the GPU Ray gave this maker's process) if maker.num_gpus > 0
         self.maker = (maker_factory or build_experience_maker)(self.cfg, name=f"maker_{maker_id}", device=self.device)
         self.maker.actor.eval()
         if self.maker.critic is not None:  # critic-free estimators build none
             self.maker.critic.eval()
-        self.float_actor = self.maker.actor  # receives pushes; generation may use a quantized copy
+        self.float_policy = self.maker.actor  # the policy model pushes update; generation may use a quantized copy
         if self.cfg.maker.quantization:
             if self.maker.ref is None:  # LoRA: the reference stays the float base model
-                self.maker.ref = self.float_actor
-            self.maker.actor = quantize_for_generation(self.float_actor, self.cfg.maker.quantization)
+                self.maker.ref = self.float_policy
+            self.maker.actor = quantize_for_generation(self.float_policy, self.cfg.maker.quantization)
         self.engine = self._build_engine() if self.cfg.maker.engine == "vllm" else None
         self.encoder = PromptEncoder(self.maker.tokenizer, self.cfg.data.max_prompt_len, self.cfg.data.chat_template)
         self.version = 0
@@ -93,7 +93,7 @@ class MakerWorker:
         self.no_eval.set()
         self.outbox: queue.Queue = queue.Queue(maxsize=SEND_QUEUE_BATCHES)
         self.receiver = WeightReceiver(share=self.cfg.sync.zero_copy)
-        self.made = 0
+        self.items_made = 0  # items made since this process started (the summary's ``made``)
         self.sent = 0
         self.pause_s = 0.0
         self._unreported_pause_s = 0.0
@@ -127,38 +127,38 @@ class MakerWorker:
         to the sender once the next one is encoded (when its prompts are already here), so the
         sender packs it while the next batch generates: this thread and the sender's would
         otherwise take turns on the GIL between two batches, when generation waits for both."""
-        made = None  # (items, stats) of the last batch, until the sender has it
+        made_batch = None  # (items, stats) of the last batch, until the sender has it
         try:
             if self.cfg.maker.wait_for_weights:
                 self._wait_for_first_push()
             asked = self.coordinator.next_prompts.remote(self.maker_id)
             while True:
-                if made is not None and not ray.wait([asked], timeout=0)[0]:
+                if made_batch is not None and not ray.wait([asked], timeout=0)[0]:
                     # Admission may be waiting for these very items (the staleness bound): send first.
-                    self._queue(made)
-                    made = None
+                    self._queue(made_batch)
+                    made_batch = None
                 start = time.perf_counter()
                 batch = ray.get(asked)
                 waited_s = time.perf_counter() - start
                 if batch is not None:
                     asked = self.coordinator.next_prompts.remote(self.maker_id)
                     encoded = self.encoder.encode(batch.prompts)
-                if made is not None:
-                    self._queue(made)
-                    made = None
+                if made_batch is not None:
+                    self._queue(made_batch)
+                    made_batch = None
                 if batch is None:
                     break
-                made = self._make(batch.prompts, batch.ids, encoded, waited_s)
+                made_batch = self._make(batch.prompts, batch.ids, encoded, waited_s)
         except Exception as e:  # reported in one line, with the full traceback for RUN_DIR/error.log
             where = traceback.extract_tb(e.__traceback__)[-1]
             summary = f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})"
             ray.get(self.coordinator.maker_failed.remote(self.maker_id, summary, "".join(traceback.format_exception(e))))
             raise
         finally:
-            if made is not None:
-                self._queue(made)
+            if made_batch is not None:
+                self._queue(made_batch)
             self.outbox.put(None)
-        return {"made": self.made, "version": self.version}
+        return {"made": self.items_made, "version": self.version}
 
     def _wait_for_first_push(self) -> None:
         self._wait_for_push(lambda: self.pushes_loaded > 0, f"maker_{self.maker_id}: no weight push arrived within "
@@ -178,7 +178,7 @@ class MakerWorker:
         and stats, which cover every id of the batch (the coordinator counts the ones without
         items as blank) and the waits since the previous batch: for prompts (admission) and for
         the sender (back-pressure, counted by ``_queue``)."""
-        items, made = [], {}
+        items, generation = [], {}
         if encoded.ids:
             self.no_eval.wait()
             with self.model_lock:
@@ -187,19 +187,20 @@ class MakerWorker:
                 logger.warning("maker_%d: an episode ended on an environment fault: %s", self.maker_id, fault)
             if prompt_ids:
                 tag_prompt_ids(items, [prompt_ids[i] for i in encoded.kept])
-            self.made += len(items)
-            made = dict(generate_s=run.generate_s + run.score_s, num_tokens=run.num_tokens, logprob_gap=run.logprob_gap)
+            self.items_made += len(items)
+            generation = dict(generate_s=run.generate_s + run.score_s, num_tokens=run.num_tokens,
+                              logprob_gap=run.logprob_gap)
         idle_s, self._unreported_idle_s = waited_s + self._unreported_idle_s, 0.0
         pause_s, self._unreported_pause_s = self._unreported_pause_s, 0.0
         stats = MakerStats(num_prompts=len(prompts), prompt_ids=tuple(prompt_ids), blank=encoded.blank,
                            truncated=encoded.truncated, idle_s=idle_s, pause_s=pause_s,
-                           admission_s=waited_s, **made)  # admission_s: of idle_s, the wait for this batch
+                           admission_s=waited_s, **generation)  # admission_s: of idle_s, the wait for this batch
         return items, stats
 
-    def _queue(self, made: tuple[list, MakerStats]) -> None:
+    def _queue(self, made_batch: tuple[list, MakerStats]) -> None:
         """Hand a made batch to the sender; a wait for room (back-pressure) is reported with the next batch."""
         start = time.perf_counter()
-        self.outbox.put(made)
+        self.outbox.put(made_batch)
         self._unreported_idle_s += time.perf_counter() - start
 
     # -- experience_io --------------------------------------------------------------------------
@@ -225,7 +226,7 @@ class MakerWorker:
         weights held, or an older relay of the push staging, is ignored: ``WeightReceiver.start``)."""
         from ray_ppo.core.sync import join_state
 
-        if not self.receiver.start(header, join_state(self.float_actor.state_dict(), self._critic_state()),
+        if not self.receiver.start(header, join_state(self.float_policy.state_dict(), self._critic_state()),
                                    loaded_version=self.version, relay=relay):
             staging = self.receiver.staging.version if self.receiver.staging is not None else None
             logger.warning("maker_%d: chunk_start of push v%d (relay %d) came after newer weights or a newer relay "
@@ -250,9 +251,9 @@ class MakerWorker:
         if received is None:
             return False
         header, staged = received
-        actor_state, critic_state = split_state(staged.tensors)
+        policy_state, critic_state = split_state(staged.tensors)
         partial = header.partial  # LoRA-only: adapters and value head
-        _check_keys(self.float_actor, actor_state, partial, "actor")  # before touching any weight
+        _check_keys(self.float_policy, policy_state, partial, "actor")  # before touching any weight
         if self.maker.critic is not None:
             _check_keys(self.maker.critic, critic_state, partial, "critic")
         elif critic_state:
@@ -260,7 +261,7 @@ class MakerWorker:
         # The staged tensors are the maker's own copies, already on its device and in its dtype
         # (or shared read-only with the object store): the swap rebinds parameters (and re-ties
         # tied ones), it copies nothing. What it binds where is worked out while generation goes on.
-        swaps = [prepare_swap(self.float_actor, actor_state)]
+        swaps = [prepare_swap(self.float_policy, policy_state)]
         if self.maker.critic is not None:
             swaps.append(prepare_swap(self.maker.critic, critic_state))
         with self.model_lock:  # generation is paused from here (a batch being made finishes first)
@@ -268,9 +269,9 @@ class MakerWorker:
             for swap in swaps:
                 swap.apply()
             if self.cfg.maker.quantization:
-                self.maker.actor = quantize_for_generation(self.float_actor, self.cfg.maker.quantization)
+                self.maker.actor = quantize_for_generation(self.float_policy, self.cfg.maker.quantization)
             if self.engine is not None:  # after the HF copy swapped in the push, load it into the engine
-                self.engine.load(hf_weights(self.float_actor).items(), version)
+                self.engine.load(hf_weights(self.float_policy).items(), version)
             self.version, self.kl_coef = version, header.kl_coef
             self.pushes_loaded += 1
             paused = time.perf_counter() - start
@@ -301,15 +302,15 @@ class MakerWorker:
         return result.report(step, held, self.maker_id, eval_s=time.perf_counter() - start)
 
     def weights_fingerprint(self) -> tuple[int, str]:
-        """(version, fingerprint of the actor and critic weights) for consistency checks. With an
-        engine, the actor's weights are those read back from the engine, not the HF copy's."""
+        """(version, fingerprint of the policy and critic weights) for consistency checks. With an
+        engine, the policy's weights are those read back from the engine, not the HF copy's."""
         from ray_ppo.core.sync import fingerprint, join_state
         from ray_ppo.core.vllm_engine import engine_actor_state
 
         with self.model_lock:
-            actor_state = (self.float_actor.state_dict() if self.engine is None
-                           else engine_actor_state(self.engine, self.float_actor))
-            return self.version, fingerprint(join_state(actor_state, self._critic_state()))
+            policy_state = (self.float_policy.state_dict() if self.engine is None
+                            else engine_actor_state(self.engine, self.float_policy))
+            return self.version, fingerprint(join_state(policy_state, self._critic_state()))
 
     def _critic_state(self) -> dict[str, torch.Tensor]:
         """The critic's state dict; empty for critic-free estimators (``algo.advantage`` != gae)."""

@@ -93,9 +93,9 @@ def test_lora_only_pushes_through_a_maker_swap_in_only_the_adapters(cfg):
     from ray_ppo.runtime.maker import MakerWorker
 
     worker = MakerWorker(0, cfg.to_dict(), coordinator=None)
-    trainer_actor, trainer_critic = copy.deepcopy(worker.float_actor), copy.deepcopy(worker.maker.critic)
+    trainer_actor, trainer_critic = copy.deepcopy(worker.float_policy), copy.deepcopy(worker.maker.critic)
     base_name = "base_model.model.transformer.h.0.attn.c_attn.base_layer.weight"
-    base_tensor = worker.float_actor.get_parameter(base_name)
+    base_tensor = worker.float_policy.get_parameter(base_name)
     for version in (1, 2):
         with torch.no_grad():
             for p in [*trainer_actor.parameters(), *trainer_critic.parameters()]:
@@ -107,7 +107,7 @@ def test_lora_only_pushes_through_a_maker_swap_in_only_the_adapters(cfg):
         worker.receiver.staging.stage(state)
         worker.receiver.staging.seen.add(0)
         assert worker.weights_end(version) is True
-    assert worker.float_actor.get_parameter(base_name) is base_tensor  # not swapped, not copied
+    assert worker.float_policy.get_parameter(base_name) is base_tensor  # not swapped, not copied
     for k, v in {**lora_push(trainer_actor)}.items():
-        assert torch.equal(worker.float_actor.state_dict()[k], v), k
-    torch.testing.assert_close(merged(worker.float_actor), merged(trainer_actor), rtol=0, atol=0)
+        assert torch.equal(worker.float_policy.state_dict()[k], v), k
+    torch.testing.assert_close(merged(worker.float_policy), merged(trainer_actor), rtol=0, atol=0)

@@ -106,9 +106,9 @@ def test_read_only_push_loads_and_fingerprints_match(cfg, zero_copy):
     full, push = new_weights(worker)
     assert deliver_push(worker, 1, push)
     assert worker.weights_fingerprint() == (1, fingerprint(full))
-    assert worker.float_actor.lm_head.weight is worker.float_actor.transformer.wte.weight
+    assert worker.float_policy.lm_head.weight is worker.float_policy.transformer.wte.weight
     pushed = {array.ctypes.data for _, arrays in push for array in arrays}
-    held = {p.data_ptr() for p in worker.float_actor.parameters()}
+    held = {p.data_ptr() for p in worker.float_policy.parameters()}
     if zero_copy:  # the weights are the pushed (read-only) arrays themselves; none is staging memory
         assert held <= pushed and not worker.receiver.spares
     else:  # copies of its own; the second push stages into the tensors the first one replaced

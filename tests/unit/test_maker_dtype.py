@@ -17,7 +17,7 @@ PROMPTS = [[3, 4, 5], [6, 7, 8, 9]]
 
 def float32_push(worker: MakerWorker, seed: int = 1) -> tuple[dict[str, torch.Tensor], list]:
     """(the trainer's float32 state, its push) for perturbed float32 copies of the maker's models."""
-    actor, critic = (copy.deepcopy(m).float() for m in (worker.float_actor, worker.maker.critic))
+    actor, critic = (copy.deepcopy(m).float() for m in (worker.float_policy, worker.maker.critic))
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in [*actor.parameters(), *critic.parameters()]:
@@ -44,7 +44,7 @@ def test_a_bfloat16_maker_holds_the_trainers_pushes_cast_to_it(tiny_path, zero_c
     full, push = float32_push(worker)
     assert {v.dtype for v in full.values()} == {torch.float32}
     assert deliver_push(worker, 1, push)
-    assert {p.dtype for p in worker.float_actor.parameters()} == {torch.bfloat16}  # cast, not swapped for float32
+    assert {p.dtype for p in worker.float_policy.parameters()} == {torch.bfloat16}  # cast, not swapped for float32
     assert worker.weights_fingerprint() == (1, fingerprint(cast_floating(full, "bfloat16")))
     assert cast_floating(full, "bfloat16").keys() == full.keys()
     assert fingerprint(as_held(full, cfg.engine_dtype, cfg.maker_dtype)) == fingerprint(cast_floating(full, "bfloat16"))

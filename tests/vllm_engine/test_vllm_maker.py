@@ -149,7 +149,7 @@ def test_greedy_generation_equals_the_hf_makers(worker):
     from ray_ppo.core.models.generation import SamplingParams
 
     tokenizer = worker.maker.tokenizer
-    hf = hf_greedy(worker.float_actor, PROMPTS, tokenizer)
+    hf = hf_greedy(worker.float_policy, PROMPTS, tokenizer)
     engine = worker.engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, top_k=1), tokenizer.pad_token_id,
                                     tokenizer.eos_token_id)
     assert torch.equal(engine.sequences, hf.sequences) and torch.equal(engine.action_mask, hf.action_mask)
@@ -162,14 +162,14 @@ def test_several_end_tokens_end_the_engines_responses_as_hf_s(worker):
     from ray_ppo.core.models.generation import SamplingParams, generate
 
     tokenizer = worker.maker.tokenizer
-    plain = hf_greedy(worker.float_actor, PROMPTS, tokenizer)
+    plain = hf_greedy(worker.float_policy, PROMPTS, tokenizer)
     responses = plain.sequences[:, plain.prompt_len:]
     reached = responses[plain.action_mask & (torch.arange(plain.num_actions) > 0)].tolist()
     assert reached, "greedy responses of at least 2 tokens"
     stop = max(set(reached), key=reached.count)  # a token some response reaches after its first
     ends = (tokenizer.eos_token_id, stop, tokenizer.pad_token_id)
     params = SamplingParams(max_new_tokens=8, top_k=1)
-    hf = generate(worker.float_actor, PROMPTS, params, tokenizer.pad_token_id, ends)
+    hf = generate(worker.float_policy, PROMPTS, params, tokenizer.pad_token_id, ends)
     engine = worker.engine.generate(PROMPTS, params, tokenizer.pad_token_id, ends)
     assert torch.equal(engine.sequences, hf.sequences) and torch.equal(engine.action_mask, hf.action_mask)
     assert engine.action_mask.sum() < plain.action_mask.sum()  # some response ended at ``stop``
@@ -205,7 +205,7 @@ def test_three_pushes_land_in_the_engine(worker):
     from ray_ppo.core.models.generation import SamplingParams
     from ray_ppo.core.sync import fingerprint, join_state
 
-    trainer_actor, trainer_critic = copy.deepcopy(worker.float_actor), copy.deepcopy(worker.maker.critic)
+    trainer_actor, trainer_critic = copy.deepcopy(worker.float_policy), copy.deepcopy(worker.maker.critic)
     tokenizer = worker.maker.tokenizer
     gaps = []
     for version in (1, 2, 3):
@@ -237,7 +237,7 @@ def test_an_interrupted_push_leaves_the_engine_on_its_version(worker):
                                     tokenizer.eos_token_id)
     import copy
 
-    actor, critic = copy.deepcopy(worker.float_actor), copy.deepcopy(worker.maker.critic)
+    actor, critic = copy.deepcopy(worker.float_policy), copy.deepcopy(worker.maker.critic)
     perturb(actor, 0.5, seed=7)
     assert not push(worker, full_push_state(actor, critic), version + 1, num_chunks=4, deliver=2)
     assert worker.weights_fingerprint() == (version, print_before) and worker.engine.version == version
