@@ -21,7 +21,8 @@ DataFormat = Literal["csv", "parquet", "json"]
 Quantization = Literal["int8"]
 Engine = Literal["hf", "vllm"]
 Advantage = Literal["gae", "grpo", "rloo", "reinforce_pp"]
-OffPolicy = Literal["none", "tis", "decoupled"]
+OffPolicy = Literal["none", "tis", "decoupled", "seq_tis", "seq_mask", "icepop"]
+PolicyLoss = Literal["ppo", "gspo", "cispo"]
 LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
 KlIn = Literal["reward", "loss"]
 
@@ -38,5 +39,6 @@ ENGINES: tuple[str, ...] = get_args(Engine)
 ADVANTAGES: tuple[str, ...] = get_args(Advantage)
 """Names of ``algo.advantage``; every one but ``gae`` trains without a critic."""
 OFF_POLICY: tuple[str, ...] = get_args(OffPolicy)
+POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLoss)
 LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
 KL_IN: tuple[str, ...] = get_args(KlIn)

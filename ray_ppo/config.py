@@ -37,6 +37,7 @@ from ray_ppo.choices import (
     LossAgg,
     LrSchedule,
     OffPolicy,
+    PolicyLoss,
     Quantization,
     Routing,
     StrategyName,
@@ -366,10 +367,12 @@ class PPOConfig(_Section):
     """Target KL of the adaptive KL controller (Ziegler et al. 2019); null = fixed kl_coef."""
     kl_horizon: int = Field(10000, gt=0)
     """Horizon, in samples, of the adaptive KL controller."""
+    policy_loss: PolicyLoss = "ppo"
+    """Policy objective: ppo (clipped surrogate), gspo (sequence-level ratio and clip, Zheng et al. 2025) or cispo (clipped IS weight without gradient on every token, MiniMax-M1)."""
     eps_clip: float = Field(0.2, gt=0, lt=1)
-    """Clip range of the policy ratio in the PPO surrogate."""
+    """Clip range of the policy ratio in the PPO surrogate (gspo: of the sequence ratio, the paper's 3e-4; cispo: the upper bound when ppo.eps_clip_high is null)."""
     dual_clip: Optional[float] = Field(None, gt=1, examples=[3.0], json_schema_extra=_null("to disable dual clipping"))
-    """Dual-clip constant c > 1 bounding the loss of negative advantages (Ye et al. 2020); null = off."""
+    """Dual-clip constant c > 1 bounding the loss of negative advantages (Ye et al. 2020), ppo.policy_loss=ppo only; null = off."""
     value_clip: Optional[float] = Field(0.2, gt=0, json_schema_extra=_null("to disable value clipping"))
     """Clip range of the value update around the old values; null = no value clipping."""
     entropy_coef: float = Field(0.0, ge=0)
@@ -383,23 +386,48 @@ class PPOConfig(_Section):
     max_staleness: int = Field(1, ge=0)
     """An item generated at policy version v is trained on at version <= v + max_staleness."""
     off_policy: OffPolicy = "decoupled"
-    """Correction for stale experience: none (clip around the maker's log-probs), tis (truncated IS) or decoupled (decoupled PPO)."""
+    """Correction for stale experience: none (clip around the maker's log-probs), tis (truncated IS), decoupled (decoupled PPO), seq_tis (sequence-level truncated IS), seq_mask (tis, and sequences outside a band masked) or icepop (tokens outside a band masked)."""
     tis_cap: float = Field(2.0, ge=1)
-    """ppo.off_policy=tis: importance weights pi_old / pi_behaviour are truncated to this value (>= 1)."""
+    """ppo.off_policy tis and seq_mask: importance weights pi_old / pi_behaviour are truncated to this value (>= 1); seq_tis: the sequence's product of them."""
     decoupled_cap: float = Field(5.0, ge=1)
     """ppo.off_policy=decoupled: tokens whose weight pi_proximal / pi_behaviour exceeds this (>= 1) are dropped."""
+    seq_mask_low: float = Field(0.999, gt=0, lt=1)
+    """ppo.off_policy=seq_mask: a sequence whose geometric-mean weight is below this (< 1) is masked out of the loss."""
+    seq_mask_high: float = Field(1.001, gt=1)
+    """ppo.off_policy=seq_mask: a sequence whose geometric-mean weight is above this (> 1) is masked out of the loss."""
+    icepop_low: float = Field(0.5, gt=0, lt=1)
+    """ppo.off_policy=icepop: a token whose weight pi_old / pi_behaviour is below this (< 1) is masked out of the loss."""
+    icepop_high: float = Field(5.0, gt=1)
+    """ppo.off_policy=icepop: a token whose weight pi_old / pi_behaviour is above this (> 1) is masked out of the loss."""
     eps_clip_high: Optional[float] = Field(
         None, gt=0, examples=[0.28], json_schema_extra=_null("to clip symmetrically at ppo.eps_clip"))
-    """Upper clip range of the policy ratio (DAPO clip-higher, e.g. 0.28); null = ppo.eps_clip."""
+    """Upper clip range of the policy ratio (DAPO clip-higher, e.g. 0.28; gspo: the paper's 4e-4; cispo: the IS weight's cap 1 + this); null = ppo.eps_clip."""
     loss_agg: LossAgg = "token_mean"
     """Policy-loss reduction: token_mean (mean over all tokens), seq_mean_token_sum or seq_mean_token_mean."""
     kl_in: KlIn = "reward"
     """Where the KL to the reference goes: reward (per-token penalty in the rewards) or loss (kl_coef * KL added to the policy loss)."""
 
+    @model_validator(mode="after")
+    def _dual_clip_is_ppo_s(self) -> PPOConfig:
+        if self.dual_clip is not None and self.policy_loss != "ppo":
+            raise ConfigError(
+                f"ppo.dual_clip={self.dual_clip:g} bounds the PPO surrogate's loss, but ppo.policy_loss="
+                f"{self.policy_loss} has no such term; set ppo.dual_clip=null or ppo.policy_loss=ppo")
+        return self
+
     @property
     def importance_cap(self) -> float:
-        """The cap of the importance weights: ppo.tis_cap or ppo.decoupled_cap, whichever ppo.off_policy uses."""
-        return self.tis_cap if self.off_policy == "tis" else self.decoupled_cap
+        """The cap of the importance weights: ppo.decoupled_cap with ppo.off_policy=decoupled, else ppo.tis_cap."""
+        return self.decoupled_cap if self.off_policy == "decoupled" else self.tis_cap
+
+    @property
+    def importance_band(self) -> tuple[float, float] | None:
+        """The (low, high) band of ppo.off_policy seq_mask (ppo.seq_mask_*) or icepop (ppo.icepop_*); None otherwise."""
+        if self.off_policy == "seq_mask":
+            return self.seq_mask_low, self.seq_mask_high
+        if self.off_policy == "icepop":
+            return self.icepop_low, self.icepop_high
+        return None
 
     @property
     def uses_reference(self) -> bool:

@@ -1,8 +1,10 @@
 """The PPO update: epochs x minibatches of actor and critic steps on one experience batch.
 
-With ``ppo.off_policy`` tis or decoupled the step first recomputes the trainer's own log-probs of
-the batch (pi_old, no grad) and clips the ratio around them, weighting each token by
-pi_old / pi_behaviour (``ray_ppo.core.algo.off_policy``). Critic-free estimators have no critic here.
+The policy objective is ``ppo.policy_loss``: the PPO clipped surrogate, GSPO or CISPO
+(``ray_ppo.core.algo.functional``). With a ``ppo.off_policy`` correction the step first recomputes
+the trainer's own log-probs of the batch (pi_old, no grad) and clips the ratio around them,
+weighting each token by an importance weight built from pi_old / pi_behaviour
+(``ray_ppo.core.algo.off_policy``). Critic-free estimators have no critic here.
 
 Plain class, no Ray: the synchronous local loop and the Ray Train loop both drive it.
 """
@@ -20,18 +22,19 @@ from ray_ppo.core.algo import (
     ExperienceBatch,
     aggregate_loss,
     behaviour_kl,
+    cispo_loss,
     compute_kl,
+    correction_stats,
     entropy_from_logits,
     explained_variance,
+    gspo_loss,
     importance_weights,
     kl_by_staleness,
     log_probs_from_logits,
     masked_mean,
     masked_whiten,
     policy_loss,
-    raw_weights,
     value_loss,
-    weight_stats,
 )
 from ray_ppo.core.models import action_logits, action_values
 from ray_ppo.core.strategies import Strategy
@@ -95,7 +98,7 @@ class PPOLearner:
     Responsibilities:
       - wrap the models with the strategy;
       - recompute the trainer's log-probs of the batch when ``off_policy`` needs them;
-      - run ``ppo_epochs`` passes of minibatch actor (clipped surrogate + entropy bonus, and the
+      - run ``ppo_epochs`` passes of minibatch actor (``ppo.policy_loss`` + entropy bonus, and the
         KL term with ``kl_in="loss"``) and critic (clipped value loss) updates on one ``ExperienceBatch``;
       - return the step's metrics.
 
@@ -212,7 +215,7 @@ class PPOLearner:
         p, behaviour, mask = self.ppo, batch.action_log_probs, batch.action_mask
         if p.off_policy == "none":
             return {}
-        metrics = weight_stats(raw_weights(old, behaviour), p.importance_cap, mask)
+        metrics = correction_stats(p.off_policy, old, behaviour, mask, p.importance_cap, p.importance_band)
         kl = behaviour_kl(old, behaviour)
         metrics["behaviour_kl"] = float(masked_mean(kl, mask))
         if version is not None:
@@ -221,27 +224,40 @@ class PPOLearner:
                 metrics[f"{STALE_KL_PREFIX}{s}"] = value
         return metrics
 
-    def _weights(self, anchor: torch.Tensor, behaviour: torch.Tensor) -> torch.Tensor | None:
-        """Importance weights pi_proximal / pi_behaviour of ``ppo.off_policy`` (None for ``none``)."""
-        if self.ppo.off_policy == "none":
+    def _weights(self, anchor: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """Importance weights of ``ppo.off_policy`` from pi_proximal / pi_behaviour (None for ``none``)."""
+        p = self.ppo
+        if p.off_policy == "none":
             return None
-        return importance_weights(self.ppo.off_policy, anchor, behaviour, self.ppo.importance_cap)
+        return importance_weights(p.off_policy, anchor, behaviour, mask, p.importance_cap, p.importance_band)
+
+    def _policy_loss(self, log_probs: torch.Tensor, anchor: torch.Tensor, advantages: torch.Tensor,
+                     mask: torch.Tensor, weights: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of ``ppo.policy_loss`` and its stats."""
+        p = self.ppo
+        if p.policy_loss == "gspo":
+            return gspo_loss(log_probs, anchor, advantages, mask, p.eps_clip, p.eps_clip_high, weights, p.loss_agg)
+        if p.policy_loss == "cispo":
+            eps_clip_high = p.eps_clip if p.eps_clip_high is None else p.eps_clip_high
+            return cispo_loss(log_probs, anchor, advantages, mask, eps_clip_high, weights, p.loss_agg)
+        return policy_loss(log_probs, anchor, advantages, mask, p.eps_clip, p.dual_clip,
+                           eps_clip_high=p.eps_clip_high, is_weights=weights, loss_agg=p.loss_agg)
 
     def _actor_update(self, mb: ExperienceBatch, proximal: Proximal, idx: torch.Tensor) -> dict[str, float]:
-        """One clipped policy update on minibatch ``mb`` (rows ``idx`` of the step's batch)."""
+        """One policy update on minibatch ``mb`` (rows ``idx`` of the step's batch)."""
         p = self.ppo
         with self._forward():
             logits = action_logits(self.actor, mb.sequences, mb.attention_mask, mb.num_actions, self.temperature)
         log_probs = log_probs_from_logits(logits, mb.sequences[:, -mb.num_actions:])
         anchor = proximal.rows(idx, log_probs)
-        weights = self._weights(anchor, mb.action_log_probs)
-        pg_loss, stats = policy_loss(log_probs, anchor, mb.advantages, mb.action_mask, p.eps_clip, p.dual_clip,
-                                     eps_clip_high=p.eps_clip_high, is_weights=weights, loss_agg=p.loss_agg)
-        entropy = masked_mean(entropy_from_logits(logits), mb.action_mask)
+        mask = mb.action_mask
+        weights = self._weights(anchor, mb.action_log_probs, mb.action_mask)
+        pg_loss, stats = self._policy_loss(log_probs, anchor, mb.advantages, mask, weights)
+        entropy = aggregate_loss(entropy_from_logits(logits), mask)
         loss = pg_loss - p.entropy_coef * entropy
         out = {}
         if p.kl_in == "loss" and p.uses_reference:
-            kl_loss = aggregate_loss(compute_kl(log_probs, mb.ref_log_probs, p.kl_estimator), mb.action_mask, p.loss_agg)
+            kl_loss = aggregate_loss(compute_kl(log_probs, mb.ref_log_probs, p.kl_estimator), mask, p.loss_agg)
             loss = loss + self.kl_coef * kl_loss
             out["kl_loss"] = kl_loss.item()
         grad_norm = self._optimize(loss, self.actor, self.actor_optim, self.actor_sched, "actor")

@@ -91,10 +91,11 @@ def test_tree_names_and_defaults_are_the_public_contract():
                     "lr_schedule": "constant", "warmup_steps": 0, "max_grad_norm": 1.0, "torch_threads": 1,
                     "checkpoint_every": 0, "keep_checkpoints": 2, "max_failures": 0, "pull_timeout_s": 120.0, "prefetch": True,
                     "max_nonfinite_updates": 10, "autocast": False},
-        "ppo": {"kl_coef": 0.05, "kl_estimator": "k1", "kl_target": None, "kl_horizon": 10000, "eps_clip": 0.2,
-                "dual_clip": None, "value_clip": 0.2, "entropy_coef": 0.0, "gamma": 1.0, "lam": 0.95,
+        "ppo": {"kl_coef": 0.05, "kl_estimator": "k1", "kl_target": None, "kl_horizon": 10000, "policy_loss": "ppo",
+                "eps_clip": 0.2, "dual_clip": None, "value_clip": 0.2, "entropy_coef": 0.0, "gamma": 1.0, "lam": 0.95,
                 "whiten_advantages": True, "max_staleness": 1, "off_policy": "decoupled", "tis_cap": 2.0,
-                "decoupled_cap": 5.0, "eps_clip_high": None, "loss_agg": "token_mean", "kl_in": "reward"},
+                "decoupled_cap": 5.0, "seq_mask_low": 0.999, "seq_mask_high": 1.001, "icepop_low": 0.5,
+                "icepop_high": 5.0, "eps_clip_high": None, "loss_agg": "token_mean", "kl_in": "reward"},
         "algo": {"advantage": "gae", "group_norm_std": True},
         "sync": {"bucket_mb": 256.0, "lora_only": False, "zero_copy": True},
         "topology": {"routing": "round_robin", "buffer_size": 0, "transport": "inline"},
@@ -357,6 +358,14 @@ def test_non_negative_fields(key):
     ({"ppo.value_clip": -0.1}, ["ppo.value_clip=-0.1", "ppo.value_clip=0.2", "ppo.value_clip=null"]),
     ({"ppo.gamma": 1.1}, ["ppo.gamma=1.1", "[0, 1]", "ppo.gamma=1.0"]),
     ({"ppo.lam": -0.1}, ["ppo.lam=-0.1", "[0, 1]", "ppo.lam=0.95"]),
+    ({"ppo.policy_loss": "grpo"}, ["ppo.policy_loss='grpo'", "one of ppo, gspo, cispo", "ppo.policy_loss=ppo"]),
+    ({"ppo.policy_loss": "gspo", "ppo.dual_clip": 3.0}, ["ppo.dual_clip=3", "ppo.policy_loss=gspo has no such term",
+                                                         "set ppo.dual_clip=null or ppo.policy_loss=ppo"]),
+    ({"ppo.off_policy": "seq_is"}, ["ppo.off_policy='seq_is'", "seq_tis, seq_mask, icepop"]),
+    ({"ppo.icepop_low": 5.0}, ["ppo.icepop_low=5.0", "(0, 1)", "ppo.icepop_low=0.5"]),
+    ({"ppo.icepop_high": 0.5}, ["ppo.icepop_high=0.5", "> 1", "ppo.icepop_high=5.0"]),
+    ({"ppo.seq_mask_low": 1.0}, ["ppo.seq_mask_low=1.0", "(0, 1)", "ppo.seq_mask_low=0.999"]),
+    ({"ppo.seq_mask_high": 1.0}, ["ppo.seq_mask_high=1.0", "> 1", "ppo.seq_mask_high=1.001"]),
     ({"topology.routing": "random"}, ["topology.routing='random'", "round_robin, modulo"]),
     ({"topology.transport": "shm"}, ["topology.transport='shm'", "inline, ref"]),
     ({"topology.buffer_size": 8}, ["topology.buffer_size=8 is smaller than trainer.train_batch_size=32",
@@ -376,6 +385,8 @@ def test_value_rules_name_field_value_and_fix(overrides, fragments):
     {"ppo.dual_clip": 3.0, "ppo.kl_target": 6.0, "ppo.value_clip": None, "maker.quantization": "int8"},
     {"maker.num_gpus": 0.5, "maker.quantization": None},
     {"maker.top_p": 1.0, "ppo.gamma": 0.0, "ppo.lam": 1.0, "model.lora.dropout": 0.0, "seed": 2**32 - 1},
+    {"ppo.policy_loss": "cispo", "ppo.eps_clip_high": 4.0, "ppo.off_policy": "icepop"},
+    {"ppo.policy_loss": "gspo", "ppo.eps_clip": 3e-4, "ppo.eps_clip_high": 4e-4, "ppo.off_policy": "seq_mask"},
 ])
 def test_valid_edge_values_pass(overrides):
     cfg = Config().with_overrides(overrides)
@@ -481,12 +492,12 @@ def test_shipped_configs_validate(colossalai_available, monkeypatch):
 def test_code_that_dispatches_on_a_choice_knows_exactly_the_config_s_names():
     torch = pytest.importorskip("torch")
     from ray_ppo import choices
-    from ray_ppo.core.algo import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_MODES, functional
+    from ray_ppo.core.algo import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_MODES, POLICY_LOSSES, functional
     from ray_ppo.core.models import hf, quantize
 
     assert tuple(functional.KL_ESTIMATORS) == choices.KL_ESTIMATORS
-    assert (ADVANTAGE_ESTIMATORS, OFF_POLICY_MODES, LOSS_AGGREGATIONS) == (
-        choices.ADVANTAGES, choices.OFF_POLICY, choices.LOSS_AGGS)
+    assert (ADVANTAGE_ESTIMATORS, OFF_POLICY_MODES, LOSS_AGGREGATIONS, POLICY_LOSSES) == (
+        choices.ADVANTAGES, choices.OFF_POLICY, choices.LOSS_AGGS, choices.POLICY_LOSSES)
     assert hf.DTYPES == {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     assert quantize.QUANTIZATIONS == choices.QUANTIZATIONS == ("int8",)
     assert "one of " + ", ".join(choices.STRATEGIES) in config_error(Config().with_overrides, {"trainer.strategy": "x"})

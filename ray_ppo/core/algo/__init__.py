@@ -1,4 +1,4 @@
-"""Pure PyTorch PPO components: experience containers, losses, advantages, KL penalties.
+"""Pure PyTorch PPO components: experience containers, losses, advantages, KL penalties, corrections.
 
 Imports torch and the standard library only (no Ray, no transformers), so everything here is
 unit-testable in-process.
@@ -18,12 +18,15 @@ from ray_ppo.core.algo.experience import PER_TOKEN_FIELDS, ExperienceBatch, Expe
 from ray_ppo.core.algo.functional import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
     aggregate_loss,
+    cispo_loss,
     compute_gae,
     compute_gae_reference,
     compute_kl,
     entropy_from_logits,
     explained_variance,
+    gspo_loss,
     kl_k1,
     kl_k2,
     kl_k3,
@@ -41,10 +44,15 @@ from ray_ppo.core.algo.kl_controller import AdaptiveKLController, FixedKLControl
 from ray_ppo.core.algo.off_policy import (
     OFF_POLICY_MODES,
     behaviour_kl,
+    correction_stats,
     decoupled_weights,
+    geometric_mean_weights,
+    icepop_weights,
     importance_weights,
     kl_by_staleness,
     raw_weights,
+    seq_mask_weights,
+    seq_tis_weights,
     tis_weights,
     weight_stats,
 )
@@ -65,12 +73,15 @@ __all__ = [
     "rloo_advantages",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
+    "POLICY_LOSSES",
     "aggregate_loss",
+    "cispo_loss",
     "compute_gae",
     "compute_gae_reference",
     "compute_kl",
     "entropy_from_logits",
     "explained_variance",
+    "gspo_loss",
     "kl_k1",
     "kl_k2",
     "kl_k3",
@@ -89,10 +100,15 @@ __all__ = [
     "make_kl_controller",
     "OFF_POLICY_MODES",
     "behaviour_kl",
+    "correction_stats",
     "decoupled_weights",
+    "geometric_mean_weights",
+    "icepop_weights",
     "importance_weights",
     "kl_by_staleness",
     "raw_weights",
+    "seq_mask_weights",
+    "seq_tis_weights",
     "tis_weights",
     "weight_stats",
 ]

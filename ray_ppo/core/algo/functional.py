@@ -13,6 +13,7 @@ import torch
 
 from ray_ppo.choices import KL_ESTIMATORS as KL_ESTIMATOR_NAMES
 from ray_ppo.choices import LOSS_AGGS as LOSS_AGGREGATIONS
+from ray_ppo.choices import POLICY_LOSSES  # noqa: F401  (re-exported by ray_ppo.core.algo)
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -119,15 +120,19 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, loss_agg: str = "toke
       length-unnormalised loss of Dr. GRPO, Liu et al. 2025, arXiv:2503.20783);
     - ``seq_mean_token_mean``: mean over each response's tokens, then over responses (GRPO as in
       Shao et al. 2024, arXiv:2402.03300, eq. 3).
-    Every row needs a valid token. Names as veRL's ``loss_agg_mode``.
+    A row without a valid token (a response filtered out of the loss) is no response of the means;
+    with no valid token at all the loss is 0 (and its gradient too). Names as veRL's ``loss_agg_mode``.
     """
+    if loss_agg not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss_agg {loss_agg!r}; valid names: {', '.join(LOSS_AGGREGATIONS)}")
+    valid = mask.bool()
     if loss_agg == "token_mean":
-        return masked_mean(loss, mask)
+        return masked_sum(loss, valid) / valid.sum().clamp(min=1)
+    tokens = valid.sum(dim=1)
+    responses = (tokens > 0).sum().clamp(min=1)
     if loss_agg == "seq_mean_token_sum":
-        return masked_sum(loss, mask, dim=1).mean()
-    if loss_agg == "seq_mean_token_mean":
-        return masked_mean(loss, mask, dim=1).mean()
-    raise ValueError(f"unknown loss_agg {loss_agg!r}; valid names: {', '.join(LOSS_AGGREGATIONS)}")
+        return masked_sum(loss, valid, dim=1).sum() / responses
+    return (masked_sum(loss, valid, dim=1) / tokens.clamp(min=1)).sum() / responses  # seq_mean_token_mean
 
 
 def policy_loss(
@@ -168,10 +173,81 @@ def policy_loss(
     if is_weights is not None:
         pg_loss = pg_loss * is_weights.detach()
     loss = aggregate_loss(pg_loss, mask, loss_agg)
+    return loss, _ratio_stats(pg_loss2 > pg_loss1, logratio, mask)
+
+
+def _ratio_stats(clipped: torch.Tensor, logratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The policy losses' stats (0-dim, detached; 0 without a valid token): "clipfrac", the share of
+    valid tokens where ``clipped``, and "approx_kl", the k3 estimate of KL(old || new) from the
+    per-token log-ratios log(pi / pi_old) (http://joschu.net/blog/kl-approx.html)."""
     with torch.no_grad():
-        clipfrac = masked_mean((pg_loss2 > pg_loss1).float(), mask)
-        approx_kl = masked_mean((ratio - 1) - logratio, mask)
-    return loss, {"clipfrac": clipfrac, "approx_kl": approx_kl}
+        approx_kl = torch.exp(logratio) - 1 - logratio
+        return {"clipfrac": aggregate_loss(clipped.float(), mask), "approx_kl": aggregate_loss(approx_kl, mask)}
+
+
+def gspo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    is_weights: torch.Tensor | None = None,
+    loss_agg: str = "token_mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO: the clipped surrogate with one length-normalised importance ratio per sequence.
+
+    Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071. The sequence ratio
+    (eq. 7) s_i = (pi(y_i) / pi_old(y_i))^(1 / |y_i|) = exp(mean_t log(pi / pi_old)) over the
+    sequence's valid tokens (``mask``: an environment's tokens are no part of it), clipped to
+    [1 - eps_clip, 1 + eps_clip_high] (the paper's ranges are 3e-4 and 4e-4). In GSPO-token's form
+    (eq. 13-14), s_i,t = sg[s_i] * pi(y_i,t) / sg[pi(y_i,t)]: equal to s_i in value, with the
+    gradient sg[s_i] * grad log pi(y_i,t), so per-token advantages and weights fit in; with one
+    advantage per sequence it is GSPO. The paper averages each sequence's tokens, then the
+    sequences (``loss_agg=seq_mean_token_mean``). `is_weights` and the stats as ``policy_loss``.
+    """
+    eps_clip_high = eps_clip if eps_clip_high is None else eps_clip_high
+    logratio = log_probs - old_log_probs
+    valid = mask.bool()
+    seq_logratio = masked_sum(logratio, valid, dim=-1) / valid.sum(dim=-1).clamp(min=1)  # log s_i
+    seq_ratio = torch.exp(seq_logratio.detach().unsqueeze(-1) + log_probs - log_probs.detach())  # s_i,t
+    pg_loss1 = -advantages * seq_ratio
+    pg_loss2 = -advantages * torch.clamp(seq_ratio, 1.0 - eps_clip, 1.0 + eps_clip_high)
+    pg_loss = torch.max(pg_loss1, pg_loss2)
+    if is_weights is not None:
+        pg_loss = pg_loss * is_weights.detach()
+    loss = aggregate_loss(pg_loss, mask, loss_agg)
+    return loss, _ratio_stats(pg_loss2 > pg_loss1, logratio, mask)
+
+
+def cispo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_clip_high: float,
+    is_weights: torch.Tensor | None = None,
+    loss_agg: str = "token_mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO: REINFORCE on every token, weighted by the clipped importance ratio without its gradient.
+
+    MiniMax 2025, "MiniMax-M1", arXiv:2506.13585, eq. 4-5: J = mean over all tokens of
+    sg(r_hat_t) * A_t * log pi(y_t), with r_hat_t = clip(r_t, 1 - eps_low, 1 + eps_high) and
+    r_t = pi / pi_old. As in the paper's experiments there is no lower bound (eps_low large):
+    r_hat_t = min(r_t, 1 + eps_clip_high). Unlike the PPO clip no token loses its gradient; a
+    clipped weight only bounds it. The paper averages over every token of the group
+    (``loss_agg=token_mean``). `is_weights` as ``policy_loss``; "clipfrac" is the share of
+    tokens whose weight was clipped. The loss's value is -A * r_hat * log pi, not comparable with
+    the clipped surrogate's; its gradient is the paper's.
+    """
+    logratio = log_probs - old_log_probs
+    ratio = torch.exp(logratio)
+    clipped_ratio = torch.clamp(ratio, max=1.0 + eps_clip_high).detach()  # sg(r_hat)
+    pg_loss = -advantages * clipped_ratio * log_probs
+    if is_weights is not None:
+        pg_loss = pg_loss * is_weights.detach()
+    loss = aggregate_loss(pg_loss, mask, loss_agg)
+    return loss, _ratio_stats(ratio > 1.0 + eps_clip_high, logratio, mask)
 
 
 def value_loss(
