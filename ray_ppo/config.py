@@ -438,12 +438,18 @@ class PPOConfig(_Section):
 
 
 class AlgoConfig(_Section):
-    """The advantage estimator."""
+    """The advantage estimator and reward shaping."""
 
     advantage: Advantage = "gae"
     """Advantage estimator: gae (with a critic), grpo, rloo or reinforce_pp (no critic is built, trained or pushed)."""
     group_norm_std: bool = True
     """algo.advantage=grpo: divide by the group's std; false = Dr. GRPO (mean-centred only)."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO soft overlong punishment: over the last this many tokens before maker.max_new_tokens a response's reward falls linearly, to -algo.overlong_penalty at the limit; 0 = off."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """DAPO soft overlong punishment: the reward a response of maker.max_new_tokens tokens loses (with algo.overlong_buffer > 0)."""
+    overlong_filter: bool = False
+    """DAPO overlong filtering: a response cut at maker.max_new_tokens without an end token is masked out of the policy loss."""
 
 
 class SyncConfig(_Section):
@@ -573,7 +579,7 @@ class Config(_Section):
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     """PPO objective."""
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
-    """Advantage estimator."""
+    """Advantage estimator and reward shaping."""
     sync: SyncConfig = Field(default_factory=SyncConfig)
     """Weight pushes from trainer to makers."""
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
@@ -646,6 +652,21 @@ class Config(_Section):
             raise ConfigError(
                 f"model.lora.critic=true, but algo.advantage={advantage} builds no critic; "
                 f"set model.lora.critic=false or algo.advantage=gae")
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_settings(self) -> Config:
+        a, limit = self.algo, self.maker.max_new_tokens
+        if a.overlong_buffer >= limit:
+            fix = f"algo.overlong_buffer={limit // 4} or 0 (off)" if limit >= 4 else "algo.overlong_buffer=0 (off)"
+            raise ConfigError(
+                f"algo.overlong_buffer={a.overlong_buffer} must be below maker.max_new_tokens={limit} (it is the "
+                f"last tokens before the limit); set {fix}")
+        if self.env.cls is not None and (a.overlong_buffer or a.overlong_filter):
+            key = "algo.overlong_buffer" if a.overlong_buffer else "algo.overlong_filter"
+            raise ConfigError(
+                f"{key} shapes single completions cut at maker.max_new_tokens, but env.cls={self.env.cls!r} runs "
+                f"multi-turn episodes; set algo.overlong_buffer=0 and algo.overlong_filter=false")
         return self
 
     @model_validator(mode="after")

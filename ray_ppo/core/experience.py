@@ -22,7 +22,14 @@ import torch
 from torch import nn
 
 from ray_ppo.config import Config
-from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, compute_advantages, compute_kl, kl_penalized_rewards
+from ray_ppo.core.algo import (
+    ExperienceBatch,
+    ExperienceItem,
+    compute_advantages,
+    compute_kl,
+    kl_penalized_rewards,
+    overlong_penalty,
+)
 from ray_ppo.core.models import (
     RewardFn,
     Rollout,
@@ -104,7 +111,11 @@ class ExperienceMaker:
     for the wire.
 
     A response ends at its first end token (``stop_token_ids``: the tokenizer's EOS, the actor's
-    generation-config end ids, the pad) or at ``maker.max_new_tokens``.
+    generation-config end ids, the pad) or at ``maker.max_new_tokens``: then it is truncated
+    (``ExperienceItem.truncated``, which ``algo.overlong_filter`` masks out of the loss). With
+    ``algo.overlong_buffer`` a response that nears the limit has its score lowered before the
+    advantages (DAPO's soft overlong punishment, ``ray_ppo.core.algo.overlong``); the item's
+    ``reward`` stays the score.
 
     ``episodes`` (optional, an ``ray_ppo.core.episodes.EpisodeRunner``, ``env.cls``): each sample is
     a multi-turn episode with an environment, whose turns' rewards are the score (the reward
@@ -288,11 +299,15 @@ class ExperienceMaker:
         ref_log_probs = self._ref_log_probs(rollout) if self.reference else log_probs  # no reference: no KL
         values = torch.zeros_like(log_probs) if self.critic is None else \
             action_values(self.critic, rollout.sequences, rollout.attention_mask, rollout.num_actions) * mask
-        p = self.ppo
+        p, a = self.ppo, self.algo
         kl = compute_kl(log_probs, ref_log_probs, p.kl_estimator) * mask
+        shaped = reward  # algo.overlong_buffer is for single completions (the config refuses it with episodes)
+        if a.overlong_buffer:
+            shaped = reward + overlong_penalty(mask.sum(dim=1), self.sampling.max_new_tokens, a.overlong_buffer,
+                                               a.overlong_penalty)
         rewards, advantages, returns = compute_advantages(
-            self.algo.advantage, reward, kl, values, mask, kl_coef=kl_coef, kl_in=p.kl_in, gamma=p.gamma,
-            lam=p.lam, group_size=self.group_size, group_norm_std=self.algo.group_norm_std, token_scores=token_scores)
+            a.advantage, shaped, kl, values, mask, kl_coef=kl_coef, kl_in=p.kl_in, gamma=p.gamma,
+            lam=p.lam, group_size=self.group_size, group_norm_std=a.group_norm_std, token_scores=token_scores)
         if faulted is not None and bool(faulted.any()):  # no advantage, and the critic's target is its own value
             rows = faulted.unsqueeze(1)
             advantages = torch.where(rows, 0.0, advantages)
@@ -303,4 +318,13 @@ class ExperienceMaker:
             advantages=advantages, returns=returns, reward=reward,
             policy_version=torch.full((len(reward),), policy_version, dtype=torch.long, device=reward.device),
             uids=[""] * len(reward), prompt_len=rollout.prompt_len, pad_token_id=self.tokenizer.pad_token_id,
+            truncated=None if self.episodes is not None else self._truncated(rollout),
         )
+
+    def _truncated(self, rollout: Rollout) -> torch.Tensor:
+        """(B,) bool: the responses whose last token is no end token (cut at ``maker.max_new_tokens``)."""
+        mask = rollout.action_mask
+        positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+        last = (positions * mask).argmax(dim=1, keepdim=True)
+        last_token = rollout.sequences[:, rollout.prompt_len:].gather(1, last).squeeze(1)
+        return ~torch.isin(last_token, torch.tensor(self.stop_ids, dtype=last_token.dtype, device=last_token.device))

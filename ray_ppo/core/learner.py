@@ -4,7 +4,8 @@ The policy objective is ``ppo.policy_loss``: the PPO clipped surrogate, GSPO or 
 (``ray_ppo.core.algo.functional``). With a ``ppo.off_policy`` correction the step first recomputes
 the trainer's own log-probs of the batch (pi_old, no grad) and clips the ratio around them,
 weighting each token by an importance weight built from pi_old / pi_behaviour
-(``ray_ppo.core.algo.off_policy``). Critic-free estimators have no critic here.
+(``ray_ppo.core.algo.off_policy``). With ``algo.overlong_filter`` the truncated responses are
+masked out of the policy loss. Critic-free estimators have no critic here.
 
 Plain class, no Ray: the synchronous local loop and the Ray Train loop both drive it.
 """
@@ -33,6 +34,7 @@ from ray_ppo.core.algo import (
     log_probs_from_logits,
     masked_mean,
     masked_whiten,
+    overlong_penalty,
     policy_loss,
     value_loss,
 )
@@ -103,7 +105,8 @@ class PPOLearner:
       - return the step's metrics.
 
     The settings are the run's ``Config``: ``trainer.*`` (optimizers, schedule, epochs, minibatches),
-    ``ppo.*`` (the objective), ``algo.advantage`` and ``maker.temperature``.
+    ``ppo.*`` (the objective), ``algo.*`` (the estimator and the overlong settings),
+    ``maker.temperature`` and ``maker.max_new_tokens``.
     ``critic`` is None for the critic-free estimators (no critic optimizer, no value loss).
     ``kl_coef`` is the coefficient of the KL loss term (``kl_in="loss"``); the loop sets it from
     its KL controller before each step.
@@ -111,8 +114,9 @@ class PPOLearner:
 
     def __init__(self, actor: nn.Module, critic: nn.Module | None, strategy: Strategy, cfg: Config, seed: int = 0):
         self.strategy = strategy
-        self.trainer, self.ppo, self.estimator = cfg.trainer, cfg.ppo, cfg.algo.advantage
+        self.trainer, self.ppo, self.algo, self.estimator = cfg.trainer, cfg.ppo, cfg.algo, cfg.algo.advantage
         self.temperature = cfg.maker.temperature  # the log-probs are of the distribution the makers sample from
+        self.max_new_tokens = cfg.maker.max_new_tokens
         t = cfg.trainer
         self.actor = strategy.wrap(actor.train())
         self.critic = strategy.wrap(critic.train()) if critic is not None else None
@@ -157,6 +161,7 @@ class PPOLearner:
                     sums[key] = sums.get(key, 0.0) + value
                 updates += 1
         metrics = self._off_policy_metrics(batch, proximal.anchor, version)
+        metrics.update(self._overlong_metrics(batch))
         metrics.update({key: value / updates for key, value in sums.items()})
         metrics["actor_lr"] = self.actor_sched.get_last_lr()[0]
         if self.critic is not None:
@@ -224,6 +229,32 @@ class PPOLearner:
                 metrics[f"{STALE_KL_PREFIX}{s}"] = value
         return metrics
 
+    def _overlong_metrics(self, batch: ExperienceBatch) -> dict[str, float]:
+        """``algo.overlong_buffer``: the share of responses whose length entered the buffer and their mean
+        penalty; ``algo.overlong_filter``: the share of truncated responses, masked out of the loss."""
+        a, metrics = self.algo, {}
+        if a.overlong_buffer:
+            penalty = overlong_penalty(batch.action_mask.sum(dim=1), self.max_new_tokens, a.overlong_buffer,
+                                       a.overlong_penalty)
+            metrics["overlong_penalized_frac"] = float((penalty < 0).float().mean())
+            metrics["overlong_penalty_mean"] = float(penalty.mean())
+        if a.overlong_filter:
+            metrics["overlong_filtered_frac"] = float(self._truncated(batch).float().mean())
+        return metrics
+
+    @staticmethod
+    def _truncated(batch: ExperienceBatch) -> torch.Tensor:
+        if batch.truncated is None:
+            return torch.zeros(batch.batch_size, dtype=torch.bool, device=batch.action_mask.device)
+        return batch.truncated
+
+    def _loss_mask(self, mb: ExperienceBatch) -> torch.Tensor:
+        """The tokens of the policy loss: the policy's own, without the truncated responses' with
+        ``algo.overlong_filter`` (DAPO's overlong filtering)."""
+        if not self.algo.overlong_filter:
+            return mb.action_mask
+        return mb.action_mask & ~self._truncated(mb).unsqueeze(1)
+
     def _weights(self, anchor: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         """Importance weights of ``ppo.off_policy`` from pi_proximal / pi_behaviour (None for ``none``)."""
         p = self.ppo
@@ -250,7 +281,7 @@ class PPOLearner:
             logits = action_logits(self.actor, mb.sequences, mb.attention_mask, mb.num_actions, self.temperature)
         log_probs = log_probs_from_logits(logits, mb.sequences[:, -mb.num_actions:])
         anchor = proximal.rows(idx, log_probs)
-        mask = mb.action_mask
+        mask = self._loss_mask(mb)
         weights = self._weights(anchor, mb.action_log_probs, mb.action_mask)
         pg_loss, stats = self._policy_loss(log_probs, anchor, mb.advantages, mask, weights)
         entropy = aggregate_loss(entropy_from_logits(logits), mask)

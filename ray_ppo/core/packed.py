@@ -53,6 +53,8 @@ class PackedItems:
     """(N,) bool NumPy array: which items have an action mask; None with ``action_mask``."""
     episodes: list | None = None
     """Each item's episode counts (``ExperienceItem.episode``); None when no item has them."""
+    truncated: object = None
+    """(N,) bool NumPy array, ``ExperienceItem.truncated``; None when no item is truncated."""
 
     def __len__(self) -> int:
         return len(self.uids)
@@ -77,6 +79,7 @@ class PackedItems:
             action_mask = np.concatenate([it.action_mask.detach().cpu().numpy().astype(bool) if it.action_mask is not None
                                           else np.ones(it.response_ids.numel(), dtype=bool) for it in items])
         episodes = [it.episode for it in items]
+        truncated = np.array([it.truncated for it in items], dtype=bool)
         arrays = {name: flat(name, np.int64) for name in INT_FIELDS}
         arrays.update({name: flat(name, np.float32) for name in PER_TOKEN_FIELDS})
         return cls(arrays=arrays, prompt_offsets=offsets("prompt_ids"), response_offsets=offsets("response_ids"),
@@ -85,4 +88,5 @@ class PackedItems:
                    uids=[it.uid for it in items], prompts=[it.prompt for it in items],
                    prompt_id=np.array([it.prompt_id for it in items], dtype=np.int64),
                    action_mask=action_mask, has_mask=has_mask if action_mask is not None else None,
-                   episodes=episodes if any(e is not None for e in episodes) else None)
+                   episodes=episodes if any(e is not None for e in episodes) else None,
+                   truncated=truncated if truncated.any() else None)

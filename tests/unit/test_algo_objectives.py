@@ -1,6 +1,6 @@
-"""GSPO, CISPO and loss aggregation over filtered rows: hand-worked numbers, and each objective
-against a reference written as its paper states it (plain loops over sequences and tokens), on masks
-with holes (an environment's tokens inside a multi-turn episode)."""
+"""GSPO, CISPO, loss aggregation over filtered rows and DAPO's overlong penalty: hand-worked
+numbers, and each objective against a reference written as its paper states it (plain loops over
+sequences and tokens), on masks with holes (an environment's tokens inside a multi-turn episode)."""
 
 import math
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ray_ppo.core.algo import aggregate_loss, cispo_loss, gspo_loss, policy_loss
+from ray_ppo.core.algo import aggregate_loss, cispo_loss, gspo_loss, overlong_penalty, policy_loss
 
 GARBAGE = 9.0  # what sits at a hole or the padding: must change nothing
 
@@ -153,3 +153,22 @@ class TestCISPO:
         assert_close(got, want)
         assert_close(got_grad, want_grad)
 
+
+class TestOverlongPenalty:
+    def test_hand_worked(self):
+        # max_new_tokens 10, buffer 4: no penalty up to 6 tokens, then (6 - |y|) / 4, -1 at the limit
+        lengths = torch.tensor([5, 6, 7, 9, 10])
+        assert_close(overlong_penalty(lengths, 10, 4, 1.0), t(0.0, 0.0, -0.25, -0.75, -1.0))
+        assert_close(overlong_penalty(lengths, 10, 4, 0.5), t(0.0, 0.0, -0.125, -0.375, -0.5))
+
+    def test_matches_dapo_eq_13(self):
+        L_max, L_cache = 20, 6
+        for length in range(1, L_max + 1):
+            # Yu et al. 2025, eq. 13 (|y| <= L_max here: generation stops at the limit)
+            want = 0.0 if length <= L_max - L_cache else ((L_max - L_cache) - length) / L_cache
+            assert overlong_penalty(torch.tensor([length]), L_max, L_cache, 1.0).item() == pytest.approx(want)
+
+    @pytest.mark.parametrize("buffer", [0, 10, 11])
+    def test_the_buffer_lies_within_the_limit(self, buffer):
+        with pytest.raises(ValueError, match="overlong buffer"):
+            overlong_penalty(torch.tensor([3]), 10, buffer, 1.0)

@@ -56,6 +56,7 @@ from ray_ppo.core.algo.off_policy import (
     tis_weights,
     weight_stats,
 )
+from ray_ppo.core.algo.overlong import overlong_penalty
 from ray_ppo.core.packed import PackedItems
 
 __all__ = [
@@ -111,4 +112,5 @@ __all__ = [
     "seq_tis_weights",
     "tis_weights",
     "weight_stats",
+    "overlong_penalty",
 ]

@@ -64,13 +64,16 @@ class ExperienceItem:
     episode: dict | None = None
     """A multi-turn episode's counts (``ray_ppo.core.episodes.Episode.info``: turns, fault, the
     environment's own); None for a single completion."""
+    truncated: bool = False
+    """The response was cut at ``maker.max_new_tokens`` without an end token (a single completion
+    only: False for a multi-turn episode)."""
 
     @classmethod
     def filled(cls, prompt_ids: torch.Tensor, response_ids: torch.Tensor,
                per_token: Callable[[str], torch.Tensor] | None = None, **fields) -> ExperienceItem:
         """An item whose per-token fields (``PER_TOKEN_FIELDS``) are ``per_token(name)``, zeros by
         default: for tests and benchmarks that need items without a model. ``fields`` gives the
-        others (``reward``, ``policy_version``, ``uid``, ``prompt_id``, ``prompt``)."""
+        others (``reward``, ``policy_version``, ``uid``, ``prompt_id``, ``prompt``, ``truncated``)."""
         make = per_token or (lambda name: torch.zeros(response_ids.numel()))
         return cls(prompt_ids=prompt_ids, response_ids=response_ids, **{name: make(name) for name in PER_TOKEN_FIELDS},
                    **fields)
@@ -138,6 +141,9 @@ class ExperienceBatch:
     """P, the column where every response starts."""
     pad_token_id: int
     """Token id written at padded positions of `sequences`."""
+    truncated: torch.Tensor | None = None
+    """(B,) bool, the responses cut at ``maker.max_new_tokens`` without an end token
+    (``ExperienceItem.truncated``); None: none is."""
 
     @property
     def num_actions(self) -> int:
@@ -178,9 +184,10 @@ class ExperienceBatch:
         holes = (actions != response_mask).any(dim=1).tolist()
         masks = actions[response_mask].split(response_lens) if any(holes) else [None] * B
         rewards, versions = self.reward.tolist(), self.policy_version.tolist()
+        truncated = self.truncated.tolist() if self.truncated is not None else [False] * B
         return [ExperienceItem(prompt_ids=prompts[i], **{name: rows[i] for name, rows in per_token.items()},
                                reward=rewards[i], policy_version=versions[i], uid=self.uids[i],
-                               action_mask=masks[i] if holes[i] else None) for i in range(B)]
+                               action_mask=masks[i] if holes[i] else None, truncated=truncated[i]) for i in range(B)]
 
     @classmethod
     def merge(cls, items: Sequence[ExperienceItem], pad_token_id: int) -> ExperienceBatch:
@@ -218,6 +225,7 @@ class ExperienceBatch:
             uids=[item.uid for item in items],
             prompt_len=P,
             pad_token_id=pad_token_id,
+            truncated=torch.tensor([item.truncated for item in items], dtype=torch.bool, device=device),
         )
 
 
@@ -240,5 +248,6 @@ def unpack(packed: PackedItems, start: int = 0, stop: int | None = None) -> list
                                   uid=packed.uids[i], prompt=packed.prompts[i],
                                   prompt_id=-1 if packed.prompt_id is None else int(packed.prompt_id[i]),
                                   action_mask=masks[r0:r1] if masks is not None and packed.has_mask[i] else None,
-                                  episode=None if packed.episodes is None else packed.episodes[i]))
+                                  episode=None if packed.episodes is None else packed.episodes[i],
+                                  truncated=packed.truncated is not None and bool(packed.truncated[i])))
     return out
