@@ -39,6 +39,7 @@ from _common import init_ray, median, publish, quick
 from ray_ppo.runtime.coordinator import Coordinator
 from ray_ppo.runtime.messages import MakerStats, PullRequest
 from ray_ppo.runtime.transport import ExperienceChunk, resolve
+from ray_ppo.testing import coordinator_config
 
 BATCH = 32
 P_LEN, R_LEN = 16, 24
@@ -142,9 +143,9 @@ class Rank:
 def run_once(groups, ranks, done, variant: str, num_makers: int, num_ranks: int, batch: int, total_items: int,
              profile: bool = False):
     batches = max(1, total_items // (batch * num_makers))
-    coord = ray.remote(num_cpus=0)(BenchCoordinator).remote(
+    coord = ray.remote(num_cpus=0)(BenchCoordinator).remote(coordinator_config(
         num_ranks=num_ranks, num_makers=num_makers, buffer_size=2 * batch, max_staleness=10**9,
-        items_per_version=10**12, routing="round_robin")
+        items_per_version=num_ranks * 10**12, routing="round_robin"))
     ray.get([coord.ready.remote(), done.set.remote(False)])
     # logical makers spread over the maker-group processes
     share = collections.defaultdict(list)

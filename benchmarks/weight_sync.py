@@ -53,6 +53,7 @@ from ray_ppo.core.sync import assign_state, bucket_nbytes, fingerprint, make_buc
 from ray_ppo.runtime.coordinator import Coordinator
 from ray_ppo.runtime.messages import PushHeader
 from ray_ppo.runtime.receiver import WeightReceiver
+from ray_ppo.testing import coordinator_config
 
 SHAPES = {"100M": dict(n_layer=4, n_embd=256, n_head=4), "1G": dict(n_layer=16, n_embd=1024, n_head=16),
           "500M": dict(n_layer=8, n_embd=1024, n_head=16)}
@@ -230,7 +231,7 @@ def main():
                 if check:
                     ray.get([r.reset.remote() for r in receivers[:n]])
                 coord = ray.remote(num_cpus=0)(Coordinator).remote(
-                    num_ranks=1, num_makers=n, buffer_size=1, max_staleness=1, items_per_version=1)
+                    coordinator_config(num_makers=n, buffer_size=1, items_per_version=1))
                 ray.get(coord.register_makers.remote({i: receivers[i] for i in range(n)}))
                 ray.get([r.set_variant.remote(variant) for r in receivers[:n]])
                 version += 1

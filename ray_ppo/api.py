@@ -273,13 +273,9 @@ class PPOTrainer(TorchTrainer):
         self.coordinator = ray.remote(num_cpus=0)(CoordinatorActor).options(
             name=self.handles.coordinator_name, namespace=self.namespace, lifetime=self.lifetime,
             scheduling_strategy=on_driver_node()).remote(
-            num_ranks=cfg.trainer.num_workers, num_makers=cfg.maker.num_makers, buffer_size=cfg.buffer_size,
-            max_staleness=cfg.ppo.max_staleness, routing=cfg.topology.routing, prompts=dataset, prompt_column=prompt_column,
-            items_per_version=cfg.items_per_version,
-            prompt_batch_size=cfg.maker.batch_size, shuffle=cfg.data.shuffle, seed=cfg.seed,
+            cfg, prompts=dataset, prompt_column=prompt_column,
             initial_version=self.resume_state.policy_version if self.resume_state else 0,
-            data_start=self.resume_state.data if self.resume_state else None,
-            samples_per_prompt=cfg.maker.samples_per_prompt)
+            data_start=self.resume_state.data if self.resume_state else None)
         maker_cls = maker_actor_class(cfg.maker.num_cpus, cfg.maker.num_gpus, cfg.maker.max_restarts,
                                       {cfg.maker.node_resource: 1} if cfg.maker.node_resource else None)
         self.makers = {

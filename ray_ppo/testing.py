@@ -1,5 +1,6 @@
 """Stand-ins for the parts of a run that tests and benchmarks replace through ``PPOTrainer``'s
-extension points (``experience_maker_factory``), never through a config flag."""
+extension points (``experience_maker_factory``), never through a config flag; and
+``coordinator_config``, the config of a coordinator driven on its own."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from ray_ppo.config import Config
 from ray_ppo.core.algo import ExperienceItem
 from ray_ppo.core.experience import MakeStats
 from ray_ppo.data import prompt_text
@@ -76,3 +78,26 @@ class FaultyEnv(SleepyEnv):
         if first == "2":
             return "garbage"
         return await super().step(response)
+
+
+def coordinator_config(num_ranks: int = 1, num_makers: int = 1, buffer_size: int = 16, max_staleness: int = 1,
+                       items_per_version: int = 8, routing: str = "round_robin", prompt_batch_size: int = 16,
+                       samples_per_prompt: int = 1, shuffle: bool = True, seed: int = 0) -> Config:
+    """A config whose coordinator (``CoordinatorState.of_config``) has these quantities:
+    ``trainer.num_workers`` ranks training ``items_per_version`` items per version between them
+    (``trainer.update_steps`` 1), ``maker.num_makers`` makers of ``maker.batch_size`` prompts, and
+    so on. Not validated: tests and benchmarks drive a coordinator with buffers smaller than a
+    batch, or budgets no run has, which a run's config refuses."""
+    if items_per_version % num_ranks:
+        raise ValueError(f"items_per_version={items_per_version} is not a multiple of num_ranks={num_ranks}")
+    cfg = Config()
+    batch = items_per_version // num_ranks
+    sections = {
+        "trainer": {"num_workers": num_ranks, "update_steps": 1, "train_batch_size": batch, "mini_batch_size": batch},
+        "maker": {"num_makers": num_makers, "batch_size": prompt_batch_size, "samples_per_prompt": samples_per_prompt},
+        "ppo": {"max_staleness": max_staleness},
+        "topology": {"routing": routing, "buffer_size": buffer_size},
+        "data": {"shuffle": shuffle},
+    }
+    return cfg.model_copy(update={"seed": seed, **{name: getattr(cfg, name).model_copy(update=fields)
+                                                   for name, fields in sections.items()}})

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_ppo.runtime.coordinator_state import CoordinatorState, PullCancelled, Push
 from ray_ppo.runtime.feed import PromptFeed
@@ -45,6 +45,9 @@ from ray_ppo.runtime.messages import (
 )
 from ray_ppo.runtime.transport import ExperienceChunk
 
+if TYPE_CHECKING:
+    from ray_ppo.config import Config
+
 HEALTH_CHECK_S = 5.0
 """How long a maker has to answer a ping when the coordinator diagnoses a stall."""
 
@@ -55,16 +58,16 @@ class Coordinator:
     them to diagnose a stall. What it counts or decides is its ``state``'s (a ``CoordinatorState``):
     each call runs one of its transactions."""
 
-    def __init__(self, num_ranks: int, num_makers: int, buffer_size: int, max_staleness: int,
-                 items_per_version: int, routing: str = "round_robin", prompts: Any = None,
-                 prompt_column: str = "prompt", prompt_batch_size: int = 16, shuffle: bool = True, seed: int = 0,
-                 initial_version: int = 0, data_start: dict | None = None, samples_per_prompt: int = 1):
-        ledger = PromptLedger(shuffle, seed, data_start)
-        self.state = CoordinatorState(
-            num_ranks, num_makers, buffer_size, max_staleness, items_per_version, routing=routing,
-            prompt_batch_size=prompt_batch_size, samples_per_prompt=samples_per_prompt,
-            initial_version=initial_version, ledger=ledger,
-            feed=PromptFeed.of_dataset(prompts, ledger, prompt_column) if prompts is not None else None)
+    def __init__(self, cfg: Config, prompts: Any = None, prompt_column: str = "prompt", initial_version: int = 0,
+                 data_start: dict | None = None):
+        """The coordinator of a run of ``cfg`` (``CoordinatorState.of_config`` reads its sections;
+        ``data.shuffle`` and ``seed`` order the prompts), serving ``prompt_column`` of the Ray
+        Dataset ``prompts`` (None: no prompts, for tests of the experience path). A resumed run
+        starts at its checkpoint's ``initial_version`` and prompt-stream position ``data_start``
+        (``RunState.policy_version`` and ``RunState.data``)."""
+        ledger = PromptLedger(cfg.data.shuffle, cfg.seed, data_start)
+        feed = PromptFeed.of_dataset(prompts, ledger, prompt_column) if prompts is not None else None
+        self.state = CoordinatorState.of_config(cfg, initial_version, ledger, feed)
         self.makers: dict[int, Any] = {}
         self.changed = asyncio.Condition()  # buffers, admission or maker versions changed
         self.pushed = asyncio.Condition()   # a bucket arrived, or a newer push started
@@ -95,10 +98,9 @@ class Coordinator:
             await self.changed.wait_for(lambda: self.state.may_answer(ask))
             if not self.state.on_admit(ask):
                 return None
-        feed = self.state.feed
         async with self.loading:
-            if not feed.loaded:
-                feed.load(await asyncio.to_thread(feed.read))
+            if (read := self.state.prompts_to_read()) is not None:
+                self.state.on_prompts_read(await asyncio.to_thread(read))
         return self.state.on_serve(ask)
 
     # -- experience -----------------------------------------------------------------------------
@@ -248,19 +250,17 @@ class Coordinator:
         maker that restarted gets the latest push again while Ray retries the calls of the relay
         its old process died in, and a retried call of the older relay must not touch the newer
         relay's staging of the same push."""
-        pushes = self.state.pushes
-        if pushes.superseded(push):
+        if self.state.superseded(push):
             return  # superseded before it started: the maker gets the newer one
         try:
             await handle.weights_start.remote(push.header, relay)
             chunks = []
             for index in range(push.header.num_chunks):
                 async with self.pushed:
-                    await self.pushed.wait_for(lambda: index in push.bucket_refs or pushes.superseded(push))
-                if pushes.superseded(push):
+                    await self.pushed.wait_for(lambda: self.state.may_relay_bucket(push, index))
+                if (ref := self.state.bucket(push, index)) is None:
                     return
-                bucket = [push.bucket_refs[index]]  # nested: the maker fetches it
-                chunks.append(handle.weights_chunk.remote(push.version, index, bucket, relay))
+                chunks.append(handle.weights_chunk.remote(push.version, index, [ref], relay))  # nested: the maker fetches it
             await asyncio.gather(*chunks)
             loaded = await handle.weights_end.remote(push.version, relay)
         except Exception as e:
@@ -312,21 +312,21 @@ class Coordinator:
             await asyncio.wait(set(self.eval_tasks))
 
     def evals_since(self, index: int) -> list[EvalReport]:
-        return self.state.mailbox.evals[index:]
+        return self.state.evals_since(index)
 
     # -- metrics and shutdown -------------------------------------------------------------------
     def record_metrics(self, metrics: dict) -> None:
-        self.state.mailbox.metrics.append(metrics)
+        self.state.on_metrics(metrics)
 
     def metrics_since(self, index: int) -> list[dict]:
-        return self.state.mailbox.metrics[index:]
+        return self.state.metrics_since(index)
 
     def checkpoint_saved(self, step: int, checkpoint: Any) -> None:
         """Rank 0 reported the checkpoint of ``step`` and Ray Train stored it (the driver publishes it)."""
-        self.state.mailbox.checkpoints.append((step, checkpoint))
+        self.state.on_checkpoint_saved(step, checkpoint)
 
     def checkpoints_since(self, index: int) -> list[tuple[int, Any]]:
-        return self.state.mailbox.checkpoints[index:]
+        return self.state.checkpoints_since(index)
 
     def data_state(self, step: int | None = None) -> dict:
         """Where a run resumed from the checkpoint of ``step`` continues the prompt stream, by

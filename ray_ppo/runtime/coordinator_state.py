@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ray_ppo.rules import staleness_budget
 from ray_ppo.runtime.feed import PromptFeed
@@ -42,6 +42,9 @@ from ray_ppo.runtime.messages import (
 )
 from ray_ppo.runtime.routing import receivers
 from ray_ppo.runtime.transport import ExperienceChunk
+
+if TYPE_CHECKING:
+    from ray_ppo.config import Config
 
 
 class RankBuffers:
@@ -414,8 +417,29 @@ class CoordinatorState:
         self.evals_asked = 0  # evaluations asked for; makers take turns by this count
         self.relays = 0  # relays started; each one's number goes with its calls to the maker
 
+    @classmethod
+    def of_config(cls, cfg: Config, initial_version: int = 0, ledger: PromptLedger | None = None,
+                  feed: PromptFeed | None = None) -> CoordinatorState:
+        """The state of a run of ``cfg``: its ranks (``trainer``), makers and their batches
+        (``maker``), staleness bound (``ppo``), routing and buffers (``topology``)."""
+        return cls(cfg.trainer.num_workers, cfg.maker.num_makers, cfg.buffer_size, cfg.ppo.max_staleness,
+                   cfg.items_per_version, routing=cfg.topology.routing, prompt_batch_size=cfg.maker.batch_size,
+                   samples_per_prompt=cfg.maker.samples_per_prompt, initial_version=initial_version,
+                   ledger=ledger, feed=feed)
+
     def on_register(self, maker_ids: list[int]) -> None:
         self.maker_ids = sorted(maker_ids)
+
+    # -- prompt data -----------------------------------------------------------------------------
+    def prompts_to_read(self) -> Callable[[], list[Prompt | None]] | None:
+        """The feed's reader (blocking I/O, for the actor to run off its event loop) until the
+        prompts are loaded; None from then on."""
+        return None if self.feed.loaded else self.feed.read
+
+    def on_prompts_read(self, prompts: list[Prompt | None]) -> None:
+        """The prompt data was read: the feed serves it, the ledger knows its size (and applies the
+        resume state)."""
+        self.feed.load(prompts)
 
     # -- prompts ---------------------------------------------------------------------------------
     def on_ask(self, maker_id: int) -> PromptAsk:
@@ -564,6 +588,18 @@ class CoordinatorState:
     def on_relay_failed(self, maker_id: int, push: Push, error: str) -> None:
         self.book.fail(maker_id, f"weight push v{push.version} failed: {error}")
 
+    def superseded(self, push: Push) -> bool:
+        """A newer push started: relays of ``push`` stop."""
+        return self.pushes.superseded(push)
+
+    def may_relay_bucket(self, push: Push, index: int) -> bool:
+        """Bucket ``index`` of ``push`` arrived, or a newer push started."""
+        return index in push.bucket_refs or self.pushes.superseded(push)
+
+    def bucket(self, push: Push, index: int) -> Any | None:
+        """The ref of bucket ``index`` of ``push`` for a relay to pass on; None once a newer push started."""
+        return None if self.pushes.superseded(push) else push.bucket_refs[index]
+
     # -- evaluation ------------------------------------------------------------------------------
     def on_eval_request(self, step: int, version: int) -> int | None:
         """The live maker whose turn it is to evaluate; None (the failure reported) when none lives."""
@@ -576,6 +612,24 @@ class CoordinatorState:
 
     def on_eval_report(self, report: EvalReport) -> None:
         self.mailbox.evals.append(report)
+
+    # -- what rank 0 hands the driver ------------------------------------------------------------
+    def on_metrics(self, row: dict) -> None:
+        """Rank 0's metrics row of a step."""
+        self.mailbox.metrics.append(row)
+
+    def on_checkpoint_saved(self, step: int, checkpoint: Any) -> None:
+        """Ray Train stored rank 0's checkpoint of ``step``."""
+        self.mailbox.checkpoints.append((step, checkpoint))
+
+    def metrics_since(self, index: int) -> list[dict]:
+        return self.mailbox.metrics[index:]
+
+    def checkpoints_since(self, index: int) -> list[tuple[int, Any]]:
+        return self.mailbox.checkpoints[index:]
+
+    def evals_since(self, index: int) -> list[EvalReport]:
+        return self.mailbox.evals[index:]
 
     # -- the run ---------------------------------------------------------------------------------
     def on_rewind(self, step: int) -> int:

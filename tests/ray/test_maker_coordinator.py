@@ -18,7 +18,7 @@ from ray_ppo.runtime.loop import _pull
 from ray_ppo.runtime.maker import MakerWorker, maker_actor_class
 from ray_ppo.runtime.messages import MakerStats, PromptBatch, PullRequest, PushHeader
 from ray_ppo.runtime.transport import ExperienceChunk, resolve
-from ray_ppo.testing import WaitingExperienceMaker
+from ray_ppo.testing import WaitingExperienceMaker, coordinator_config
 
 pytestmark = pytest.mark.ray
 REPO = Path(__file__).parents[2]
@@ -42,8 +42,8 @@ def actors(ray_session):
 
 def start(cfg, actors, *, buffer_size=8, items_per_version=10_000, prompts=None, maker_factory=None):
     coordinator = ray.remote(num_cpus=0)(Coordinator).remote(
-        num_ranks=1, num_makers=1, buffer_size=buffer_size, max_staleness=1, items_per_version=items_per_version,
-        prompts=prompts, prompt_batch_size=cfg.maker.batch_size)
+        coordinator_config(buffer_size=buffer_size, items_per_version=items_per_version,
+                           prompt_batch_size=cfg.maker.batch_size), prompts=prompts)
     maker = maker_actor_class(0.5, 0).remote(0, cfg.to_dict(), coordinator, maker_factory)
     actors += [coordinator, maker]
     ray.get(coordinator.register_makers.remote({0: maker}))
@@ -263,8 +263,7 @@ def test_a_maker_killed_after_sending_costs_no_hang_and_no_miscount(ray_session,
     rank gets exactly the items it asked for either way, and every item is accounted for (gone
     ones as ``lost_in_transit``, replaced by the next ones; ``tests/cluster`` loses a node and
     sees them counted). The coordinator never deserialized a batch."""
-    coordinator = ray.remote(num_cpus=0)(Coordinator).remote(
-        num_ranks=1, num_makers=1, buffer_size=16, max_staleness=1, items_per_version=10_000)
+    coordinator = ray.remote(num_cpus=0)(Coordinator).remote(coordinator_config(items_per_version=10_000))
     doomed, alive = Sender.remote(), Sender.remote()
     actors += [coordinator, alive]
     doomed_items = [_item(f"d-{i}") for i in range(4)]

@@ -27,6 +27,7 @@ from ray_ppo.runtime.messages import (
     PushHeader,
 )
 from ray_ppo.runtime.transport import ExperienceChunk, resolve
+from ray_ppo.testing import coordinator_config
 
 SHORT_S = 0.1  # long enough for any runnable task to run; the blocked ones stay blocked
 
@@ -45,9 +46,11 @@ def uids(reply: PullReply) -> list[str]:
     return [it.uid for it in resolve(reply.chunks).items]
 
 
-def coordinator(**kwargs) -> Coordinator:
-    args = dict(num_ranks=1, num_makers=1, buffer_size=16, max_staleness=1, items_per_version=8)
-    return Coordinator(**{**args, **kwargs})
+def coordinator(data_start: dict | None = None, **quantities) -> Coordinator:
+    """A coordinator with the quantities of ``ray_ppo.testing.coordinator_config`` (by default one
+    rank, one maker, buffers of 16 items, ``max_staleness`` 1, 8 items per version), no prompts
+    until a test gives it a ``feed``."""
+    return Coordinator(coordinator_config(**quantities), data_start=data_start)
 
 
 def counters(coord: Coordinator) -> Counters:

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 
 import pytest
 
-from ray_ppo.runtime.coordinator_state import Admission, MakerBook, PushRelay, RankBuffers
+from ray_ppo.config import Config
+from ray_ppo.runtime import coordinator as coordinator_module
+from ray_ppo.runtime.coordinator_state import Admission, CoordinatorState, MakerBook, PushRelay, RankBuffers
 from ray_ppo.runtime.feed import PromptFeed
 from ray_ppo.runtime.ledger import PromptLedger
 from ray_ppo.runtime.messages import LastPush, MakerStats, MakerStatus, PushHeader
 from ray_ppo.runtime.transport import ExperienceChunk
+from ray_ppo.testing import coordinator_config
 from tests.unit.test_coordinator import item, items
 
 
@@ -216,3 +220,54 @@ def test_prompt_feed_serves_by_identity_across_epochs():
     second = feed.next(maker_id=1, n=2)  # wraps into the second epoch: always n prompts
     assert (second.prompts, len(second.ids), feed.served, feed.epochs) == (["c", "a"], 2, 4, 2)
     assert feed.first_prompt == "a"
+
+
+# -- CoordinatorState: what the actor shell asks of it ------------------------------------------
+
+
+def test_the_state_of_a_run_takes_its_quantities_from_the_config_sections():
+    cfg = Config().with_overrides({"trainer.num_workers": 2, "trainer.train_batch_size": 8, "trainer.mini_batch_size": 8,
+                                   "trainer.update_steps": 2, "maker.num_makers": 3, "maker.batch_size": 4,
+                                   "maker.samples_per_prompt": 2, "ppo.max_staleness": 3, "topology.routing": "modulo"})
+    state = CoordinatorState.of_config(cfg, initial_version=5)
+    assert (state.num_ranks, state.num_makers, state.routing, state.buffers.buffer_size) == (2, 3, "modulo", 16)
+    a = state.admission
+    assert (a.max_staleness, a.items_per_version, a.prompt_batch_size, a.samples_per_prompt) == (3, 32, 4, 2)
+    assert a.trainer_version == 5
+
+
+def test_the_prompts_are_read_once_and_loaded_by_a_transaction():
+    ledger = PromptLedger(shuffle=False)
+    state = CoordinatorState.of_config(coordinator_config(), ledger=ledger,
+                                       feed=PromptFeed(lambda: ["a", "b", "c"], ledger))
+    read = state.prompts_to_read()
+    state.on_prompts_read(read())
+    assert state.prompts_to_read() is None and ledger.num_prompts == 3
+
+
+def test_metrics_rows_and_stored_checkpoints_are_kept_in_order_for_the_driver():
+    state = CoordinatorState.of_config(coordinator_config())
+    state.on_metrics({"step": 1})
+    state.on_checkpoint_saved(1, "ckpt-1")
+    state.on_metrics({"step": 2})
+    assert state.metrics_since(0) == [{"step": 1}, {"step": 2}] and state.metrics_since(1) == [{"step": 2}]
+    assert state.checkpoints_since(0) == [(1, "ckpt-1")] and state.checkpoints_since(1) == []
+
+
+def test_a_relay_passes_on_the_buckets_of_its_push_until_a_newer_one_starts():
+    state = CoordinatorState.of_config(coordinator_config())
+    first = state.on_push_start(PushHeader(1, 2, 64, kl_coef=0.1))
+    assert not state.may_relay_bucket(first, 0)  # waits for the bucket
+    state.on_push_bucket(1, 0, "a")
+    assert state.may_relay_bucket(first, 0) and state.bucket(first, 0) == "a"
+    state.on_push_start(PushHeader(2, 1, 32, kl_coef=0.1))
+    assert state.superseded(first) and state.may_relay_bucket(first, 1)  # stops waiting
+    assert state.bucket(first, 0) is None  # and passes nothing on
+
+
+def test_the_actor_shell_changes_and_reads_its_state_only_through_the_state_s_methods():
+    """The coordinator shell calls ``CoordinatorState``'s transactions and queries; it does not
+    reach into the mailbox, the push relay, the feed or a push's buckets."""
+    source = Path(coordinator_module.__file__).read_text()
+    for reach in ("state.mailbox", "state.pushes", "state.feed", "state.ledger", "push.bucket_refs"):
+        assert reach not in source, reach

@@ -14,6 +14,7 @@ from ray_ppo.config import Config, ConfigError, load_config
 from ray_ppo.eval_records import EVALS_KEY, EvalReport, attach_evals, eval_line, eval_summary, read_evals, split_evals
 from ray_ppo.local import run_local
 from ray_ppo.runtime.coordinator import Coordinator
+from ray_ppo.testing import coordinator_config
 from ray_ppo.tracking import LiveLine, RunDirectory
 
 REPO = Path(__file__).parents[2]
@@ -79,7 +80,7 @@ class EvalMaker:
 
 def test_makers_take_turns_and_a_failed_evaluation_is_reported_not_raised():
     async def scenario():
-        coord = Coordinator(num_ranks=1, num_makers=3, buffer_size=16, max_staleness=1, items_per_version=8)
+        coord = Coordinator(coordinator_config(num_makers=3))
         makers = {0: EvalMaker(0, delay_s=0.05), 1: EvalMaker(1, error=TimeoutError("still holds v1")), 2: EvalMaker(2)}
         coord.register_makers(makers)
         coord.maker_failed(2, "dead")  # a failed maker is skipped
