@@ -170,7 +170,8 @@ def test_maker_book_sums_stats_and_reports_the_first_failure():
     assert not book.all_at(2) and book.failure() is None
     book.fail(0, "ValueError: boom")
     assert book.all_at(2)  # a failed maker is not waited for
-    assert book.failure() == "maker_0 failed (1/2 makers failed): ValueError: boom"
+    failure = book.failure()
+    assert isinstance(failure, RuntimeError) and str(failure) == "maker_0 failed (1/2 makers failed): ValueError: boom"
     book.restarted(1)
     assert book.versions() == {0: 0, 1: 0} and book.states[1].restarts == 1
 
