@@ -36,8 +36,10 @@ def test_readme_has_the_quick_start_and_the_sweep():
 
 def test_the_python_quick_start_runs_as_written(tmp_path):
     proc = run_block(BLOCKS[0], tmp_path)
-    plan, result = proc.stdout.splitlines()[-2:]
-    assert plan.startswith("resources: 2 makers x 0.5 CPU + 1 trainer worker x 1 CPU")
+    lines = proc.stdout.splitlines()
+    plan, result = [line for line in lines if line.startswith("resources: ")], lines[-1]
+    assert len(plan) == 1 and plan[0].startswith("resources: 2 makers x 0.5 CPU + 1 trainer worker x 1 CPU")
+    assert any(line.startswith("checkpoint of step ") for line in lines)  # its size, said once
     reward, checkpoint = result.split(" ", 1)
     assert 0 <= float(reward) <= 1 and "Checkpoint(" in checkpoint and str(tmp_path / "runs") in checkpoint
 
