@@ -104,10 +104,9 @@ def _dashboard_startup_bound() -> None:
         return
     bound = int(ready_timeout_s())
     os.environ[DASHBOARD_STARTUP_ENV] = str(bound)  # for the processes this one starts
-    from ray._private import ray_constants
+    from ray_ppo.ray_private import raise_constant
 
-    if getattr(ray_constants, DASHBOARD_STARTUP_ENV, bound) < bound:
-        setattr(ray_constants, DASHBOARD_STARTUP_ENV, bound)
+    raise_constant(DASHBOARD_STARTUP_ENV, bound)
 
 
 API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"

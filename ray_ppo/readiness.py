@@ -66,10 +66,10 @@ def dashboard_url() -> str | None:
     """The connected cluster's dashboard address, or None if it runs without one.
 
     Ray has no public call for it on an attached driver: it is read from the driver's node
-    (``tests/unit/test_readiness.py`` fails on a Ray release that moves it)."""
-    import ray._private.worker as worker
+    (``ray_ppo.ray_private.driver_node``)."""
+    from ray_ppo.ray_private import driver_node
 
-    node = worker._global_node
+    node = driver_node()
     return node.webui_url if node is not None else None
 
 

@@ -119,9 +119,8 @@ def cluster_can_grow() -> bool:
     A local cluster started by ``ray.init()`` (or the CLI) has exactly the resources it started
     with; one attached to (``--address``, ``ray.init(address=...)``, a Tune trial's process) may
     have an autoscaler, so its shortfall is left pending. Read from the driver's node, which Ray
-    exposes no public call for (``tests/unit/test_resources.py`` fails on a Ray release that
-    moves it)."""
-    import ray._private.worker as worker
+    exposes no public call for (``ray_ppo.ray_private.driver_node``)."""
+    from ray_ppo.ray_private import driver_node
 
-    node = worker._global_node
+    node = driver_node()
     return node is None or not node.head
