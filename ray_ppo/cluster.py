@@ -48,22 +48,21 @@ def start_local_cluster(num_cpus: int | None = None, sweep: bool = False, label:
     # waits for that poll; a faster poll keeps reports cheap on a local cluster.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     # Ray Train starts a PreemptionWatcher actor per worker group to poll for draining nodes: a
-    # local cluster has none to drain, and the watcher's process costs seconds of CPU at every
-    # fit() start on a small machine. A cluster attached to keeps it.
+    # local cluster has none to drain, so the watcher's process is start-up cost for nothing. A
+    # cluster attached to keeps it.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     # The raylet starts its worker processes at nice 15 (Ray's worker_niceness), under everything
-    # else on the machine: beside two plain busy loops on 2 cores, each worker got 2-4 % of a core and
-    # a 2 s step took minutes. A cluster ray_ppo starts for one run shares the machine as any program
-    # the user starts does, at nice 0 (what Ray's job manager gives a job's driver); a value the
-    # user set is kept.
+    # else on the machine, so any other busy program starves them. A cluster ray_ppo starts for one
+    # run shares the machine as any program the user starts does, at nice 0 (what Ray's job manager
+    # gives a job's driver); a value the user set is kept.
     os.environ.setdefault(WORKER_NICENESS_ENV, "0")
     cpus = local_cpus(num_cpus)
     # The raylet starts at most min(cores, num_cpus) worker processes at a time and, once 4x that
     # many have started, prints "N PYTHON worker processes have been started ... 4x the maximum
-    # expected startup concurrency" to the driver's stdout: one fit() with 2 makers starts ~10
-    # (coordinator, makers, Ray Train's controller and workers, a read task) on a 2-core machine,
-    # and a sweep that many per trial side by side. Allowing num_cpus at a time (twice that for a
-    # sweep) removes the warning and leaves start-up as it was (benchmarks/startup.py).
+    # expected startup concurrency" to the driver's stdout: one fit() starts a coordinator, makers,
+    # Ray Train's controller and workers and a read task, more than 4x the cores of a small machine,
+    # and a sweep that many per trial. Allowing num_cpus at a time (twice that for a sweep) removes
+    # the warning (benchmarks/startup.py measures start-up with it).
     os.environ.setdefault("RAY_worker_maximum_startup_concurrency", str(int(cpus) * (2 if sweep else 1)))
     # No dashboard for one run: the run's placement groups end with the job. A sweep needs it:
     # Tune ends an early-stopped trial's process, its Ray Train controller dies with it, and only

@@ -72,9 +72,9 @@ def _trial(tune_config: dict, base: dict, root: str) -> None:
     # Not detached: a trial that Tune stops early (ASHA) ends its process without a clean-up, and
     # its coordinator and makers, owned by that process, go with it.
     # controller_failure_limit: a trial may start while the one ASHA just stopped still holds its
-    # CPUs; Ray Train then gives up on the worker group after RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S
-    # (60 s; measured: a 4-maker trial of `tune --async-search` failed so on 2 busy cores). Two
-    # retries of the start ride that out; a request the cluster can never meet still fails, after 3.
+    # CPUs; Ray Train then gives up on the worker group after RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S.
+    # Two retries of the start ride that out; a request the cluster can never meet still fails,
+    # after 3.
     trainer = PPOTrainer(cfg, output_dir=run_dir, detached=False, show_resources=False, run_config=RunConfig(
         name=cfg.name, storage_path=str(run_dir / "ray_train"), callbacks=[TuneReportCallback()],
         failure_config=FailureConfig(max_failures=0, controller_failure_limit=2)))
@@ -167,9 +167,8 @@ def ctrl_c_aborts():
     """Inside: Ctrl-C aborts a Tune run with ``KeyboardInterrupt``, as it aborts ``fit()``.
 
     Tune's own SIGINT handler ends the run "gracefully" instead: ``Tuner.fit()`` returns the
-    trials so far as if the sweep were done, and its caller goes on (measured: Ctrl-C during
-    ``ray-ppo tune --async-search`` went on to confirm a pick from one half-run trial, then
-    printed a gain of nan). ``TUNE_DISABLE_SIGINT_HANDLER=1`` leaves Python's handler in place;
+    trials so far as if the sweep were done, and its caller goes on (an async search would go on to
+    confirm a pick from half-run trials). ``TUNE_DISABLE_SIGINT_HANDLER=1`` leaves Python's handler in place;
     the trials, owned by the interrupted driver, end with it (the CLI shuts its cluster down).
     """
     with scoped_env("TUNE_DISABLE_SIGINT_HANDLER", "1"):
@@ -184,8 +183,7 @@ def wait_for_cleaner() -> None:
     dies with it, without removing its worker group's placement group (which lives as long as the
     sweep's job). Ray Train's placement-group cleaner removes it once it sees the controller dead,
     and it looks through the state API, which a cluster started without the dashboard lacks
-    (two stopped trials left two 1-CPU placement groups reserved; with the dashboard, none after
-    10 s: ``tests/ray/test_async_search.py``)."""
+    (``tests/ray/test_async_search.py`` checks that stopped trials leave no CPUs reserved)."""
     from ray_ppo.readiness import dashboard_url, wait_for_state_api
 
     if dashboard_url():

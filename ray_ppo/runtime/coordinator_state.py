@@ -317,8 +317,8 @@ class PushRelay:
 
     Rank 0 sends a push's start and its buckets without waiting for them, and the coordinator is
     an async actor: Ray does not promise to run one caller's calls to it in the order they were
-    sent. A bucket that ran before its start, once dropped, left the push without it for good:
-    no maker got that version, and the run ended with ``weights_in_sync`` = 0.
+    sent. A bucket that ran before its start, were it dropped, would leave the push without it for
+    good: no maker would get that version (``weights_in_sync`` = 0 at the end).
     """
 
     def __init__(self):

@@ -88,7 +88,7 @@ class MakerWorker:
         self.model_lock = threading.Lock()
         # Clear while an evaluation waits for the model lock or holds it: the compute thread waits
         # for it before each batch, since a lock is not fair and back-to-back batches would otherwise
-        # keep the evaluation waiting (seen: the base model's evaluation ran with the second push).
+        # keep the evaluation waiting past the push it was meant to evaluate.
         self.no_eval = threading.Event()
         self.no_eval.set()
         self.outbox: queue.Queue = queue.Queue(maxsize=SEND_QUEUE_BATCHES)

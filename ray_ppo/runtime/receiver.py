@@ -47,8 +47,8 @@ class WeightReceiver:
         Versions only go up, so the chunk_start of a push older than the one staging or than
         ``loaded_version`` (the weights the model holds) is ignored (returns False):
         the relays of two pushes to one maker are independent calls, and a threaded actor may run
-        push 4's chunk_start after push 5's. Letting it replace push 5's staging left the maker on
-        push 3 for good once the trainer waited for experience only a newer policy could make.
+        push 4's chunk_start after push 5's. Were it to replace push 5's staging, the maker would
+        stay on push 3 while the trainer waits for experience only a newer policy can make.
 
         Of two relays of one version (numbered by the coordinator), the newer one stages: an
         older relay's calls come from Ray retrying, on a restarted maker, the calls its dead
