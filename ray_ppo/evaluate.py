@@ -140,7 +140,7 @@ class EvalSetup:
         found = preflight.probe_prompts(self.data, cfg.data.format, cfg.data.prompt_column, "--data")
         preflight.check_chat_messages(tokenizer, tokenizer_path, found, self.data, "--data")
         if cfg.env.cls:
-            preflight.check_env(cfg.env, found)
+            preflight.check_env(cfg.env, found, tokenizer, tokenizer_path)
         if not self.reward_fn:
             raise preflight.PreflightError("scoring the answers needs a rule reward: give --config of the run, or "
                                            "set model.reward_fn=module:function (e.g. ray_ppo.tasks.arithmetic:reward)")

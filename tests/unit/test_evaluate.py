@@ -125,3 +125,10 @@ def test_eval_errors_are_one_line_with_status_2(case, tiny_path, tmp_path, capsy
     assert {"no_module": "no module named 'fruit_reward'", "no_dir": "'./no_such_dir' does not exist",
             "run_without_checkpoint": "is a run directory without a checkpoint",
             "not_a_model": "is not a model", "no_data": "'missing.csv' does not exist"}[case] in err
+
+
+def test_eval_with_an_environment_runs_its_preflight_probe_and_answers_in_episodes(tiny_path, capsys):
+    """Pre-flight's probe episode (``check_env``) runs for ``ray-ppo eval`` as for ``train``."""
+    assert main(["eval", "tiny", "--config", TINY, "--data", PROMPTS, "--num-prompts", "4",
+                 "env.cls=ray_ppo.tasks.turns:TwoTurnEnv", "env.max_tokens=32"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("eval: accuracy ")
