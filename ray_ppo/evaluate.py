@@ -16,9 +16,10 @@ environment's rewards, and the sample's response is the whole exchange.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -124,15 +125,21 @@ class EvalSetup:
         return cls(cfg, config_file, model, data, num_prompts, greedy, k, cfg.eval_reward_fn,
                    e.max_new_tokens or cfg.maker.max_new_tokens)
 
+    @functools.cached_property
+    def model_path(self) -> str:
+        """The model directory ``model`` stands for (``resolve_model``: a packaged model is converted,
+        a GGUF file hashed), resolved once for the checks, the first line and the evaluation."""
+        return resolve_model(self.model)
+
     def check(self) -> None:
         """Pre-flight, as ``ray-ppo train`` has it: the model, its tokenizer, the prompt file, the
         reward function (on a probe batch of the file's prompts) and the environment, each failure
         a ``PreflightError`` of one line."""
         from ray_ppo import preflight
 
-        check_eval_model(self.model)
+        check_eval_model(self.model, lambda: self.model_path)
         cfg = self.cfg
-        tokenizer_path = _tokenizer_source(cfg, resolve_model(self.model))
+        tokenizer_path = _tokenizer_source(cfg, self.model_path)
         tokenizer = preflight.load_tokenizer_checked("the model", tokenizer_path)
         if not self.data:
             raise preflight.PreflightError("nothing to evaluate on: give a prompt file with --data FILE (or set "
@@ -153,13 +160,14 @@ class EvalSetup:
                                             f"top_p {m.top_p:g}, top_k {m.top_k}")
         prompts = f"first {self.num_prompts} of " if self.num_prompts else ""
         config = self.config_file or "the defaults (no --config, not a run directory)"
-        return (f"eval: model {self.model} ({resolve_model(self.model)}) | config {config} | prompts {prompts}"
+        return (f"eval: model {self.model} ({self.model_path}) | config {config} | prompts {prompts}"
                 f"{self.data} | reward {self.reward_fn} | {how}, max_new_tokens {self.max_new_tokens}")
 
 
-def check_eval_model(model: str) -> None:
+def check_eval_model(model: str, resolved: Callable[[], str]) -> None:
     """``model`` is a run directory with a checkpoint, a checkpoint, a model directory or a model
-    name whose ``config.json`` loads; a ``PreflightError`` of one line otherwise."""
+    name whose ``config.json`` loads (at ``resolved()``, its ``resolve_model``); a ``PreflightError``
+    of one line otherwise."""
     from transformers import AutoConfig
 
     from ray_ppo.core.models.gguf import ModelSourceError
@@ -175,7 +183,7 @@ def check_eval_model(model: str) -> None:
     if path.is_dir() and not any((path / p).exists() for p in ("config.json", "actor", "checkpoint")):
         raise PreflightError(f"{model!r} is not a model: it holds no config.json, actor/ or checkpoint/; give {kinds}")
     try:
-        AutoConfig.from_pretrained(resolve_model(model))
+        AutoConfig.from_pretrained(resolved())
     except ModelSourceError as e:
         raise PreflightError(f"{model!r}: {e}") from None
     except Exception as e:  # OSError, ValueError, hub errors: the first line is the reason
@@ -195,22 +203,28 @@ def evaluate(cfg: Config, model: str | None = None, data: str | None = None, num
     """Generate for the first ``num_prompts`` prompts of ``data`` (default ``data.path``) with
     ``model`` (default ``model.pretrained``) and score the responses with ``reward_fn`` (default
     ``model.reward_fn``)."""
-    from ray_ppo.core.models import load_actor, load_tokenizer
-
     data = data or cfg.data.path
     if not data:
         raise ConfigError("nothing to evaluate on: give a prompt file (ray-ppo eval --data FILE, or data.path)")
-    path = resolve_model(model or cfg.model.pretrained)
-    tokenizer = load_tokenizer(_tokenizer_source(cfg, path))
-    evaluation = Evaluation(cfg, tokenizer, data, num_prompts, greedy, samples_per_prompt,
-                            reward_fn or cfg.model.reward_fn, max_new_tokens)
-    return evaluation.run(load_actor(path, cfg.model.dtype).eval(), model=str(model or cfg.model.pretrained))
+    model = model or cfg.model.pretrained
+    return _evaluate_at(cfg, resolve_model(model), model, data, num_prompts, samples_per_prompt, greedy,
+                        reward_fn or cfg.model.reward_fn, max_new_tokens)
 
 
 def evaluate_setup(setup: EvalSetup) -> EvalResult:
-    """``evaluate`` as ``setup`` says."""
-    return evaluate(setup.cfg, setup.model, setup.data, setup.num_prompts, setup.samples_per_prompt, setup.greedy,
-                    setup.reward_fn, setup.max_new_tokens)
+    """``evaluate`` as ``setup`` says, with the model it resolved."""
+    return _evaluate_at(setup.cfg, setup.model_path, setup.model, setup.data, setup.num_prompts,
+                        setup.samples_per_prompt, setup.greedy, setup.reward_fn, setup.max_new_tokens)
+
+
+def _evaluate_at(cfg: Config, path: str, model: str, data: str, num_prompts: int | None, samples_per_prompt: int,
+                 greedy: bool, reward_fn: str | None, max_new_tokens: int | None) -> EvalResult:
+    """``evaluate`` of the model directory ``path``, reported under the name ``model``."""
+    from ray_ppo.core.models import load_actor, load_tokenizer
+
+    tokenizer = load_tokenizer(_tokenizer_source(cfg, path))
+    evaluation = Evaluation(cfg, tokenizer, data, num_prompts, greedy, samples_per_prompt, reward_fn, max_new_tokens)
+    return evaluation.run(load_actor(path, cfg.model.dtype).eval(), model=str(model))
 
 
 class Evaluation:

@@ -132,3 +132,14 @@ def test_eval_with_an_environment_runs_its_preflight_probe_and_answers_in_episod
     assert main(["eval", "tiny", "--config", TINY, "--data", PROMPTS, "--num-prompts", "4",
                  "env.cls=ray_ppo.tasks.turns:TwoTurnEnv", "env.max_tokens=32"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("eval: accuracy ")
+
+
+def test_eval_resolves_its_model_once(tiny_path, monkeypatch, capsys):
+    """Resolving a packaged or GGUF model hashes its file: `ray-ppo eval` does it once, for the
+    checks, its first line and the evaluation alike."""
+    import ray_ppo.evaluate as evaluate_module
+
+    calls, real = [], evaluate_module.resolve_model
+    monkeypatch.setattr(evaluate_module, "resolve_model", lambda model: calls.append(model) or real(model))
+    assert main(["eval", "tiny", "--config", TINY, "--data", PROMPTS, "--num-prompts", "2"]) == 0
+    assert calls == ["tiny"]
