@@ -322,9 +322,7 @@ class ExperienceMaker:
         )
 
     def _truncated(self, rollout: Rollout) -> torch.Tensor:
-        """(B,) bool: the responses whose last token is no end token (cut at ``maker.max_new_tokens``)."""
-        mask = rollout.action_mask
-        positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
-        last = (positions * mask).argmax(dim=1, keepdim=True)
-        last_token = rollout.sequences[:, rollout.prompt_len:].gather(1, last).squeeze(1)
-        return ~torch.isin(last_token, torch.tensor(self.stop_ids, dtype=last_token.dtype, device=last_token.device))
+        """(B,) bool: the responses that end on no end token (cut at ``maker.max_new_tokens``), as
+        ``Rollout.responses`` tells each row's stop."""
+        stopped = [stop for _, stop in rollout.responses(self.stop_ids)]
+        return ~torch.tensor(stopped, dtype=torch.bool, device=rollout.action_mask.device)
