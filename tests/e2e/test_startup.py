@@ -43,6 +43,15 @@ def blocked_train(out: Path, env: dict | None = None) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
 
 
+def stderr_within(proc: subprocess.Popen, timeout_s: float, what: str) -> str:
+    """The rest of ``proc``'s stderr once it exits within ``timeout_s``; else it is killed and the test fails."""
+    try:
+        return proc.communicate(timeout=timeout_s)[1]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"{what} within {timeout_s:g} s")
+
+
 def wait_for_line(proc: subprocess.Popen, text: str, timeout_s: float = 180) -> list[str]:
     lines, deadline = [], time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -63,11 +72,7 @@ def test_ctrl_c_ends_a_start_blocked_in_native_code(tmp_path):
     assert out.is_dir()  # the run directory was claimed before the cluster started
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
-    try:
-        rest = proc.communicate(timeout=30)[1]
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("Ctrl-C did not end a blocked start within 30 s")
+    rest = stderr_within(proc, 30, "Ctrl-C did not end a blocked start")
     assert proc.returncode == 130, rest
     assert rest.strip().splitlines() == [
         "ray-ppo train: SIGINT while the local Ray cluster was starting; stopped it, nothing was trained"]
@@ -77,11 +82,7 @@ def test_ctrl_c_ends_a_start_blocked_in_native_code(tmp_path):
 def test_a_start_past_the_readiness_bound_ends_in_one_line(tmp_path):
     out = tmp_path / "run"
     proc = blocked_train(out, {"RAY_PPO_SERVICE_READY_TIMEOUT_S": "3"})
-    try:
-        rest = proc.communicate(timeout=180)[1]
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("a blocked start outlived its 3 s bound")
+    rest = stderr_within(proc, 180, "a blocked start with a 3 s bound did not end")
     assert proc.returncode == 1, rest
     last = rest.strip().splitlines()[-1]
     assert last.startswith("ray-ppo train: Ray did not start within 3 s") and "RAY_PPO_SERVICE_READY_TIMEOUT_S" in last
