@@ -54,6 +54,7 @@ def fault_lines(metrics: dict) -> list[str]:
         lines.append(f"  ... and {more} more environment faults this step (env/fault {metrics['env/fault']:.2f})")
     return lines
 
+
 TENSORBOARD_MISSING = ("logging.tensorboard=true needs the tensorboard package: "
                        "pip install tensorboard or set logging.tensorboard=false")
 
