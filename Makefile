@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # Strict: a broken link, anchor or docstring reference, or a generated page that cannot be built, is an
-# error. The configuration reference is generated from ray_ppo/config.py at every build (scripts/docs_hooks.py).
+# error. The configuration reference is generated from ray_ppo/config/schema.py at every build (scripts/docs_hooks.py).
 # NO_MKDOCS_2_WARNING: Material's notice about MkDocs 2.0, printed on every build.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict

@@ -143,7 +143,7 @@ def init_ray(num_cpus: int = 8, object_store_gb: float | None = None):
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")  # as the CLI's local cluster (ray_ppo/cli.py)
     os.environ.setdefault("RAY_worker_maximum_startup_concurrency", str(num_cpus))  # no worker-count warning, as the CLI
-    from ray_ppo.cluster import WORKER_NICENESS_ENV
+    from ray_ppo.cluster.local_cluster import WORKER_NICENESS_ENV
 
     os.environ.setdefault(WORKER_NICENESS_ENV, "0")  # workers at the users' programs' priority, as the CLI's cluster
     kwargs = {"num_cpus": num_cpus, "include_dashboard": False, "log_to_driver": False}

@@ -31,8 +31,8 @@ def main() -> None:
 
     from ray_ppo.api import resolve_config
     from ray_ppo.config import load_config
-    from ray_ppo.core.build import build_experience_maker
     from ray_ppo.data import PromptEncoder, read_prompt_texts
+    from ray_ppo.makers.build import build_experience_maker
 
     torch.set_num_threads(1)
     texts = read_prompt_texts(str(ROOT / "data" / "toy_prompts.csv"), "prompt")[:args.batch]

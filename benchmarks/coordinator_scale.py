@@ -10,10 +10,10 @@ train loop's ``_pull`` does. Items are realistic ``ExperienceItem``s with torch 
 1 KB of tensor data each (16 prompt tokens, 24 response tokens, six float32 per-token fields),
 built before the clock starts; packing them is the makers' work and is inside the clock.
 
-Variants (the real ``Coordinator`` and ``ray_ppo.runtime.transport``, as ``topology.transport`` sets them):
+Variants (the real ``Coordinator`` and ``ray_ppo.wire.transport``, as ``topology.transport`` sets them):
   inline  the default: the maker packs the batch into the call (``ExperienceChunk.inline``); the
           coordinator deserializes it and serializes it again for the rank
-  ref     the maker packs the batch and ``ray.put``s it (``ExperienceChunk.put``), the coordinator
+  ref     the maker packs the batch and ``ray.put``s it (``ExperienceChunk.stored``), the coordinator
           routes the chunk (a ref, a count, a version), the rank fetches it (``resolve``)
 Batches of 32 items (a maker's generation batch, a rank's pull), and 128 in two rows.
 items/s counts items the ranks hold as ``ExperienceItem``s. Every uid is checked at the end:
@@ -36,10 +36,11 @@ import ray
 
 import _common  # noqa: F401  (sys.path)
 from _common import init_ray, median, publish, quick
-from ray_ppo.runtime.coordinator import Coordinator
-from ray_ppo.runtime.messages import MakerStats, PullRequest
-from ray_ppo.runtime.transport import ExperienceChunk, resolve
-from ray_ppo.testing import coordinator_config
+from ray_ppo.cluster.handles import fetch_objects, put_object
+from ray_ppo.coordinator.actor import Coordinator
+from ray_ppo.makers.testing import coordinator_config
+from ray_ppo.wire.messages import MakerStats, PullRequest
+from ray_ppo.wire.transport import ExperienceChunk, resolve
 
 BATCH = 32
 P_LEN, R_LEN = 16, 24
@@ -52,7 +53,7 @@ HEADLINE = ("inline", 16, 4, BATCH)
 def make_items(maker_id: int, batch_index: int, batch: int = BATCH):
     import torch
 
-    from ray_ppo.core.algo import ExperienceItem
+    from ray_ppo.algo import ExperienceItem
 
     rng = np.random.default_rng(maker_id * 100003 + batch_index)
     return [ExperienceItem.filled(
@@ -62,7 +63,7 @@ def make_items(maker_id: int, batch_index: int, batch: int = BATCH):
 
 
 def item_bytes() -> int:
-    from ray_ppo.core.algo.experience import PER_TOKEN_FIELDS
+    from ray_ppo.algo.experience import PER_TOKEN_FIELDS
 
     return P_LEN * 8 + R_LEN * 8 + len(PER_TOKEN_FIELDS) * R_LEN * 4
 
@@ -98,7 +99,7 @@ class MakerGroup:
     async def run(self, coordinator, variant: str) -> float:
         async def one(maker_id: int):
             for items in self.batches[maker_id]:
-                chunk = ExperienceChunk.of(items, variant)
+                chunk = ExperienceChunk.of(items, variant, put=put_object)
                 await coordinator.send.remote(maker_id, chunk, MakerStats())
         await asyncio.gather(*(one(m) for m in self.batches))
         return time.time()
@@ -132,7 +133,7 @@ class Rank:
                 if ray.get(done.get.remote()):
                     break  # the makers are done: what is left is drained by the driver
                 continue
-            items, lost, _ = resolve(chunks)
+            items, lost, _ = resolve(chunks, fetch_objects)
             assert lost == 0
             calls += 1
             last = time.time()
@@ -169,7 +170,7 @@ def run_once(groups, ranks, done, variant: str, num_makers: int, num_ranks: int,
     for r, k in enumerate(status.buffered):
         if k:
             request = PullRequest(rank=r, n=k, trainer_version=0, timeout_s=5.0)
-            leftover.extend(it.uid for it in resolve(ray.get(coord.pull.remote(request)).chunks).items)
+            leftover.extend(it.uid for it in resolve(ray.get(coord.pull.remote(request)).chunks, fetch_objects).items)
     ray.get([groups[g].release.remote() for g in share])
     uids = [u for res in results for u in res[0]]
     t_end = max(res[1] for res in results if res[1] is not None)

@@ -37,7 +37,7 @@ def build_model(kind: str, directory: str):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    from ray_ppo.core.models import load_actor, resolve_pretrained
+    from ray_ppo.models import load_actor, resolve_pretrained
 
     if kind in ("tiny-vllm", "smollm2"):
         path = resolve_pretrained({"smollm2": "smollm2-135m-instruct"}.get(kind, kind))
@@ -64,7 +64,7 @@ def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def hf_tokens_per_s(model, ids) -> float:
-    from ray_ppo.core.models import SamplingParams, generate
+    from ray_ppo.models import SamplingParams, generate
 
     start = time.perf_counter()
     rollout = generate(model, ids, SamplingParams(max_new_tokens=NEW_TOKENS), 0, None)
@@ -72,7 +72,7 @@ def hf_tokens_per_s(model, ids) -> float:
 
 
 def vllm_tokens_per_s(engine, ids) -> float:
-    from ray_ppo.core.models import SamplingParams
+    from ray_ppo.models import SamplingParams
 
     start = time.perf_counter()
     rollout = engine.generate(ids, SamplingParams(max_new_tokens=NEW_TOKENS), 0, None)
@@ -88,7 +88,7 @@ def local_load_s(model, state) -> float:
 def measure(kind: str, rounds: int) -> list:
     import torch
 
-    from ray_ppo.core.vllm_engine import VllmEngine, hf_weights
+    from ray_ppo.makers.vllm_engine import VllmEngine, hf_weights
 
     with tempfile.TemporaryDirectory() as directory:
         model, path = build_model(kind, directory)

@@ -6,7 +6,7 @@ Two engines on the ``tiny-vllm`` model, one per vLLM ``logprobs_mode`` (``raw_lo
 of the model's logits; ``processed_logprobs``: after temperature, top-k and top-p), sample 64
 prompts x 8 tokens under several sampling settings, before and after a reload of heavily
 perturbed weights (every tensor + 0.5 x its std of noise, as the note that found 0.85 nats did).
-For each, |vLLM - HF| over the sampled tokens, HF being ``ray_ppo.core.models.action_log_probs``
+For each, |vLLM - HF| over the sampled tokens, HF being ``ray_ppo.models.action_log_probs``
 (log-softmax of logits / temperature, no top-k/top-p) on the same weights. The last column reads
 the engine's linear weights back through its own kernels (identity in, W^T out) and says if they
 equal the HF weights bit for bit, which tells kernel precision (a bf16 matmul path would round
@@ -37,8 +37,8 @@ def perturb(model, scale: float = 0.5, seed: int = 0) -> None:
 def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     torch.set_num_threads(2)
-    from ray_ppo.core.models import SamplingParams, action_log_probs, load_actor, resolve_pretrained
-    from ray_ppo.core.vllm_engine import VllmEngine, engine_actor_state, hf_weights
+    from ray_ppo.makers.vllm_engine import VllmEngine, engine_actor_state, hf_weights
+    from ray_ppo.models import SamplingParams, action_log_probs, load_actor, resolve_pretrained
 
     path = resolve_pretrained("tiny-vllm")
     actor = load_actor(path).eval()

@@ -75,8 +75,8 @@ def run_variant(kind: str, variant: str, rounds: int) -> dict:
     import torch
     import vllm._custom_ops as ops
 
-    from ray_ppo.core.models import SamplingParams
-    from ray_ppo.core.vllm_engine import VllmEngine, hf_weights, transposed_weights
+    from ray_ppo.makers.vllm_engine import VllmEngine, hf_weights, transposed_weights
+    from ray_ppo.models import SamplingParams
 
     if variant == "unpacked":
         ops._supports_onednn = False

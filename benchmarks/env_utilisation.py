@@ -3,7 +3,7 @@
     python benchmarks/env_utilisation.py [--episodes 32] [--pipelines 1,2,4,8] [--sleep-ms 50,200]
                                          [--turns 3] [--turn-tokens 16] [--models 256x4,576x30] [--repeats 3]
 
-One maker's episode loop as a run has it (``ray_ppo.core.episodes.EpisodeRunner`` driving
+One maker's episode loop as a run has it (``ray_ppo.makers.episodes.EpisodeRunner`` driving
 ``ExperienceMaker``'s real HF ``generate``, one torch thread, as ``maker.torch_threads: 1``) runs a
 batch of ``--episodes`` episodes of ``--turns`` policy turns (up to ``--turn-tokens`` tokens each)
 on GPT-2 models of each ``--models`` shape (width x layers) built here with the tiny tokenizer
@@ -54,8 +54,8 @@ def build_maker(args, directory: str, width: int, layers: int):
     import torch
 
     from ray_ppo.config import Config
-    from ray_ppo.core.build import build_experience_maker
-    from ray_ppo.core.models.tiny import build_tiny_model
+    from ray_ppo.makers.build import build_experience_maker
+    from ray_ppo.models.tiny import build_tiny_model
 
     torch.set_num_threads(1)
     path = build_tiny_model(directory, n_embd=width, n_layer=layers, n_head=4)
@@ -66,7 +66,7 @@ def build_maker(args, directory: str, width: int, layers: int):
 
 def run_batch(maker, cfg, pipeline: int, sleep_s, prompts: list[str]):
     """(utilisation, wall s, median ms of one generation call, policy tokens / s) of one batch of episodes."""
-    from ray_ppo.core.episodes import EpisodeRunner
+    from ray_ppo.makers.episodes import EpisodeRunner
 
     Answering.SLEEP_S = sleep_s
     runner = EpisodeRunner(Answering, cfg.env.model_copy(update=dict(cls="benchmark:Answering", pipeline=pipeline,

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import _common
 from _common import publish, rss_mb
-from ray_ppo.choices import ADVANTAGES
+from ray_ppo.config.choices import ADVANTAGES
 
 ESTIMATORS = ADVANTAGES
 GROUP = {"gae": 1, "grpo": 4, "rloo": 4, "reinforce_pp": 1}
@@ -131,16 +131,16 @@ def memory_child(role: str, estimator: str, pretrained: str) -> dict:
     torch.set_num_threads(1)
     texts = [f"{i % 10} {(i * 3) % 10}" for i in range(16 // GROUP[estimator])]
     if role == "maker":
-        from ray_ppo.runtime.maker import MakerWorker
+        from ray_ppo.makers.worker import MakerWorker
         worker = MakerWorker(0, cfg.to_dict(), None)
         for _ in range(2):
             worker.maker.make_experience(worker.encoder.encode(texts).ids, 0)
         models = [worker.maker.actor, worker.maker.ref, worker.maker.critic]
     else:
-        from ray_ppo.core.algo import ExperienceBatch, ExperienceItem
-        from ray_ppo.core.build import build_actor, build_critic_if_needed
-        from ray_ppo.core.learner import PPOLearner
-        from ray_ppo.core.strategies import LocalStrategy
+        from ray_ppo.algo import ExperienceBatch, ExperienceItem
+        from ray_ppo.models.build import build_actor, build_critic_if_needed
+        from ray_ppo.train.learner import PPOLearner
+        from ray_ppo.train.strategies import LocalStrategy
         learner = PPOLearner(build_actor(cfg), build_critic_if_needed(cfg), LocalStrategy(), cfg)
         R = 4
         items = [ExperienceItem(prompt_ids=torch.randint(3, 13, (3,)), response_ids=torch.randint(3, 13, (R,)),

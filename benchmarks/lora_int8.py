@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from _common import publish
-from ray_ppo.core.models import Critic, SamplingParams, generate, load_tokenizer
-from ray_ppo.core.models.lora import apply_lora, trainable_names
-from ray_ppo.core.models.quantize import quantize_for_generation
-from ray_ppo.core.sync import bucket_nbytes, join_state, make_buckets, push_aliases
+from ray_ppo.models import Critic, SamplingParams, generate, load_tokenizer
+from ray_ppo.models.lora import apply_lora, trainable_names
+from ray_ppo.models.quantize import quantize_for_generation
+from ray_ppo.models.sync import bucket_nbytes, join_state, make_buckets, push_aliases
 from ray_ppo.tasks.toy import make_prompts, reward
 
 
@@ -35,7 +35,7 @@ def push_bytes(state: dict[str, torch.Tensor]) -> int:
 def models(kind: str):
     from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
-    from ray_ppo.core.models import load_actor
+    from ray_ppo.models import load_actor
 
     if kind == "tiny":
         return load_actor("tiny"), Critic.from_pretrained("tiny")

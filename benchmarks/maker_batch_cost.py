@@ -4,7 +4,7 @@
 
 In one process with one torch thread, the steps ``MakerWorker`` takes around each generation
 batch in ``overlap_sim.py``'s cells, timed one by one: encoding the prompts (``PromptEncoder``),
-the ``ExperienceMaker``'s items (``ray_ppo.testing.WaitingExperienceMaker`` with no wait: the
+the ``ExperienceMaker``'s items (``ray_ppo.makers.testing.WaitingExperienceMaker`` with no wait: the
 items of the toy task's shape), tagging them with prompt ids, packing them for the send
 (``ExperienceChunk.of``, inline); and the swap of a push into the tiny actor and critic, as
 ``MakerWorker.weights_end`` does it: prepared while generation goes on (``prepare_swap`` of
@@ -34,11 +34,11 @@ def main() -> None:
 
     from ray_ppo.api import resolve_config
     from ray_ppo.config import load_config
-    from ray_ppo.core.sync import prepare_swap
     from ray_ppo.data import PromptEncoder
-    from ray_ppo.runtime.maker import tag_prompt_ids
-    from ray_ppo.runtime.transport import ExperienceChunk
-    from ray_ppo.testing import WaitingExperienceMaker
+    from ray_ppo.makers.testing import WaitingExperienceMaker
+    from ray_ppo.makers.worker import tag_prompt_ids
+    from ray_ppo.models.sync import prepare_swap
+    from ray_ppo.wire.transport import ExperienceChunk
 
     torch.set_num_threads(1)
     cfg = resolve_config(load_config(str(ROOT / "configs" / "tiny.yaml")))

@@ -34,7 +34,7 @@ def build_gpt2_small(directory: str, n_layer: int = 12, n_embd: int = 768, n_hea
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-    from ray_ppo.core.models.tiny import SPECIAL_TOKENS, WORDS
+    from ray_ppo.models.tiny import SPECIAL_TOKENS, WORDS
 
     words = list(SPECIAL_TOKENS + WORDS)
     words += [f"w{i}" for i in range(50257 - len(words))]
@@ -64,16 +64,16 @@ def child(role: str, pretrained: str) -> dict:
     torch.manual_seed(0)
     texts = [" ".join("0123456789"[(i * 7 + j) % 10] for j in range(6)) for i in range(32)]
     if role == "maker":
-        from ray_ppo.runtime.maker import MakerWorker
+        from ray_ppo.makers.worker import MakerWorker
         w = MakerWorker(0, cfg.to_dict(), None)
         built = rss_mb()
         for _ in range(3):
             w.maker.make_experience(w.encoder.encode(texts).ids, 0)
     else:
-        from ray_ppo.core.algo import ExperienceBatch, ExperienceItem
-        from ray_ppo.core.build import build_actor, build_critic
-        from ray_ppo.core.learner import PPOLearner
-        from ray_ppo.core.strategies import LocalStrategy
+        from ray_ppo.algo import ExperienceBatch, ExperienceItem
+        from ray_ppo.models.build import build_actor, build_critic
+        from ray_ppo.train.learner import PPOLearner
+        from ray_ppo.train.strategies import LocalStrategy
         torch.set_num_threads(1)
         learner = PPOLearner(build_actor(cfg), build_critic(cfg), LocalStrategy(), cfg)
         built = rss_mb()

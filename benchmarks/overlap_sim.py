@@ -9,7 +9,7 @@ prompt fetch, admission, send loop and weight swaps, the ``TorchTrainer`` worker
 pull, merge, metrics, report and weight pushes of the tiny model), except two things injected
 through ``PPOTrainer``'s extension points (no config flag):
 
-- ``experience_maker_factory``: ``ray_ppo.testing.WaitingExperienceMaker`` holds the real tiny
+- ``experience_maker_factory``: ``ray_ppo.makers.testing.WaitingExperienceMaker`` holds the real tiny
   actor and critic (they receive the pushes) and makes each generation batch by sleeping
   ``gen_s`` with the model lock held, as a GPU kernel would hold the device while the CPU is
   free, then returning items of the toy task's shape;
@@ -75,8 +75,8 @@ import ray
 
 import _common  # noqa: F401
 from _common import init_ray, median, publish, tiny_config
-from ray_ppo.core.learner import PPOLearner
-from ray_ppo.testing import WaitingExperienceMaker
+from ray_ppo.makers.testing import WaitingExperienceMaker
+from ray_ppo.train.learner import PPOLearner
 
 PROMPTS_PER_BATCH = 16   # maker.batch_size
 ITEMS_PER_RANK = 32      # trainer.train_batch_size

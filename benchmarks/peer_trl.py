@@ -67,7 +67,7 @@ from pathlib import Path
 
 import _common
 from _common import median, publish, tiny_config
-from ray_ppo.async_search import sign_flip_p
+from ray_ppo.cluster.async_search import sign_flip_p
 
 VARIANTS = ("trl", "trl+gc.freeze", "ours sync", "ours detached")
 TRL_VARIANTS = ("trl", "trl+gc.freeze", "trl+gc.freeze+pad ends")
@@ -89,8 +89,8 @@ def tiny_model_path() -> str:
     import json
     import shutil
 
-    from ray_ppo.core.models import ensure_tiny_model, load_tokenizer
-    from ray_ppo.core.models.cache import build_once
+    from ray_ppo.models import ensure_tiny_model, load_tokenizer
+    from ray_ppo.models.cache import build_once
 
     source = ensure_tiny_model("lm")
     if not PAD_IS_EOS:
@@ -190,7 +190,7 @@ def toy_reward_model(tokenizer, prompt_width: int, pad_ends: bool = False):
 def cut_at_first_pad(response, pad_token_id: int):
     """``response`` (B, T) with every token from the first pad token on set to the pad: the pad
     ends it, as a maker's ``response_mask`` with the pad among its end ids reads it."""
-    from ray_ppo.core.models import response_mask
+    from ray_ppo.models import response_mask
 
     return response.masked_fill(~response_mask(response, pad_token_id), pad_token_id)
 
@@ -240,7 +240,7 @@ def trl_run(seed: int, samples: int, skip: int, reward_updates: int, freeze: boo
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
-    from ray_ppo.core.models import load_tokenizer
+    from ray_ppo.models import load_tokenizer
 
     path = tiny_model_path()
     tokenizer = load_tokenizer(path)
@@ -296,8 +296,8 @@ def trl_loss_mask():
     the policy sampled included. Sequences, attention and the reward are left whole (TRL's reward
     model reads the whole response too). One simplification: a response whose first token is a
     pad keeps that token (TRL's loss has none of it; ours needs one token per response)."""
-    from ray_ppo.core import experience
-    from ray_ppo.core.models import Rollout
+    from ray_ppo.makers import experience
+    from ray_ppo.models import Rollout
 
     sample = experience.generate
 
@@ -465,7 +465,7 @@ def report(runs: dict[str, list[dict]], args, wall_s: float) -> None:
 def paired_reward_difference(base: list[float], other: list[float]) -> dict:
     """``other - base`` reward, paired by round (one seed per round): mean, median, how many rounds
     ``other`` is higher, and the exact two-sided p-value of a sign-flip permutation test of the
-    mean difference (``ray_ppo.async_search.sign_flip_p``)."""
+    mean difference (``ray_ppo.cluster.async_search.sign_flip_p``)."""
     diffs = [o - b for b, o in zip(base, other, strict=True)]
     return {"mean": sum(diffs) / len(diffs), "median": median(diffs), "higher": sum(d > 0 for d in diffs),
             "rounds": len(diffs), "p": sign_flip_p(diffs)}

@@ -7,7 +7,7 @@
 Every setting comes from the same config ray_ppo trains with (``configs/smollm2_grpo.yaml``, with the
 same dotted overrides), mapped onto ``GRPOConfig``:
 
-  model           ``model.pretrained``, resolved by ``ray_ppo.core.models.resolve_pretrained`` (the
+  model           ``model.pretrained``, resolved by ``ray_ppo.models.resolve_pretrained`` (the
                   driver passes the converted SmolLM2 directory: nothing is downloaded) and loaded
                   by ``load_actor`` in ``model.dtype`` (float32), as ours loads it
   prompts         the chat messages of ``data.path``, read by ``ray_ppo.data.read_prompt_texts``;
@@ -30,7 +30,7 @@ same dotted overrides), mapped onto ``GRPOConfig``:
   budget          ``trainer.time_budget_s`` (900 s) of training, counted from ``on_train_begin``
                   with the evaluations' seconds taken out; the run stops at the first whole step
                   past it (or at ``trainer.total_steps``), then evaluates that last step
-  evaluation      ``ray_ppo.evaluate.Evaluation.of_config`` (the ``eval`` section: the 48 held-out
+  evaluation      ``ray_ppo.makers.evaluation.Evaluation.of_config`` (the ``eval`` section: the 48 held-out
                   level-1 questions, greedy, 24 new tokens, batches of ``maker.batch_size``) on the
                   trainer's model, at step 0, every ``eval.every`` steps and at the last step, from a
                   ``TrainerCallback``; its seconds are measured and excluded from TRL's training time
@@ -190,9 +190,9 @@ def run(cfg, out: Path, threads: int) -> dict:
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from ray_ppo.core.models import load_actor, load_reward_fn, load_tokenizer, resolve_pretrained
     from ray_ppo.data import PromptEncoder, read_prompt_texts
-    from ray_ppo.evaluate import Evaluation
+    from ray_ppo.makers.evaluation import Evaluation
+    from ray_ppo.models import load_actor, load_reward_fn, load_tokenizer, resolve_pretrained
 
     torch.set_num_threads(threads)
     path = resolve_pretrained(cfg.model.pretrained)

@@ -43,13 +43,13 @@ from overlap import SETTINGS
 from _common import init_ray, publish, tiny_config
 
 CATEGORIES = [  # (name, markers: any one in a frame's "function (file)" text); checked leaf first
-    ("generation", ["generate (transformers", "_sample (transformers", "core/experience.py", "/maker.py"]),
-    ("training", ["core/learner.py", "core/algo/", "torch/optim/", "torch/autograd/"]),
-    ("weight push / load", ["core/sync.py", "runtime/publish.py", "fingerprint"]),
-    ("experience transport", ["core/packed.py", "runtime/transport.py", "runtime/coordinator"]),
+    ("generation", ["generate (transformers", "_sample (transformers", "makers/experience.py", "makers/worker.py"]),
+    ("training", ["train/learner.py", "ray_ppo/algo/", "torch/optim/", "torch/autograd/"]),
+    ("weight push / load", ["models/sync.py", "train/publish.py", "fingerprint"]),
+    ("experience transport", ["wire/packed.py", "wire/transport.py", "ray_ppo/coordinator/"]),
     ("pickle / object store", ["serialization.py", "pickle", "object_ref"]),
-    ("metrics / report", ["runtime/monitor.py", "core/metrics.py", "ray/train/", "tracking.py", "outputs.py",
-                          "samples.py", "ray_ppo/api.py"]),
+    ("metrics / report", ["train/monitor.py", "algo/metrics.py", "ray/train/", "ray_ppo/outputs/",
+                          "ray_ppo/api.py"]),
     ("ray core (rpc, event loop)", ["ray/_private/", "ray/actor.py", "ray/_raylet", "asyncio", "grpc"]),
 ]
 OTHER = "other"

@@ -17,7 +17,7 @@ aggregation, advantage eps, synchronous vs detached clipping, response ends). Ru
 another (ours, TRL, next seed) on an otherwise idle machine. ``key=value`` arguments override the
 config on both sides (a smoke run: ``trainer.total_steps=2 eval.num_prompts=4 ...``).
 
-Both sides evaluate with ``ray_ppo.evaluate.Evaluation`` (greedy accuracy on the 48 held-out level-1
+Both sides evaluate with ``ray_ppo.makers.evaluation.Evaluation`` (greedy accuracy on the 48 held-out level-1
 questions) at step 0, every 10 steps and the last step. A step is 32 trained completions on both
 sides. Time is training wall time: ours, each step's ``elapsed_s`` since the training loop started
 (its evaluations run on the maker, beside training, and are inside it); TRL, the seconds since
@@ -113,7 +113,7 @@ def train_trl(seed: int, out: Path, overrides: list[str], trl_python: str, confi
     to here (converted once by this environment, which has the wheel and ``gguf``); its output goes
     to ``out/trl.log``."""
     from ray_ppo.config import load_config
-    from ray_ppo.core.models import resolve_pretrained
+    from ray_ppo.models import resolve_pretrained
 
     model = resolve_pretrained(load_config(config, overrides).model.pretrained)
     out.mkdir(parents=True, exist_ok=True)

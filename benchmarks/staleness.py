@@ -58,14 +58,15 @@ def emulated_cell(staleness: int, mode: str, steps: int, root: str) -> list[dict
 
     import torch
 
+    from ray_ppo.algo import ExperienceBatch
+    from ray_ppo.algo.metrics import experience_metrics
     from ray_ppo.api import resolve_config
-    from ray_ppo.core.algo import ExperienceBatch
-    from ray_ppo.core.build import build_actor, build_critic_if_needed, build_experience_maker
-    from ray_ppo.core.learner import PPOLearner, drop_absent
-    from ray_ppo.core.metrics import experience_metrics
-    from ray_ppo.core.strategies import LocalStrategy
     from ray_ppo.data import PromptEncoder, read_prompt_texts
     from ray_ppo.local import _collect, prompt_batches
+    from ray_ppo.makers.build import build_experience_maker
+    from ray_ppo.models.build import build_actor, build_critic_if_needed
+    from ray_ppo.train.learner import PPOLearner, drop_absent
+    from ray_ppo.train.strategies import LocalStrategy
 
     cfg = resolve_config(_common.tiny_config(f"{root}/s{staleness}-{mode}", {
         "trainer.total_steps": steps, "trainer.train_batch_size": 32, "trainer.mini_batch_size": 16,

@@ -36,8 +36,8 @@ import psutil
 
 import _common  # noqa: F401
 from _common import ROOT, init_ray, median, publish
-from ray_ppo.core.build import build_experience_maker
-from ray_ppo.core.learner import PPOLearner
+from ray_ppo.makers.build import build_experience_maker
+from ray_ppo.train.learner import PPOLearner
 
 
 def note(directory: str, event: str) -> None:

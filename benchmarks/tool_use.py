@@ -9,7 +9,7 @@ right, sampled at temperature 1, with the tool) at step 1 and at the last step w
 minutes of the training loop's start, and the calculator calls per episode (``env/tool_calls``).
 The train questions of a step are new ones (8 a step of 2048), so the sampled reward is already
 an accuracy on questions the policy has not trained on. Held-out accuracy is
-``ray_ppo.evaluate.evaluate``, greedy, on the first ``--num-prompts`` questions of
+``ray_ppo.makers.evaluation.evaluate``, greedy, on the first ``--num-prompts`` questions of
 ``calculator_eval.jsonl`` answered in episodes with the tool (``CalculatorEnv``, up to 3 turns)
 and of ``calculator_eval_no_tool.jsonl`` (the same questions asked plainly, one turn,
 ``env.cls=null``), for the base model and each run's last checkpoint; the eval questions are in
@@ -31,7 +31,7 @@ MINUTES = (5, 10, 15)
 def held_out(model: str, num_prompts: int) -> tuple[float, float]:
     """Greedy held-out accuracy of ``model`` (a name or run directory) with the tool and without."""
     from ray_ppo.config import load_config
-    from ray_ppo.evaluate import evaluate
+    from ray_ppo.makers.evaluation import evaluate
 
     cfg = load_config(str(CONFIG))
     with_tool = evaluate(cfg, model, str(ROOT / "data" / "calculator_eval.jsonl"), num_prompts)

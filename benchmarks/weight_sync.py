@@ -19,7 +19,7 @@ Three variants of the push, interleaved in every round:
 
 The real ``Coordinator`` actor relays the refs with ``_push_to`` (weights_start, one
 weights_chunk per bucket with the ref nested, weights_end). The receivers are small actors with
-the same concurrency groups as ``MakerWorker`` and its receiving code (``ray_ppo.runtime.receiver.WeightReceiver``)
+the same concurrency groups as ``MakerWorker`` and its receiving code (``ray_ppo.makers.receiver.WeightReceiver``)
 and swap, holding a
 ``GPT2LMHeadModel`` of the pushed shape: a real ``MakerWorker`` builds its models from a Config,
 which would add a reference model, critic and tokenizer the sync path does not touch. Models: random weights in GPT-2 shapes from
@@ -48,12 +48,13 @@ import torch
 
 import _common  # noqa: F401
 from _common import init_ray, median, publish
+from ray_ppo.cluster.handles import fetch_objects
 from ray_ppo.config import SyncConfig
-from ray_ppo.core.sync import assign_state, bucket_nbytes, fingerprint, make_buckets, push_size, split_state, tied_aliases
-from ray_ppo.runtime.coordinator import Coordinator
-from ray_ppo.runtime.messages import PushHeader
-from ray_ppo.runtime.receiver import WeightReceiver
-from ray_ppo.testing import coordinator_config
+from ray_ppo.coordinator.actor import Coordinator
+from ray_ppo.makers.receiver import WeightReceiver
+from ray_ppo.makers.testing import coordinator_config
+from ray_ppo.models.sync import assign_state, bucket_nbytes, fingerprint, make_buckets, push_size, split_state, tied_aliases
+from ray_ppo.wire.messages import PushHeader
 
 SHAPES = {"100M": dict(n_layer=4, n_embd=256, n_head=4), "1G": dict(n_layer=16, n_embd=1024, n_head=16),
           "500M": dict(n_layer=8, n_embd=1024, n_head=16)}
@@ -84,7 +85,7 @@ class Receiver:
             for p in self.model.parameters():
                 p.zero_()
         self.model_lock = threading.Lock()
-        self.receiver = WeightReceiver()
+        self.receiver = WeightReceiver(fetch_objects)
         self.variant = "pipelined"
         self.version = 0
         self.log = {}

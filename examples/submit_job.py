@@ -26,7 +26,7 @@ if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or 
 
 from ray.job_submission import JobStatus  # noqa: E402
 
-from ray_ppo.readiness import job_client, submit_job  # noqa: E402
+from ray_ppo.cluster.readiness import job_client, submit_job  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}

@@ -10,7 +10,7 @@ import ray
 from ray import tune
 
 from ray_ppo import load_config
-from ray_ppo.sweep import sweep
+from ray_ppo.cluster.sweep import sweep
 
 REPO = Path(__file__).resolve().parents[1]
 

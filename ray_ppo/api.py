@@ -22,21 +22,23 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ray_ppo.cluster import start_local_cluster
+from ray_ppo.cluster.datasets import read_prompt_dataset
+from ray_ppo.cluster.handles import CoordinatorClient
+from ray_ppo.cluster.local_cluster import start_local_cluster
 from ray_ppo.config import Config
-from ray_ppo.core.build import resolve_config
-from ray_ppo.core.checkpoint import validate_checkpoint
-from ray_ppo.data import check_prompt_column, read_prompt_dataset
-from ray_ppo.eval_records import split_evals
-from ray_ppo.preflight import check_run
-from ray_ppo.resources import ResourcePlan, check_fits, cluster_can_grow, worker_resources
-from ray_ppo.rundir import CheckpointPublisher
-from ray_ppo.runtime.coordinator import CoordinatorActor
-from ray_ppo.runtime.loop import train_loop_per_worker
-from ray_ppo.runtime.maker import maker_actor_class
-from ray_ppo.runtime.messages import CoordinatorStatus, RunHandles
-from ray_ppo.samples import split_samples
+from ray_ppo.config.preflight import check_run
+from ray_ppo.config.resources import ResourcePlan, check_fits, cluster_can_grow, worker_resources
+from ray_ppo.coordinator.actor import CoordinatorActor
+from ray_ppo.data import check_prompt_column
+from ray_ppo.makers.worker import maker_actor_class
+from ray_ppo.models.build import resolve_config
+from ray_ppo.outputs.evals import split_evals
+from ray_ppo.outputs.rundir import CheckpointPublisher
+from ray_ppo.outputs.samples import split_samples
 from ray_ppo.tasks.toy import make_prompts
+from ray_ppo.train.checkpoint import validate_checkpoint
+from ray_ppo.train.loop import train_loop_per_worker
+from ray_ppo.wire.messages import CoordinatorStatus, RunHandles
 
 ACTOR_READY_TIMEOUT_S = 300.0
 """How long ``fit()`` waits for the coordinator to register vLLM makers (only they are awaited
@@ -98,22 +100,22 @@ class PPOTrainer(TorchTrainer):
             optimizer, schedulers, KL controller, RNG, step, policy version and prompt position.
             Every trainer worker reads it, so on a multi-node cluster it must be on shared storage.
         output_dir: if given, ``fit()`` writes the run files the CLI writes there (``config.yaml``,
-            ``metrics.jsonl``, ``samples.jsonl``, TensorBoard events, ``curves.png``; ``ray_ppo.outputs``).
+            ``metrics.jsonl``, ``samples.jsonl``, TensorBoard events, ``curves.png``; ``ray_ppo.outputs.writers``).
         experience_maker_factory: builds each maker's ``ExperienceMaker`` as
             ``factory(cfg, name=, device=)`` (default ``build.build_experience_maker``).
         learner_factory: builds each trainer rank's learner as ``factory(policy, critic, strategy,
             params, seed=)`` (default ``PPOLearner``). Both are extension points for simulations
-            and benchmarks (``benchmarks/overlap_sim.py``; ``ray_ppo.testing.WaitingExperienceMaker``
+            and benchmarks (``benchmarks/overlap_sim.py``; ``ray_ppo.makers.testing.WaitingExperienceMaker``
             is a maker whose rollout is a wait): they must be picklable.
         detached: True (default): the coordinator and makers are detached actors, independent of
             the calling process; ``fit()`` removes them itself when the run ends, fails or is
             interrupted. False: they are owned by the process that calls ``fit()``, and Ray also
             removes them when that process dies without a clean-up (a Tune trial that ASHA stops:
-            ``ray_ppo.sweep`` runs its trials so).
-        show_resources: print the run's resource plan when ``fit()`` starts (``ray_ppo.resources``;
+            ``ray_ppo.cluster.sweep`` runs its trials so).
+        show_resources: print the run's resource plan when ``fit()`` starts (``ray_ppo.config.resources``;
             a sweep prints none per trial). A plan the cluster cannot hold is refused either way
             (``ResourceError``), unless the cluster may grow (one this process did not start).
-        preflight: True (default): ``fit()`` first runs ``ray_ppo.preflight.check_run`` on the
+        preflight: True (default): ``fit()`` first runs ``ray_ppo.config.preflight.check_run`` on the
             config and prompts (one-line errors, before any actor starts). False: the caller has
             run it on this config (the CLI does, before it imports Ray).
     """
@@ -179,8 +181,8 @@ class PPOTrainer(TorchTrainer):
             self._kill_actors()
             close_outputs(self.history)
             raise
-        publisher = CheckpointPublisher(self.coordinator, self.output_dir or Path(self.ppo_config.output_dir).resolve(),
-                                        self.ppo_config.trainer.keep_checkpoints)
+        run_dir = self.output_dir or Path(self.ppo_config.output_dir).resolve()
+        publisher = CheckpointPublisher(CoordinatorClient(self.coordinator), run_dir, self.ppo_config.trainer.keep_checkpoints)
         poller = _MetricsPoller(self.coordinator, self._on_metrics, publisher.poll)
         poller.start()
         self._loops.watch()
@@ -205,8 +207,8 @@ class PPOTrainer(TorchTrainer):
         return result
 
     def _check_resources(self) -> None:
-        """Refuse a run the cluster cannot hold, in one line (``ray_ppo.resources``), and print
-        the plan. With no cluster connected, a local one starts (``ray_ppo.cluster``)."""
+        """Refuse a run the cluster cannot hold, in one line (``ray_ppo.config.resources``), and print
+        the plan. With no cluster connected, a local one starts (``ray_ppo.cluster.local_cluster``)."""
         if not ray.is_initialized():
             start_local_cluster()
         plan = ResourcePlan.of(self.ppo_config, given_dataset=self.prompts is not None)
@@ -236,7 +238,7 @@ class PPOTrainer(TorchTrainer):
         """With ``output_dir``: add the run-file writers to the callbacks; returns their closer."""
         if self.output_dir is None:
             return lambda history: None
-        from ray_ppo.outputs import run_outputs
+        from ray_ppo.outputs.writers import run_outputs
 
         callbacks, close = run_outputs(self.ppo_config, self.output_dir,
                                        self.resume_state.step if self.resume_state else None, progress=False)

@@ -25,14 +25,14 @@ import time
 import warnings
 from pathlib import Path
 
-from ray_ppo.async_search import FIRST_RUNG
+from ray_ppo.cluster.async_search import FIRST_RUNG
 from ray_ppo.config import ConfigError, ConfigWarning, load_config
-from ray_ppo.core.checkpoint import CheckpointError
+from ray_ppo.config.preflight import check_run, check_sweep_spec, read_sweep_file
 from ray_ppo.data import DataError
-from ray_ppo.eval_records import eval_summary, read_evals
-from ray_ppo.preflight import check_run, check_sweep_spec, read_sweep_file
-from ray_ppo.rundir import RunDirError
-from ray_ppo.tracking import counts_summary, read_metrics
+from ray_ppo.outputs.evals import eval_summary, read_evals
+from ray_ppo.outputs.rundir import RunDirError
+from ray_ppo.outputs.tracking import counts_summary, read_metrics
+from ray_ppo.train.checkpoint import CheckpointError
 
 EXIT_USAGE = 2
 
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     toy.add_argument("--num-eval", type=int, default=200, help="arithmetic, calculator: held-out questions")
     ev = sub.add_parser("eval", help="evaluate a model, checkpoint or run on a prompt file (no Ray)",
                         description="Generate for a prompt file's prompts and score them with the config's rule "
-                                    "reward: accuracy, mean reward and a few samples (ray_ppo.evaluate).")
+                                    "reward: accuracy, mean reward and a few samples (ray_ppo.makers.evaluation).")
     ev.add_argument("model", help="a run directory, a checkpoint directory, a model directory or a model name")
     ev.add_argument("--config", "-c", help="YAML config: the reward function, prompt column, sampling settings "
                                            "(default: the run's config.yaml when MODEL is a run or its checkpoint)")
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ray-ppo {args.command}: interrupted{kept}", file=sys.stderr)
         return 130
     except Exception as e:  # a failure after the run started: one line, the traceback in RUN_DIR/error.log
-        from ray_ppo.failures import report_failure
+        from ray_ppo.outputs.failures import report_failure
 
         print(f"ray-ppo {args.command}: failed: {report_failure(e, args.run_dir)}", file=sys.stderr)
         return 1
@@ -200,7 +200,7 @@ def _load(args):
 
 def _run_outputs(cfg, out_dir: Path, resume_after_step: int | None = None):
     """Per-step callbacks (run files, progress) and a closer that also draws ``curves.png``."""
-    from ray_ppo.outputs import run_outputs
+    from ray_ppo.outputs.writers import run_outputs
 
     return run_outputs(cfg, out_dir, resume_after_step)
 
@@ -239,15 +239,15 @@ def _token_auth_if_set_up() -> None:
 
 
 def _init_ray(args, sweep: bool = False, on_give_up=None) -> None:
-    """Attach to ``--address``, or start a local cluster (``ray_ppo.cluster``). ``sweep``: the
+    """Attach to ``--address``, or start a local cluster (``ray_ppo.cluster.local_cluster``). ``sweep``: the
     local cluster serves Ray's state API (on loopback), which Ray Train's placement-group cleaner
     needs in a sweep. A local start that is interrupted or does not finish within the readiness
-    bound calls ``on_give_up`` and ends the process in one line (``ray_ppo.startup``)."""
+    bound calls ``on_give_up`` and ends the process in one line (``ray_ppo.cluster.startup``)."""
     import logging
 
     import ray
 
-    from ray_ppo.cluster import start_local_cluster
+    from ray_ppo.cluster.local_cluster import start_local_cluster
 
     if args.address:
         # The driver's one Ray Data execution would log its plan and progress every 10 s.
@@ -261,7 +261,7 @@ def _init_ray(args, sweep: bool = False, on_give_up=None) -> None:
 
 
 def cmd_train(args) -> int:
-    from ray_ppo.rundir import claim_run_dir, nothing_to_do, resume_point, resuming_line, stopped_line
+    from ray_ppo.outputs.rundir import claim_run_dir, nothing_to_do, resume_point, resuming_line, stopped_line
 
     resume_from, resume_state = None, None
     if args.resume:
@@ -275,8 +275,8 @@ def cmd_train(args) -> int:
         return 0
     check_run(cfg)
     if not args.address:  # the local cluster's CPUs are known before it starts (GPUs: once it has)
-        from ray_ppo.cluster import local_cpus
-        from ray_ppo.resources import ResourcePlan, check_fits
+        from ray_ppo.cluster.local_cluster import local_cpus
+        from ray_ppo.config.resources import ResourcePlan, check_fits
 
         check_fits(ResourcePlan.of(cfg), {"CPU": local_cpus(args.num_cpus), "GPU": math.inf},
                    where="the local cluster (--num-cpus)")
@@ -350,7 +350,7 @@ def cmd_tune(args) -> int:
     import ray  # after pre-flight: importing Ray and Ray Tune takes seconds
     from ray import tune
 
-    from ray_ppo.sweep import sweep, trial_lines
+    from ray_ppo.cluster.sweep import sweep, trial_lines
 
     scheduler = None
     if args.scheduler == "asha":
@@ -378,7 +378,7 @@ def cmd_tune(args) -> int:
 def cmd_async_search(args) -> int:
     import ray
 
-    from ray_ppo.async_search import ASYNC_SPACE, async_search, budgeted, check_first_rung, confirm_seeds
+    from ray_ppo.cluster.async_search import ASYNC_SPACE, async_search, budgeted, check_first_rung, confirm_seeds
 
     cfg = _load(args)
     space = _parse_grid(args.grid) or ASYNC_SPACE
@@ -417,7 +417,7 @@ def _ranking(trials: list[dict], keys: list[str], metric: str, mode: str) -> str
 
 def cmd_local(args) -> int:
     from ray_ppo.local import run_local
-    from ray_ppo.rundir import claim_run_dir
+    from ray_ppo.outputs.rundir import claim_run_dir
 
     cfg = _load(args)
     out_dir = Path(cfg.output_dir).resolve()
@@ -439,7 +439,7 @@ def cmd_local(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from ray_ppo.config_doc import describe_config
+    from ray_ppo.config.reference import describe_config
 
     print(describe_config(_load(args)))
     return 0
@@ -448,7 +448,7 @@ def cmd_config(args) -> int:
 def cmd_eval(args) -> int:
     import json
 
-    from ray_ppo.evaluate import SHOWN_SAMPLES, EvalSetup, evaluate_setup
+    from ray_ppo.makers.evaluation import SHOWN_SAMPLES, EvalSetup, evaluate_setup
 
     if args.num_prompts is not None and args.num_prompts <= 0:
         raise ConfigError(f"--num-prompts must be > 0, got {args.num_prompts}")

@@ -16,7 +16,7 @@ ends at ``env.max_turns`` or when its tokens reach ``env.max_tokens``.
             return Turn(observation="higher" if guess < self.target else "lower")
 
 Name the class in the config (``env.cls: my_module:Guess``); every maker builds one instance per
-episode and runs many episodes at once (``ray_ppo.core.episodes``). ``step`` may be a coroutine
+episode and runs many episodes at once (``ray_ppo.makers.episodes``). ``step`` may be a coroutine
 (awaiting I/O) or a plain function (run in a thread). This module imports neither torch nor Ray.
 """
 

@@ -12,19 +12,20 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from ray_ppo.algo import ExperienceBatch, ExperienceItem, make_kl_controller
+from ray_ppo.algo.metrics import experience_metrics
 from ray_ppo.config import Config, ConfigError
-from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, make_kl_controller
-from ray_ppo.core.build import build_actor, build_critic_if_needed, build_experience_maker, resolve_config
-from ray_ppo.core.collectives import broadcast_time_up
-from ray_ppo.core.learner import PPOLearner, drop_absent
-from ray_ppo.core.metrics import experience_metrics
-from ray_ppo.core.seeds import prompt_order, rank_seed
-from ray_ppo.core.strategies import LocalStrategy
 from ray_ppo.data import DataError, Prompt, PromptEncoder, read_prompt_texts
-from ray_ppo.eval_records import attach_evals, split_evals
-from ray_ppo.evaluate import Evaluation
-from ray_ppo.samples import SAMPLES_KEY, step_samples
+from ray_ppo.data.seeds import prompt_order, rank_seed
+from ray_ppo.makers.build import build_experience_maker
+from ray_ppo.makers.evaluation import Evaluation
+from ray_ppo.models.build import build_actor, build_critic_if_needed, resolve_config
+from ray_ppo.outputs.evals import attach_evals, split_evals
+from ray_ppo.outputs.samples import SAMPLES_KEY, step_samples
 from ray_ppo.tasks.toy import make_prompts
+from ray_ppo.train.collectives import broadcast_time_up
+from ray_ppo.train.learner import PPOLearner, drop_absent
+from ray_ppo.train.strategies import LocalStrategy
 
 MAX_EMPTY_BATCHES = 1000
 """Consecutive prompt batches without a usable prompt before the loop gives up."""
@@ -32,7 +33,7 @@ MAX_EMPTY_BATCHES = 1000
 
 def prompt_batches(prompts: Sequence[Prompt | None], batch_size: int, shuffle: bool, seed: int) -> Iterator[list]:
     """Endless batches of ``batch_size`` prompts in the order the coordinator serves them to makers
-    (``ray_ppo.core.seeds.prompt_order``: a new order each epoch with ``shuffle``), the stream
+    (``ray_ppo.data.seeds.prompt_order``: a new order each epoch with ``shuffle``), the stream
     running on from one epoch into the next."""
     if not prompts:
         raise DataError("the prompt list is empty")

@@ -1,7 +1,7 @@
 """MkDocs hooks (``hooks:`` in mkdocs.yml), run by every docs build.
 
 - The configuration reference is generated from the config's pydantic models
-  (``ray_ppo.config_doc.reference_markdown``) where docs/configuration.md holds its marker line
+  (``ray_ppo.config.reference.reference_markdown``) where docs/configuration.md holds its marker line
   (``MARKERS``), so it lists every key, type, default, bound and docstring of the code being
   built and cannot drift; so is docs/design.md's table of the package's modules, from their
   docstrings.
@@ -52,7 +52,7 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
 
 
 def config_reference() -> str:
-    from ray_ppo.config_doc import reference_markdown
+    from ray_ppo.config.reference import reference_markdown
 
     return reference_markdown()
 

@@ -7,7 +7,7 @@ Rows:
     prompts: generation tokens/s, scoring seconds, peak GPU memory, and whether every item comes
     back on the CPU with finite values. Then a push of perturbed weights goes the way a trainer
     sends it (``sync.make_buckets``, read-only buffers as Ray hands them out, ``weights_start`` /
-    the staging of each bucket / ``weights_end``: ``ray_ppo.runtime.device_checks``, shared with
+    the staging of each bucket / ``weights_end``: ``ray_ppo.makers.device_checks``, shared with
     ``tests/unit/test_maker_device.py``) and the maker's fingerprint must equal the trainer's.
     Models: the built-in tiny model (with the tiny reward model, and with LoRA) and a
     GPT-2-small-shaped actor (random weights from ``GPT2Config(n_layer=12, n_embd=768,
@@ -82,7 +82,7 @@ def main() -> int:
 
 def maker_models(cache: Path) -> list[tuple[str, dict]]:
     """(row label, config overrides) of each maker row; builds the models into ``cache``."""
-    from ray_ppo.core.models import ensure_tiny_model
+    from ray_ppo.models import ensure_tiny_model
 
     tiny, tiny_reward = str(ensure_tiny_model("lm")), str(ensure_tiny_model("reward"))
     gpt2 = str(save_gpt2_small(cache / "gpt2-small-random"))
@@ -113,7 +113,7 @@ def maker_worker_class():
     stand_in.method = lambda **_: (lambda fn: fn)
     stand_in.is_initialized = lambda: False
     sys.modules["ray"] = stand_in
-    from ray_ppo.runtime.maker import MakerWorker
+    from ray_ppo.makers.worker import MakerWorker
 
     return MakerWorker
 
@@ -123,8 +123,8 @@ def maker_row(overrides: dict, device: str, batch: int, new_tokens: int) -> dict
     import torch
 
     from ray_ppo.config import Config
-    from ray_ppo.core.sync import fingerprint
-    from ray_ppo.runtime.device_checks import bad_item_fields
+    from ray_ppo.makers.device_checks import bad_item_fields
+    from ray_ppo.models.sync import fingerprint
     from ray_ppo.tasks.toy import make_prompts
 
     cfg = Config().with_overrides({**overrides, "maker.num_gpus": 1 if device == "cuda" else 0,
@@ -164,8 +164,8 @@ def maker_row(overrides: dict, device: str, batch: int, new_tokens: int) -> dict
 def push_new_weights(worker) -> tuple[dict, int, bool]:
     """Push perturbed copies of the maker's weights as a trainer does; (the trainer's full state,
     bytes pushed, whether ``weights_end`` loaded it)."""
-    from ray_ppo.core.sync import bucket_nbytes
-    from ray_ppo.runtime.device_checks import deliver_push, perturbed_push
+    from ray_ppo.makers.device_checks import deliver_push, perturbed_push
+    from ray_ppo.models.sync import bucket_nbytes
 
     full, buckets = perturbed_push(worker, scale=0.01, bucket_mb=BUCKET_MB)
     return full, sum(bucket_nbytes(b) for b in buckets), deliver_push(worker, 1, buckets)

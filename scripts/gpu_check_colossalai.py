@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from ray_ppo.choices import COLOSSALAI_STRATEGIES
+from ray_ppo.config.choices import COLOSSALAI_STRATEGIES
 
 STRATEGIES = (*COLOSSALAI_STRATEGIES, "fsdp")
 CHILD_TIMEOUT_S = 420
@@ -89,9 +89,9 @@ def measure(name: str, steps: int) -> dict:
     import torch
 
     from ray_ppo.config import Config
-    from ray_ppo.core.learner import PPOLearner
-    from ray_ppo.core.strategies import make_strategy
-    from ray_ppo.core.sync import bucket_nbytes, make_buckets
+    from ray_ppo.models.sync import bucket_nbytes, make_buckets
+    from ray_ppo.train.learner import PPOLearner
+    from ray_ppo.train.strategies import make_strategy
 
     init_process_group()
     device = torch.device("cuda", 0)
@@ -136,8 +136,8 @@ def build_models():
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
-    from ray_ppo.core.models import Critic
-    from ray_ppo.core.models.hf import disable_dropout
+    from ray_ppo.models import Critic
+    from ray_ppo.models.hf import disable_dropout
 
     torch.manual_seed(0)
     config = GPT2Config(n_layer=12, n_embd=768, n_head=12)
@@ -148,7 +148,7 @@ def synthetic_batch(vocab_size: int, seed: int):
     """BATCH samples of PROMPT_LEN + RESPONSE_LEN random tokens with made-up log-probs, values and advantages."""
     import torch
 
-    from ray_ppo.core.algo import ExperienceBatch, ExperienceItem
+    from ray_ppo.algo import ExperienceBatch, ExperienceItem
 
     g = torch.Generator().manual_seed(seed)
     items = []

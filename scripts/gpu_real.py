@@ -38,8 +38,8 @@ CPU_DRY_RUN = ["maker.engine=hf", "maker.num_gpus=0", "maker.vllm.dtype=null", "
 def evaluations(run: Path) -> list[dict]:
     """The run's successful evaluations in step order, each with its step's training seconds
     (``metrics.jsonl``'s ``elapsed_s``; 0 for step 0)."""
-    from ray_ppo.eval_records import read_evals
-    from ray_ppo.jsonl import read_rows
+    from ray_ppo.outputs.evals import read_evals
+    from ray_ppo.outputs.jsonl import read_rows
 
     elapsed = {0: 0.0, **{row["step"]: row["elapsed_s"] for row in read_rows(run / "metrics.jsonl")}}
     done = sorted((r for r in read_evals(run) if r["error"] is None), key=lambda r: r["step"])

@@ -7,15 +7,15 @@ import os
 import pytest
 import torch
 
-from ray_ppo.cluster import WORKER_NICENESS_ENV
+from ray_ppo.cluster.local_cluster import WORKER_NICENESS_ENV
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Ray's own bound on the dashboard's start-up (60 s) ran out on a loaded 2-core machine, in every
 # process that starts a cluster with a dashboard: ray.init() in a test or a README snippet, ray start.
-# ray_ppo raises it for the clusters it starts (ray_ppo.cluster); the others read it from here.
+# ray_ppo raises it for the clusters it starts (ray_ppo.cluster.local_cluster); the others read it from here.
 os.environ.setdefault("RAY_DASHBOARD_STARTUP_TIMEOUT_S", "600")
 # Ray starts worker processes at nice 15 unless told otherwise: beside a busy machine's other work they
-# got 2-4 % of a core. ray_ppo's own clusters run them at nice 0 (ray_ppo.cluster); the clusters the
+# got 2-4 % of a core. ray_ppo's own clusters run them at nice 0 (ray_ppo.cluster.local_cluster); the clusters the
 # tests start otherwise (ray start, ray.cluster_utils.Cluster, a README snippet's ray.init()) read it here.
 os.environ.setdefault(WORKER_NICENESS_ENV, "0")
 torch.set_num_threads(1)
@@ -37,7 +37,7 @@ def tiny_model_cache(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_path(tiny_model_cache) -> str:
     """Directory of the built-in tiny causal LM (built on first use)."""
-    from ray_ppo.core.models import ensure_tiny_model
+    from ray_ppo.models import ensure_tiny_model
 
     return str(ensure_tiny_model("lm"))
 
@@ -45,7 +45,7 @@ def tiny_path(tiny_model_cache) -> str:
 @pytest.fixture(scope="session")
 def tiny_reward_path(tiny_model_cache) -> str:
     """Directory of the built-in tiny one-label reward model (built on first use)."""
-    from ray_ppo.core.models import ensure_tiny_model
+    from ray_ppo.models import ensure_tiny_model
 
     return str(ensure_tiny_model("reward"))
 
@@ -53,6 +53,6 @@ def tiny_reward_path(tiny_model_cache) -> str:
 @pytest.fixture(scope="session")
 def tokenizer(tiny_path):
     """The tiny model's tokenizer, loaded for generation (left padding)."""
-    from ray_ppo.core.models import load_tokenizer
+    from ray_ppo.models import load_tokenizer
 
     return load_tokenizer(tiny_path)

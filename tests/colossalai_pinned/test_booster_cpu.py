@@ -28,16 +28,16 @@ from colossalai.booster.plugin.torch_ddp_plugin import TorchDDPModel  # noqa: E4
 from colossalai.zero import LowLevelZeroOptimizer  # noqa: E402
 from transformers import AutoModel, AutoModelForCausalLM  # noqa: E402
 
+from ray_ppo.algo import ExperienceBatch  # noqa: E402
 from ray_ppo.config import Config  # noqa: E402
-from ray_ppo.core.algo import ExperienceBatch  # noqa: E402
-from ray_ppo.core.colossalai_strategy import ColossalAIStrategy, Recipe  # noqa: E402
-from ray_ppo.core.experience import ExperienceMaker  # noqa: E402
-from ray_ppo.core.learner import PPOLearner  # noqa: E402
-from ray_ppo.core.models import Critic, load_tokenizer  # noqa: E402
-from ray_ppo.core.models.hf import disable_dropout  # noqa: E402
-from ray_ppo.core.models.lora import apply_lora, trainable_names  # noqa: E402
-from ray_ppo.core.models.tiny import build_tiny_model  # noqa: E402
+from ray_ppo.makers.experience import ExperienceMaker  # noqa: E402
+from ray_ppo.models import Critic, load_tokenizer  # noqa: E402
+from ray_ppo.models.hf import disable_dropout  # noqa: E402
+from ray_ppo.models.lora import apply_lora, trainable_names  # noqa: E402
+from ray_ppo.models.tiny import build_tiny_model  # noqa: E402
 from ray_ppo.tasks import toy  # noqa: E402
+from ray_ppo.train.colossalai_strategy import ColossalAIStrategy, Recipe  # noqa: E402
+from ray_ppo.train.learner import PPOLearner  # noqa: E402
 
 pytestmark = pytest.mark.colossalai
 

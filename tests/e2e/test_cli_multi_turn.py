@@ -1,5 +1,5 @@
 """`ray-ppo train` with an environment (issue 42), as a user runs it: two-turn episodes of the toy
-task with an async environment that sleeps 50-200 ms a step (``ray_ppo.testing.FaultyEnv``), where
+task with an async environment that sleeps 50-200 ms a step (``ray_ppo.makers.testing.FaultyEnv``), where
 every 64th prompt makes the step raise, hang past ``env.step_timeout_s`` or return garbage. The run
 goes on, shows each fault with its prompt, and its reward rises."""
 
@@ -30,7 +30,7 @@ def test_two_turn_episodes_train_through_faults_and_the_reward_rises(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "ray_ppo.cli", "train", "--config", "configs/tiny.yaml", "--output", str(out),
-         "env.cls=ray_ppo.testing:FaultyEnv", "env.step_timeout_s=1", "env.max_tokens=32",
+         "env.cls=ray_ppo.makers.testing:FaultyEnv", "env.step_timeout_s=1", "env.max_tokens=32",
          f"data.path={fault_prompts(tmp_path / 'prompts.csv')}", f"trainer.total_steps={STEPS}", "maker.num_makers=1"],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

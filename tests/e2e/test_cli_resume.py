@@ -153,3 +153,17 @@ def test_a_run_that_fails_before_its_first_step_leaves_the_directory_as_it_was(t
     assert (run / "config.yaml").read_text() == "name: the old run\n"  # the overwritten run is back, untouched
     assert cli.leaked == []
     print(f"failed before its first step: exit {code} after {time.monotonic() - started:.0f} s")
+
+
+def test_a_run_dir_of_30ca318_resumes(tmp_path):
+    """A run directory written before the code was laid out by role (``tests/fixtures/run_30ca318``:
+    two steps of configs/tiny.yaml) trains on from its checkpoint with today's ``ray-ppo train``."""
+    import shutil
+
+    run = tmp_path / "old_run"
+    shutil.copytree(REPO / "tests" / "fixtures" / "run_30ca318", run, symlinks=True)
+    cli = Cli("train", ["--resume", str(run), "trainer.total_steps=3", "logging.progress=false"], tmp_path)
+    code, err = cli.wait()
+    assert code == 0, err
+    assert "from step 2" in cli.stdout() and steps_in(run) == [1, 2, 3]
+    assert checkpoint_state(run)["step"] == 3 and cli.leaked == []

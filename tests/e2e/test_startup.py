@@ -1,7 +1,7 @@
 """A start that cannot hang: `ray-ppo train` whose `ray.init` blocks in native code (as Ray's core
 worker constructor did when another cluster started beside it) ends on Ctrl-C and past the
 readiness bound, in one line, leaving no run directory; and runs started at the same moment on
-one machine all start and finish (`ray_ppo.startup`)."""
+one machine all start and finish (`ray_ppo.cluster.startup`)."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def test_runs_started_at_the_same_moment_all_finish(tmp_path):
 CLUSTER_START = r"""
 import sys, time
 start = time.monotonic()
-from ray_ppo.cluster import start_local_cluster
+from ray_ppo.cluster.local_cluster import start_local_cluster
 import ray
 start_local_cluster(label="start " + sys.argv[1])
 assert ray.get(ray.remote(lambda: 1).remote()) == 1

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from ray_processes import REPO, Cli, cluster_processes, kill_all
 
-from ray_ppo.cluster import free_port
+from ray_ppo.cluster.local_cluster import free_port
 from ray_ppo.config import load_config
 
 pytestmark = pytest.mark.e2e

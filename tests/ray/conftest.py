@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_ppo.cluster import start_local_cluster
+from ray_ppo.cluster.local_cluster import start_local_cluster
 
 RAY_NUM_CPUS = 8
 """Logical CPUs: more than the 2 cores, so fractional makers, a trainer and read tasks all fit."""

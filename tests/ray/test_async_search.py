@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from ray_ppo.async_search import async_search
+from ray_ppo.cluster.async_search import async_search
 from ray_ppo.config import load_config
 
 pytestmark = pytest.mark.ray
@@ -67,8 +67,8 @@ def test_a_trial_that_tune_stops_early_leaves_no_cpus_reserved(ray_session, tmp_
 
     from ray.tune.schedulers import FIFOScheduler
 
-    from ray_ppo.readiness import dashboard_url
-    from ray_ppo.sweep import sweep
+    from ray_ppo.cluster.readiness import dashboard_url
+    from ray_ppo.cluster.sweep import sweep
 
     class StopAtFirstResult(FIFOScheduler):
         def on_trial_result(self, tune_controller, trial, result):

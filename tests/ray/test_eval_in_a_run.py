@@ -8,7 +8,7 @@ import pytest
 
 from ray_ppo.api import PPOTrainer
 from ray_ppo.config import load_config
-from ray_ppo.eval_records import read_evals
+from ray_ppo.outputs.evals import read_evals
 
 pytestmark = pytest.mark.ray
 

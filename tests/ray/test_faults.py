@@ -14,9 +14,9 @@ from ray.train import FailureConfig, RunConfig
 
 from ray_ppo.api import PPOTrainer
 from ray_ppo.config import load_config
-from ray_ppo.core.checkpoint import RunState, validate_checkpoint
-from ray_ppo.runtime.messages import CoordinatorStatus
-from ray_ppo.testing import WaitingExperienceMaker
+from ray_ppo.makers.testing import WaitingExperienceMaker
+from ray_ppo.train.checkpoint import RunState, validate_checkpoint
+from ray_ppo.wire.messages import CoordinatorStatus
 
 pytestmark = pytest.mark.ray
 REPO = Path(__file__).parents[2]

@@ -7,7 +7,7 @@ import pytest
 
 from ray_ppo.api import PPOTrainer
 from ray_ppo.config import load_config
-from ray_ppo.core.checkpoint import load_trainer_state
+from ray_ppo.train.checkpoint import load_trainer_state
 
 pytestmark = pytest.mark.ray
 

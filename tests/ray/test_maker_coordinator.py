@@ -10,15 +10,16 @@ import ray
 import torch
 
 from ray_ppo.api import resolve_config
+from ray_ppo.cluster.handles import fetch_objects, put_object
 from ray_ppo.config import load_config
-from ray_ppo.core.models import Critic, load_actor
-from ray_ppo.core.sync import fingerprint, make_buckets
-from ray_ppo.runtime.coordinator import Coordinator
-from ray_ppo.runtime.loop import _pull
-from ray_ppo.runtime.maker import MakerWorker, maker_actor_class
-from ray_ppo.runtime.messages import MakerStats, PromptBatch, PullRequest, PushHeader
-from ray_ppo.runtime.transport import ExperienceChunk, resolve
-from ray_ppo.testing import WaitingExperienceMaker, coordinator_config
+from ray_ppo.coordinator.actor import Coordinator
+from ray_ppo.makers.testing import WaitingExperienceMaker, coordinator_config
+from ray_ppo.makers.worker import MakerWorker, maker_actor_class
+from ray_ppo.models import Critic, load_actor
+from ray_ppo.models.sync import fingerprint, make_buckets
+from ray_ppo.train.loop import _pull
+from ray_ppo.wire.messages import MakerStats, PromptBatch, PullRequest, PushHeader
+from ray_ppo.wire.transport import ExperienceChunk, resolve
 
 pytestmark = pytest.mark.ray
 REPO = Path(__file__).parents[2]
@@ -162,7 +163,7 @@ def test_slow_trainer_makes_makers_wait_and_loses_nothing(ray_session, cfg, acto
     pulled = []
     for _ in range(4):
         request = PullRequest(rank=0, n=8, trainer_version=0, timeout_s=30)
-        pulled += resolve(ray.get(coordinator.pull.remote(request)).chunks).items
+        pulled += resolve(ray.get(coordinator.pull.remote(request)).chunks, fetch_objects).items
     final = ray.get(coordinator.finish.remote())
     summaries = ray.get(loops, timeout=30)
     counters = ray.get(coordinator.status.remote()).counters
@@ -254,7 +255,7 @@ class Sender:
     """Sends batches the way ``MakerWorker.send_loop`` does: put once, send the chunk."""
 
     def send(self, coordinator, items) -> int:
-        return ray.get(coordinator.send.remote(0, ExperienceChunk.put(items), MakerStats()))
+        return ray.get(coordinator.send.remote(0, ExperienceChunk.of(items, "ref", put=put_object), MakerStats()))
 
 
 def test_a_maker_killed_after_sending_costs_no_hang_and_no_miscount(ray_session, actors):
@@ -284,7 +285,7 @@ def test_a_maker_killed_after_sending_costs_no_hang_and_no_miscount(ray_session,
 
 
 def _item(uid: str):
-    from ray_ppo.core.algo import ExperienceItem
+    from ray_ppo.algo import ExperienceItem
 
     n = 2 + int(uid.split("-")[1])  # items of different lengths
     return ExperienceItem.filled(torch.arange(3), torch.arange(n), lambda name: torch.randn(n), reward=0.5,
@@ -299,11 +300,12 @@ def test_zero_copy_weights_are_the_object_stores_buffers_and_never_recycled(ray_
     exact and tied weights re-tied; the next push hands no shared buffer out as staging memory
     (writing into it would change the weights of every maker on the node). Without it the
     weights are copies of the maker's own."""
-    from ray_ppo.core.sync import assign_state, join_state, split_state
-    from ray_ppo.runtime.receiver import WeightReceiver
+    from ray_ppo.cluster.handles import fetch_objects
+    from ray_ppo.makers.receiver import WeightReceiver
+    from ray_ppo.models.sync import assign_state, join_state, split_state
 
     actor = load_actor(cfg.model.pretrained)
-    receiver = WeightReceiver(share=share)
+    receiver = WeightReceiver(fetch_objects, share=share)
     for version, seed in [(1, 11), (2, 12)]:
         state = perturbed_state(cfg, seed)
         pushed = {k: v for k, v in state.items() if k.startswith("actor.") and k != "actor.lm_head.weight"}

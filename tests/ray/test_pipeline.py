@@ -10,9 +10,9 @@ import ray
 
 from ray_ppo.api import PPOTrainer
 from ray_ppo.config import load_config
+from ray_ppo.config.preflight import PreflightError
 from ray_ppo.data import DataError, read_texts
-from ray_ppo.failures import ERROR_LOG, one_line, report_failure
-from ray_ppo.preflight import PreflightError
+from ray_ppo.outputs.failures import ERROR_LOG, one_line, report_failure
 
 pytestmark = pytest.mark.ray
 
@@ -115,7 +115,7 @@ def test_output_dir_holds_the_checkpoint_and_each_row_counts_the_prompts_trained
 
 def assert_run_files(run: Path) -> None:
     """PPOTrainer(output_dir=...) writes what the CLI writes."""
-    from ray_ppo.tracking import read_metrics
+    from ray_ppo.outputs.tracking import read_metrics
 
     assert [row["step"] for row in read_metrics(run / "metrics.jsonl")] == list(range(1, STEPS + 1))
     samples = [json.loads(line) for line in open(run / "samples.jsonl")]
@@ -129,7 +129,7 @@ def assert_checkpoint_loads(directory: Path) -> None:
     """The checkpoint's actor and critic load with the ordinary from_pretrained(path)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ray_ppo.core.models import Critic
+    from ray_ppo.models import Critic
 
     actor = AutoModelForCausalLM.from_pretrained(directory / "actor")
     AutoTokenizer.from_pretrained(directory / "actor")
@@ -185,7 +185,7 @@ def test_reward_that_fails_the_probe_stops_fit_before_any_actor(ray_session, tmp
 def test_a_run_larger_than_the_cluster_is_refused_before_any_actor(ray_session, tmp_path):
     """16 makers x 0.5 CPU + a trainer worker + the prompt reader on the session's 8 CPUs: the
     reader would never run and the trainer's first pull would time out minutes later."""
-    from ray_ppo.resources import ResourceError
+    from ray_ppo.config.resources import ResourceError
 
     before = run_namespaces()
     with pytest.raises(ResourceError, match=r"^the run reserves 9.25 CPUs \(16 makers x 0.5 CPU .*\) but the cluster has 8"):
@@ -249,7 +249,7 @@ def test_lora_only_pushes_into_an_int8_maker_in_a_run_its_time_budget_ends(ray_s
 
 
 def _model_bytes(cfg) -> int:
-    from ray_ppo.core.build import build_actor, build_critic
+    from ray_ppo.models.build import build_actor, build_critic
 
     return sum(v.numel() * v.element_size() for m in (build_actor(cfg), build_critic(cfg))
                for v in m.state_dict().values())

@@ -9,8 +9,9 @@ import pytest
 import ray
 
 from ray_ppo.api import PPOTrainer
+from ray_ppo.cluster.datasets import read_prompt_dataset
 from ray_ppo.config import load_config
-from ray_ppo.data import DataError, read_prompt_dataset, read_texts
+from ray_ppo.data import DataError, read_texts
 
 pytestmark = pytest.mark.ray
 
@@ -55,7 +56,7 @@ def test_a_dataset_of_ints_is_refused_naming_the_type(ray_session):
 
 
 def test_a_run_on_chat_prompts_writes_them_to_samples_as_json(ray_session, tmp_path):
-    from ray_ppo.core.models.tiny import build_tokenizer
+    from ray_ppo.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()  # the tiny model's, with a chat template in its digit words
     tokenizer.chat_template = ("{% for m in messages %}{{ {'system': '9', 'user': '8', 'assistant': '7'}[m['role']] }} "

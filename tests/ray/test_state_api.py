@@ -1,4 +1,4 @@
-"""Ray's state API found on a machine that runs more than one Ray cluster (``ray_ppo.readiness``)."""
+"""Ray's state API found on a machine that runs more than one Ray cluster (``ray_ppo.cluster.readiness``)."""
 
 import subprocess
 import sys
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_ppo.readiness import wait_for_state_api
+from ray_ppo.cluster.readiness import wait_for_state_api
 
 pytestmark = pytest.mark.ray
 
@@ -50,7 +50,7 @@ def test_the_state_api_answers_while_another_ray_cluster_runs_on_the_machine(ray
 
 
 def test_the_workers_of_a_cluster_ray_ppo_starts_run_at_nice_0(ray_session):
-    """Ray's default is nice 15, under every other program on the machine (ray_ppo.cluster)."""
+    """Ray's default is nice 15, under every other program on the machine (ray_ppo.cluster.local_cluster)."""
     import os
 
     import ray

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ray_ppo.core.algo import (
+from ray_ppo.algo import (
     aggregate_loss,
     behaviour_kl,
     broadcast_to_tokens,

@@ -1,4 +1,4 @@
-"""Unit tests for ray_ppo.core.algo.experience: padding layout and exact split/merge round trips."""
+"""Unit tests for ray_ppo.algo.experience: padding layout and exact split/merge round trips."""
 
 import dataclasses
 import pickle
@@ -6,8 +6,8 @@ import pickle
 import pytest
 import torch
 
-from ray_ppo.core.algo import PER_TOKEN_FIELDS, ExperienceBatch, ExperienceItem, PackedItems
-from ray_ppo.core.algo.experience import unpack
+from ray_ppo.algo import PER_TOKEN_FIELDS, ExperienceBatch, ExperienceItem, PackedItems
+from ray_ppo.algo.experience import unpack
 
 
 def make_item(prompt, response, reward=0.0, version=0, uid="", seed=0) -> ExperienceItem:

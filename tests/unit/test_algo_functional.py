@@ -1,4 +1,4 @@
-"""Unit tests for ray_ppo.core.algo.functional: hand-worked three-element cases, plus references."""
+"""Unit tests for ray_ppo.algo.functional: hand-worked three-element cases, plus references."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ray_ppo.core.algo import (
+from ray_ppo.algo import (
     compute_gae,
     compute_gae_reference,
     compute_kl,

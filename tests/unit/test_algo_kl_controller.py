@@ -1,8 +1,8 @@
-"""Unit tests for ray_ppo.core.algo.kl_controller."""
+"""Unit tests for ray_ppo.algo.kl_controller."""
 
 import pytest
 
-from ray_ppo.core.algo import AdaptiveKLController, FixedKLController, make_kl_controller
+from ray_ppo.algo import AdaptiveKLController, FixedKLController, make_kl_controller
 
 
 def test_fixed_controller_never_changes():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ray_ppo.core.algo import aggregate_loss, cispo_loss, gspo_loss, overlong_penalty, policy_loss
+from ray_ppo.algo import aggregate_loss, cispo_loss, gspo_loss, overlong_penalty, policy_loss
 
 GARBAGE = 9.0  # what sits at a hole or the padding: must change nothing
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ray_ppo.core.algo import (
+from ray_ppo.algo import (
     correction_stats,
     geometric_mean_weights,
     icepop_weights,

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from ray_ppo.async_search import AsyncPick, confirm_seeds, sign_flip_p
+from ray_ppo.cluster.async_search import AsyncPick, confirm_seeds, sign_flip_p
 from ray_ppo.config import Config, ConfigError
 
 
@@ -69,9 +69,9 @@ def test_the_search_stops_first_at_half_the_budget_and_the_confirmation_pairs_ru
     first stop comes at half the budget, and the confirmation runs each setting once per seed."""
     import io
 
-    import ray_ppo.sweep as sweep_module
-    from ray_ppo.async_search import async_search
-    from ray_ppo.sweep import PRESET_KEY, SweepOutcome
+    import ray_ppo.cluster.sweep as sweep_module
+    from ray_ppo.cluster.async_search import async_search
+    from ray_ppo.cluster.sweep import PRESET_KEY, SweepOutcome
 
     calls = []
     confirm_rewards = {(0, 8): 0.5, (0, 16): 0.7, (1, 8): 0.6, (1, 16): 0.5, (2, 8): 0.2, (2, 16): 0.6}

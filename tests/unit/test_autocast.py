@@ -4,11 +4,12 @@ weights, gradients and optimizer states stay float32; the settings it cannot go 
 import pytest
 import torch
 
+from ray_ppo.algo import ExperienceBatch
 from ray_ppo.config import ConfigError, load_config
-from ray_ppo.core.algo import ExperienceBatch
-from ray_ppo.core.build import build_actor, build_critic, build_experience_maker
-from ray_ppo.core.learner import PPOLearner
-from ray_ppo.core.strategies import LocalStrategy
+from ray_ppo.makers.build import build_experience_maker
+from ray_ppo.models.build import build_actor, build_critic
+from ray_ppo.train.learner import PPOLearner
+from ray_ppo.train.strategies import LocalStrategy
 
 
 def config(tiny_path, autocast: bool):
@@ -60,7 +61,7 @@ def test_autocast_refuses_weights_other_than_float32():
 
 
 def test_autocast_refuses_colossalai_which_sets_its_own_precision(monkeypatch):
-    import ray_ppo.config as config_module
+    import ray_ppo.config.schema as config_module
 
     monkeypatch.setattr(config_module, "check_strategy_available", lambda strategy: None)  # as on a CUDA machine
     with pytest.raises(ConfigError, match=r"trainer\.autocast=true with trainer\.strategy='colossalai_zero2'"):

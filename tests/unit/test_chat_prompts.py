@@ -13,12 +13,12 @@ import pandas as pd
 import pytest
 import torch
 
+from ray_ppo.algo import ExperienceItem
+from ray_ppo.algo.experience import unpack
 from ray_ppo.config import Config
-from ray_ppo.core.algo import ExperienceItem
-from ray_ppo.core.algo.experience import unpack
-from ray_ppo.core.packed import PackedItems
+from ray_ppo.config.preflight import PreflightError, check_run
 from ray_ppo.data import DataError, PromptEncoder, read_prompt_texts
-from ray_ppo.preflight import PreflightError, check_run
+from ray_ppo.wire.packed import PackedItems
 
 ROOT = Path(__file__).parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -240,7 +240,7 @@ TEXTS = ["1 2", "3 4 5", "6"]
 def test_every_path_hands_the_reward_function_the_prompts_as_the_data_gave_them(tmp_path, tiny_path, chat_dir, rows,
                                                                                 chat_template):
     from ray_ppo.local import run_local
-    from ray_ppo.runtime.maker import MakerWorker
+    from ray_ppo.makers.worker import MakerWorker
 
     if rows is TEXTS:
         path = tmp_path / "prompts.csv"
@@ -263,7 +263,7 @@ def test_every_path_hands_the_reward_function_the_prompts_as_the_data_gave_them(
 
 
 def test_a_maker_tags_its_items_with_their_prompts(tiny_path, chat_dir):
-    from ray_ppo.runtime.maker import MakerWorker
+    from ray_ppo.makers.worker import MakerWorker
 
     cfg = Config().with_overrides({**SMALL, "model.pretrained": tiny_path, "model.tokenizer": chat_dir,
                                    "maker.samples_per_prompt": 2, "algo.advantage": "grpo"})

@@ -7,8 +7,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ray_ppo.core.algo import make_kl_controller
-from ray_ppo.core.checkpoint import (
+from ray_ppo.algo import make_kl_controller
+from ray_ppo.coordinator.ledger import PromptLedger
+from ray_ppo.train.checkpoint import (
     CheckpointError,
     RunState,
     load_trainer_state,
@@ -16,7 +17,6 @@ from ray_ppo.core.checkpoint import (
     validate_checkpoint,
     write_trainer_state,
 )
-from ray_ppo.runtime.ledger import PromptLedger
 
 
 @pytest.fixture
@@ -115,7 +115,7 @@ def test_a_full_disk_leaves_the_previous_checkpoint_intact(checkpoint, tmp_path,
     and no partial copy is left behind to fill the disk further."""
     import errno
 
-    import ray_ppo.core.checkpoint as ckpt
+    import ray_ppo.train.checkpoint as ckpt
 
     directory = checkpoint[0]
     run = tmp_path / "run"
@@ -158,10 +158,10 @@ def test_a_full_disk_on_the_trainer_leaves_no_partial_checkpoint(tmp_path, monke
     import tempfile
     from pathlib import Path
 
-    import ray_ppo.core.checkpoint as checkpoint_module
+    import ray_ppo.train.checkpoint as checkpoint_module
     from ray_ppo.config import load_config
-    from ray_ppo.core.build import build_actor, build_critic
-    from ray_ppo.core.sync import join_state
+    from ray_ppo.models.build import build_actor, build_critic
+    from ray_ppo.models.sync import join_state
 
     cfg = load_config(Path(__file__).parents[2] / "configs" / "tiny.yaml")
     state = join_state(build_actor(cfg).state_dict(), build_critic(cfg).state_dict())

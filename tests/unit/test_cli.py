@@ -9,8 +9,8 @@ import pytest
 
 from ray_ppo.cli import EXIT_USAGE, main
 from ray_ppo.config import load_config
+from ray_ppo.outputs.tracking import LiveLine, read_metrics
 from ray_ppo.tasks.toy import make_prompts
-from ray_ppo.tracking import LiveLine, read_metrics
 
 ROOT = Path(__file__).parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -122,8 +122,8 @@ def test_tune_sweeps_the_estimator_and_off_policy_keys(capsys, monkeypatch, tmp_
     import ray
 
     import ray_ppo.cli as cli
-    import ray_ppo.sweep as sweep_module
-    from ray_ppo.sweep import SweepOutcome
+    import ray_ppo.cluster.sweep as sweep_module
+    from ray_ppo.cluster.sweep import SweepOutcome
 
     seen = {}
 

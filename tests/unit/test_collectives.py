@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, make_kl_controller
-from ray_ppo.core.collectives import all_reduce_metrics, start_all_reduce_metrics
-from ray_ppo.runtime.loop import _train
+from ray_ppo.algo import ExperienceBatch, ExperienceItem, make_kl_controller
+from ray_ppo.train.collectives import all_reduce_metrics, start_all_reduce_metrics
+from ray_ppo.train.loop import _train
 
 ROWS = [  # what each rank's step measured
     {"loss": 1.0, "staleness_max": 2.0, "behaviour_kl_stale_3": float("nan"), "reward_max": float("nan"),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ray_ppo.config import COLOSSALAI_STRATEGIES, Config, ConfigError
-from ray_ppo.core.strategies import make_strategy
+from ray_ppo.train.strategies import make_strategy
 
 ROOT = Path(__file__).parents[2]
 no_colossalai = pytest.mark.skipif(importlib.util.find_spec("colossalai") is not None,
@@ -45,7 +45,7 @@ def test_make_strategy_without_colossalai_says_how_to_get_it(strategy):
 
 
 def test_strategies_module_does_not_import_colossalai():
-    code = ("import sys; from ray_ppo.core.strategies import make_strategy; make_strategy('ddp'); "
+    code = ("import sys; from ray_ppo.train.strategies import make_strategy; make_strategy('ddp'); "
             "make_strategy('fsdp'); print('colossalai' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert result.stdout.strip() == "False"

@@ -499,9 +499,9 @@ def test_shipped_configs_validate(colossalai_available, monkeypatch):
 
 def test_code_that_dispatches_on_a_choice_knows_exactly_the_config_s_names():
     torch = pytest.importorskip("torch")
-    from ray_ppo import choices
-    from ray_ppo.core.algo import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_MODES, POLICY_LOSSES, functional
-    from ray_ppo.core.models import hf, quantize
+    from ray_ppo.algo import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_MODES, POLICY_LOSSES, functional
+    from ray_ppo.config import choices
+    from ray_ppo.models import hf, quantize
 
     assert tuple(functional.KL_ESTIMATORS) == choices.KL_ESTIMATORS
     assert (ADVANTAGE_ESTIMATORS, OFF_POLICY_MODES, LOSS_AGGREGATIONS, POLICY_LOSSES) == (

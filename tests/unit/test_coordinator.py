@@ -1,4 +1,4 @@
-"""Unit tests of ray_ppo.runtime.coordinator.Coordinator, driven with asyncio in-process (no Ray).
+"""Unit tests of ray_ppo.coordinator.actor.Coordinator, driven with asyncio in-process (no Ray).
 
 The coordinator is built inside the event loop of each test (``asyncio.run``), as the Ray async
 actor builds it inside its own loop. Prompt feeds read texts given here instead of a dataset; the
@@ -13,10 +13,11 @@ import threading
 import pytest
 import torch
 
-from ray_ppo.core.algo import ExperienceItem
-from ray_ppo.runtime.coordinator import Coordinator
-from ray_ppo.runtime.feed import PromptFeed
-from ray_ppo.runtime.messages import (
+from ray_ppo.algo import ExperienceItem
+from ray_ppo.coordinator.actor import Coordinator
+from ray_ppo.coordinator.feed import PromptFeed
+from ray_ppo.makers.testing import coordinator_config
+from ray_ppo.wire.messages import (
     Counters,
     ItemsLost,
     LastPush,
@@ -26,8 +27,7 @@ from ray_ppo.runtime.messages import (
     PullRequest,
     PushHeader,
 )
-from ray_ppo.runtime.transport import ExperienceChunk, resolve
-from ray_ppo.testing import coordinator_config
+from ray_ppo.wire.transport import ExperienceChunk, resolve
 
 SHORT_S = 0.1  # long enough for any runnable task to run; the blocked ones stay blocked
 
@@ -47,7 +47,7 @@ def uids(reply: PullReply) -> list[str]:
 
 
 def coordinator(data_start: dict | None = None, **quantities) -> Coordinator:
-    """A coordinator with the quantities of ``ray_ppo.testing.coordinator_config`` (by default one
+    """A coordinator with the quantities of ``ray_ppo.makers.testing.coordinator_config`` (by default one
     rank, one maker, buffers of 16 items, ``max_staleness`` 1, 8 items per version), no prompts
     until a test gives it a ``feed``."""
     return Coordinator(coordinator_config(**quantities), data_start=data_start)
@@ -705,7 +705,7 @@ def test_rank_0_sends_a_metrics_row_only_after_the_previous_one_is_in(monkeypatc
     each step's row once the previous step's call is done: rows land in step order."""
     from types import SimpleNamespace
 
-    from ray_ppo.runtime import loop
+    from ray_ppo.train import loop
 
     events = []
 
@@ -797,7 +797,7 @@ def test_a_failed_weight_push_fails_the_maker():
     asyncio.run(main())
 
 
-# -- prompts by identity (ray_ppo.runtime.ledger) ------------------------------------------------------
+# -- prompts by identity (ray_ppo.coordinator.ledger) ------------------------------------------------------
 
 
 def answering(ids: list[int], version: int = 0) -> ExperienceChunk:
@@ -855,18 +855,13 @@ def test_a_bucket_lost_with_its_owner_drops_the_push_and_keeps_the_weights(monke
     """Trainer rank 0 died after putting a bucket (a FailureConfig restart): the maker's fetch
     fails with OwnerDiedError. The push is dropped (end says incomplete), nothing is raised to
     the relay (which would fail the maker), and the next push stages normally."""
-    import ray
+    from ray_ppo.makers import receiver as receiver_module
+    from ray_ppo.makers.receiver import WeightReceiver
 
-    from ray_ppo.runtime import receiver as receiver_module
-    from ray_ppo.runtime.receiver import WeightReceiver
+    def fetch(refs):  # as fetch_objects answers: None for an object lost with its owner
+        return {ref: None if ref == "lost" else ("bucket", ref) for ref in refs}
 
-    def lost(ref):
-        if ref == "lost":
-            raise ray.exceptions.OwnerDiedError("00" * 28, None, "")
-        return ("bucket", ref)
-
-    monkeypatch.setattr(receiver_module.ray, "get", lost)
-    received = WeightReceiver()
+    received = WeightReceiver(fetch)
     received.start(header(1, 2), None)
     received.chunk(1, 0, ["lost"])
     received.chunk(1, 1, ["fine"])
@@ -882,15 +877,19 @@ def test_a_bucket_lost_with_its_owner_drops_the_push_and_keeps_the_weights(monke
     assert received.end(2) is not None and staged == [("bucket", "fine")]
 
 
+def held(refs):
+    """A fetch for buckets passed by value."""
+    return {ref: ref for ref in refs}
+
+
 def test_a_late_end_of_an_older_push_keeps_the_newer_push_staged(monkeypatch):
     """chunk_end of push 3, run after push 4's chunk_start (two relays to one maker overlapping),
     says 'not loaded' and leaves push 4's staging alone (CI: 'maker_0 still holds v3')."""
-    from ray_ppo.runtime import receiver as receiver_module
-    from ray_ppo.runtime.receiver import WeightReceiver
+    from ray_ppo.makers import receiver as receiver_module
+    from ray_ppo.makers.receiver import WeightReceiver
 
-    monkeypatch.setattr(receiver_module.ray, "get", lambda ref: ref)
     monkeypatch.setattr(receiver_module.StagedPush, "add", lambda self, index, bucket: self.seen.add(index))
-    received = WeightReceiver()
+    received = WeightReceiver(held)
     received.start(header(3, 1), None)
     received.chunk(3, 0, ["b3"])
     received.start(header(4, 1), None)
@@ -906,12 +905,11 @@ def test_a_late_start_of_an_older_push_leaves_the_newer_push_staged(monkeypatch)
     replaced push 5's staging, push 5's end said 'not loaded', and the maker stayed on v3 while
     the trainer, at v5, waited for experience only v4 or later could make (peer_trl.py's
     detached run: 'no complete batch for 120 s ... maker_0: alive at version 3')."""
-    from ray_ppo.runtime import receiver as receiver_module
-    from ray_ppo.runtime.receiver import WeightReceiver
+    from ray_ppo.makers import receiver as receiver_module
+    from ray_ppo.makers.receiver import WeightReceiver
 
-    monkeypatch.setattr(receiver_module.ray, "get", lambda ref: ref)
     monkeypatch.setattr(receiver_module.StagedPush, "add", lambda self, index, bucket: self.seen.add(index))
-    received = WeightReceiver()
+    received = WeightReceiver(held)
     assert received.start(header(5, 1), None, loaded_version=3)
     assert not received.start(header(4, 1), None, loaded_version=3)  # late: push 5 is staging
     received.chunk(4, 0, ["b4"])
@@ -924,12 +922,11 @@ def test_a_late_start_of_an_older_push_leaves_the_newer_push_staged(monkeypatch)
 def test_a_start_older_than_the_loaded_weights_is_ignored_and_an_equal_one_is_not(monkeypatch):
     """After push 5 loaded, a late push 4 must not take the maker back (its chunk_end would load
     it); a push of the version held (the first push, v0, of a run that waits for weights) stages."""
-    from ray_ppo.runtime import receiver as receiver_module
-    from ray_ppo.runtime.receiver import WeightReceiver
+    from ray_ppo.makers import receiver as receiver_module
+    from ray_ppo.makers.receiver import WeightReceiver
 
-    monkeypatch.setattr(receiver_module.ray, "get", lambda ref: ref)
     monkeypatch.setattr(receiver_module.StagedPush, "add", lambda self, index, bucket: self.seen.add(index))
-    received = WeightReceiver()
+    received = WeightReceiver(held)
     assert not received.start(header(4, 1), None, loaded_version=5)
     received.chunk(4, 0, ["b4"])
     assert received.end(4) is None
@@ -946,14 +943,13 @@ def test_two_relays_of_one_push_to_a_restarted_maker_load_it_whatever_their_orde
     stayed on its initial weights, and the run ended 'no complete batch for 120 s ... maker_0:
     alive at version 0' (tests/cluster/test_node_failures.py). Each relay now stages under its
     own number, and the calls of an older relay leave a newer one's staging alone."""
-    from ray_ppo.runtime import receiver as receiver_module
-    from ray_ppo.runtime.receiver import WeightReceiver
+    from ray_ppo.makers import receiver as receiver_module
+    from ray_ppo.makers.receiver import WeightReceiver
 
-    monkeypatch.setattr(receiver_module.ray, "get", lambda ref: ref)
     monkeypatch.setattr(receiver_module.StagedPush, "add", lambda self, index, bucket: self.seen.add(index))
     old, new = 1, 2
     for stale_calls in (["end"], ["start", "end"], ["start", "chunk", "end"]):
-        received = WeightReceiver()
+        received = WeightReceiver(held)
         assert received.start(header(6, 2), None, loaded_version=0, relay=new)
         received.chunk(6, 0, ["b0"], relay=new)
         for call in stale_calls:  # the old relay's retried calls, between the new relay's
@@ -971,12 +967,11 @@ def test_two_relays_of_one_push_to_a_restarted_maker_load_it_whatever_their_orde
 def test_a_repeated_start_of_one_relay_keeps_what_it_staged(monkeypatch):
     """A call Ray retries on the same process (the actor was briefly unreachable: the call 'may or
     may not have been executed') runs twice: chunk_start again must not drop the staged buckets."""
-    from ray_ppo.runtime import receiver as receiver_module
-    from ray_ppo.runtime.receiver import WeightReceiver
+    from ray_ppo.makers import receiver as receiver_module
+    from ray_ppo.makers.receiver import WeightReceiver
 
-    monkeypatch.setattr(receiver_module.ray, "get", lambda ref: ref)
     monkeypatch.setattr(receiver_module.StagedPush, "add", lambda self, index, bucket: self.seen.add(index))
-    received = WeightReceiver()
+    received = WeightReceiver(held)
     assert received.start(header(2, 2), None, relay=7)
     received.chunk(2, 0, ["b0"], relay=7)
     assert received.start(header(2, 2), None, relay=7)

@@ -1,4 +1,4 @@
-"""Unit tests of the coordinator's state objects (``ray_ppo.runtime.coordinator_state``, ``ray_ppo.runtime.feed.PromptFeed``)
+"""Unit tests of the coordinator's state objects (``ray_ppo.coordinator.state``, ``ray_ppo.coordinator.feed.PromptFeed``)
 and its messages: plain synchronous calls, no asyncio, no Ray."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from ray_ppo.config import Config
-from ray_ppo.runtime import coordinator as coordinator_module
-from ray_ppo.runtime.coordinator_state import Admission, CoordinatorState, MakerBook, PushRelay, RankBuffers
-from ray_ppo.runtime.feed import PromptFeed
-from ray_ppo.runtime.ledger import PromptLedger
-from ray_ppo.runtime.messages import LastPush, MakerStats, MakerStatus, PushHeader
-from ray_ppo.runtime.transport import ExperienceChunk
-from ray_ppo.testing import coordinator_config
+from ray_ppo.coordinator import actor as coordinator_module
+from ray_ppo.coordinator.feed import PromptFeed
+from ray_ppo.coordinator.ledger import PromptLedger
+from ray_ppo.coordinator.state import Admission, CoordinatorState, MakerBook, PushRelay, RankBuffers
+from ray_ppo.makers.testing import coordinator_config
+from ray_ppo.wire.messages import LastPush, MakerStats, MakerStatus, PushHeader
+from ray_ppo.wire.transport import ExperienceChunk
 from tests.unit.test_coordinator import item, items
 
 

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ray_ppo.runtime.coordinator_state import CoordinatorState, Pull, PullCancelled
-from ray_ppo.runtime.feed import PromptFeed
-from ray_ppo.runtime.ledger import PromptLedger
-from ray_ppo.runtime.messages import ItemsLost, MakerStats, PullRequest, PushHeader
-from ray_ppo.runtime.transport import ExperienceChunk
+from ray_ppo.coordinator.feed import PromptFeed
+from ray_ppo.coordinator.ledger import PromptLedger
+from ray_ppo.coordinator.state import CoordinatorState, Pull, PullCancelled
+from ray_ppo.wire.messages import ItemsLost, MakerStats, PullRequest, PushHeader
+from ray_ppo.wire.transport import ExperienceChunk
 from tests.unit.test_coordinator import item
 
 NUM_PROMPTS = 1000  # more than a sequence serves: no epoch completes, so the trained log is never pruned

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ray_ppo.config import Config
-from ray_ppo.config_doc import describe_config, reference_markdown
+from ray_ppo.config.reference import describe_config, reference_markdown
 
 ROOT = Path(__file__).parents[2]
 MAX_LINES = {"README.md": 250, "benchmarks/README.md": 500}

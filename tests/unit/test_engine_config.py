@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ray_ppo.config import Config, ConfigError, MakerConfig, load_config
-from ray_ppo.core.build import build_actor
-from ray_ppo.core.models import load_actor, resolve_pretrained
-from ray_ppo.core.vllm_engine import hf_weights
+from ray_ppo.makers.vllm_engine import hf_weights
+from ray_ppo.models import load_actor, resolve_pretrained
+from ray_ppo.models.build import build_actor
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -88,7 +88,7 @@ def test_the_engine_context_holds_the_longest_response_an_evaluation_or_episode_
         monkeypatch, overrides, setting, tokens):
     """The vLLM engine's max_model_len is pre-flight's longest sequence: an evaluation answering
     more tokens than maker.max_new_tokens, or an episode's env.max_tokens, must fit it."""
-    from ray_ppo.core import vllm_engine
+    from ray_ppo.makers import vllm_engine
 
     asked = {}
     monkeypatch.setattr(vllm_engine, "VllmEngine", lambda *args, **kwargs: asked.update(kwargs))

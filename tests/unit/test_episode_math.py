@@ -11,7 +11,7 @@ Two hand-built episodes of one group, response width 5:
 import pytest
 import torch
 
-from ray_ppo.core.algo import (
+from ray_ppo.algo import (
     ExperienceBatch,
     ExperienceItem,
     compute_advantages,
@@ -22,9 +22,9 @@ from ray_ppo.core.algo import (
     policy_loss,
     value_loss,
 )
-from ray_ppo.core.algo.experience import unpack
-from ray_ppo.core.metrics import experience_metrics
-from ray_ppo.core.packed import PackedItems
+from ray_ppo.algo.experience import unpack
+from ray_ppo.algo.metrics import experience_metrics
+from ray_ppo.wire.packed import PackedItems
 
 MASK = torch.tensor([[1, 1, 0, 0, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
 GARBAGE = 9.0  # what sits at the environment's tokens and the padding: must change nothing

@@ -1,4 +1,4 @@
-"""Multi-turn episodes without Ray (``ray_ppo.core.episodes``): turns and observations in the
+"""Multi-turn episodes without Ray (``ray_ppo.makers.episodes``): turns and observations in the
 context, the bounds of an episode, environment faults, async environments that sleep, chat
 templates, and a maker's experience from episodes (the tiny model)."""
 
@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from ray_ppo.config import Config, EnvConfig
-from ray_ppo.core.build import build_experience_maker, resolve_config
-from ray_ppo.core.episodes import EpisodeRunner, lost_text
 from ray_ppo.env import EnvError, Environment, Turn, check_turn, load_env_class
+from ray_ppo.makers.build import build_experience_maker
+from ray_ppo.makers.episodes import EpisodeRunner, lost_text
+from ray_ppo.makers.testing import FaultyEnv, SleepyEnv
+from ray_ppo.models.build import resolve_config
 from ray_ppo.tasks.turns import TwoTurnEnv
-from ray_ppo.testing import FaultyEnv, SleepyEnv
 
 EOS = 1
 
@@ -152,7 +153,7 @@ def test_turns_are_checked_and_classes_loaded_with_errors_that_name_the_fix():
 def tiny_maker(tiny_path, **env):
     cfg = resolve_config(Config.from_dict({
         "model": {"pretrained": tiny_path}, "maker": {"samples_per_prompt": 2, "max_new_tokens": 4},
-        "algo": {"advantage": "grpo"}, "env": {"cls": "ray_ppo.testing:FaultyEnv", "max_tokens": 24, **env}}))
+        "algo": {"advantage": "grpo"}, "env": {"cls": "ray_ppo.makers.testing:FaultyEnv", "max_tokens": 24, **env}}))
     return build_experience_maker(cfg)
 
 
@@ -181,21 +182,21 @@ def test_a_maker_trains_the_policy_s_tokens_and_neutralises_faulted_episodes(tin
     ("2 4", "not a ray_ppo.env.Turn"),
 ])
 def test_preflight_runs_a_probe_episode_on_the_first_prompt(tmp_path, tiny_path, first, problem):
-    from ray_ppo.preflight import PreflightError, check_run
+    from ray_ppo.config.preflight import PreflightError, check_run
 
     (tmp_path / "prompts.csv").write_text(f"prompt\n{first}\n3 4\n")
     cfg = Config.from_dict({"model": {"pretrained": tiny_path}, "data": {"path": str(tmp_path / "prompts.csv")},
-                            "env": {"cls": "ray_ppo.testing:FaultyEnv", "step_timeout_s": 0.3, "max_tokens": 32}})
+                            "env": {"cls": "ray_ppo.makers.testing:FaultyEnv", "step_timeout_s": 0.3, "max_tokens": 32}})
     with pytest.raises(PreflightError) as e:
         check_run(cfg)
-    assert str(e.value).startswith(f"env.cls='ray_ppo.testing:FaultyEnv': a probe episode on the prompt '{first}' "
+    assert str(e.value).startswith(f"env.cls='ray_ppo.makers.testing:FaultyEnv': a probe episode on the prompt '{first}' "
                                    f"failed at its first step: ") and problem in str(e.value)
     (tmp_path / "fine.csv").write_text("prompt\n3 4\n")
     check_run(cfg.with_overrides({"data.path": str(tmp_path / "fine.csv")}))  # a well-behaved first prompt passes
 
 
 def test_preflight_refuses_a_probe_observation_the_tokenizer_cannot_spell(tmp_path, tiny_path, monkeypatch):
-    from ray_ppo.preflight import PreflightError, check_run
+    from ray_ppo.config.preflight import PreflightError, check_run
 
     (tmp_path / "hints.py").write_text("from ray_ppo.env import Turn\n\n\nclass Hints:\n"
                                        "    def __init__(self, prompt):\n        pass\n\n"
@@ -226,7 +227,7 @@ def test_the_docs_example_environment_is_short_and_plays_a_game():
 
 
 def test_an_evaluation_with_an_environment_answers_in_episodes(tmp_path, tiny_path):
-    from ray_ppo.evaluate import evaluate
+    from ray_ppo.makers.evaluation import evaluate
 
     (tmp_path / "eval.csv").write_text("prompt\n3 1 4\n2 7 1\n")
     cfg = Config.from_dict({"model": {"pretrained": tiny_path}, "maker": {"max_new_tokens": 4},
@@ -246,10 +247,10 @@ def test_a_learner_step_ignores_whatever_sits_at_the_environment_s_tokens(tiny_p
     only: a batch of episodes trains exactly as one whose environment tokens hold garbage."""
     import dataclasses
 
-    from ray_ppo.core.algo import PER_TOKEN_FIELDS, ExperienceBatch
-    from ray_ppo.core.build import build_actor, build_critic_if_needed
-    from ray_ppo.core.learner import PPOLearner
-    from ray_ppo.core.strategies import LocalStrategy
+    from ray_ppo.algo import PER_TOKEN_FIELDS, ExperienceBatch
+    from ray_ppo.models.build import build_actor, build_critic_if_needed
+    from ray_ppo.train.learner import PPOLearner
+    from ray_ppo.train.strategies import LocalStrategy
 
     cfg = resolve_config(Config.from_dict({
         "model": {"pretrained": tiny_path}, "maker": {"samples_per_prompt": 2, "max_new_tokens": 4, "batch_size": 4},

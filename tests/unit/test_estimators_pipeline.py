@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
+from ray_ppo.algo import ExperienceBatch
 from ray_ppo.config import Config
-from ray_ppo.core.algo import ExperienceBatch
-from ray_ppo.core.build import build_experience_maker
-from ray_ppo.core.learner import PPOLearner
-from ray_ppo.core.strategies import LocalStrategy
 from ray_ppo.local import run_local
+from ray_ppo.makers.build import build_experience_maker
 from ray_ppo.tasks import sum_mod10, toy
+from ray_ppo.train.learner import PPOLearner
+from ray_ppo.train.strategies import LocalStrategy
 
 SMALL = {"trainer.total_steps": 2, "trainer.train_batch_size": 8, "trainer.mini_batch_size": 4,
          "maker.batch_size": 4, "maker.max_new_tokens": 4}
@@ -69,8 +69,8 @@ def test_a_reference_is_used_only_where_a_kl_term_reads_it(kl_coef, kl_target, u
 
 
 def test_without_a_kl_term_the_maker_loads_no_reference_and_reports_no_kl(monkeypatch):
-    from ray_ppo.core import experience
-    from ray_ppo.core.metrics import experience_metrics
+    from ray_ppo.algo.metrics import experience_metrics
+    from ray_ppo.makers import experience
 
     cfg = config(**{"ppo.kl_coef": 0.0, "ppo.kl_in": "loss", "algo.advantage": "grpo", "maker.samples_per_prompt": 2})
     monkeypatch.setattr(experience.ExperienceMaker, "_ref_log_probs", lambda *a: pytest.fail("no reference pass"))

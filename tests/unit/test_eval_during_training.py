@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from ray_ppo.config import Config, ConfigError, load_config
-from ray_ppo.eval_records import EVALS_KEY, EvalReport, attach_evals, eval_line, eval_summary, read_evals, split_evals
+from ray_ppo.coordinator.actor import Coordinator
 from ray_ppo.local import run_local
-from ray_ppo.runtime.coordinator import Coordinator
-from ray_ppo.testing import coordinator_config
-from ray_ppo.tracking import LiveLine, RunDirectory
+from ray_ppo.makers.testing import coordinator_config
+from ray_ppo.outputs.evals import EVALS_KEY, EvalReport, attach_evals, eval_line, eval_summary, read_evals, split_evals
+from ray_ppo.outputs.tracking import LiveLine, RunDirectory
 
 REPO = Path(__file__).parents[2]
 PROMPTS = str(REPO / "data" / "toy_prompts.csv")
@@ -170,7 +170,7 @@ def test_the_local_loop_evaluates_the_base_model_every_n_steps_and_the_last(tiny
 
 
 def test_pre_flight_refuses_an_eval_file_it_cannot_use(tiny_path, tmp_path):
-    from ray_ppo.preflight import PreflightError, check_run
+    from ray_ppo.config.preflight import PreflightError, check_run
 
     base = load_config(REPO / "configs" / "tiny.yaml")
     with pytest.raises(PreflightError, match=r"^eval.path='.*missing.jsonl' does not exist"):

@@ -1,4 +1,4 @@
-"""``ray-ppo eval`` / ``ray_ppo.evaluate``: a model, checkpoint or run scored on a prompt file (no Ray)."""
+"""``ray-ppo eval`` / ``ray_ppo.makers.evaluation``: a model, checkpoint or run scored on a prompt file (no Ray)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from ray_ppo.cli import main
 from ray_ppo.config import load_config
-from ray_ppo.evaluate import _result, evaluate, resolve_model
+from ray_ppo.makers.evaluation import _result, evaluate, resolve_model
 from ray_ppo.tasks import toy
 
 REPO = Path(__file__).parents[2]
@@ -101,7 +101,7 @@ def test_eval_of_a_run_directory_reads_the_runs_config(tiny_path, tmp_path, caps
     assert (result["num_prompts"], result["accuracy"], result["reward_mean"]) == (5, expected.accuracy,
                                                                                   expected.reward_mean)
     # a checkpoint of the run finds the run's config too; --config and overrides win over it
-    from ray_ppo.evaluate import EvalSetup
+    from ray_ppo.makers.evaluation import EvalSetup
 
     assert EvalSetup.of(str(run / "checkpoints" / "step_00000002")).config_file == str(run / "config.yaml")
     setup = EvalSetup.of(str(run), TINY, ["maker.max_new_tokens=2"], num_prompts=3, samples=2)
@@ -137,7 +137,7 @@ def test_eval_with_an_environment_runs_its_preflight_probe_and_answers_in_episod
 def test_eval_resolves_its_model_once(tiny_path, monkeypatch, capsys):
     """Resolving a packaged or GGUF model hashes its file: `ray-ppo eval` does it once, for the
     checks, its first line and the evaluation alike."""
-    import ray_ppo.evaluate as evaluate_module
+    import ray_ppo.makers.evaluation as evaluate_module
 
     calls, real = [], evaluate_module.resolve_model
     monkeypatch.setattr(evaluate_module, "resolve_model", lambda model: calls.append(model) or real(model))

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from ray_ppo.config import Config
-from ray_ppo.core.experience import ExperienceMaker, RewardError
-from ray_ppo.core.models import Critic, load_actor, load_tokenizer
-from ray_ppo.failures import ERROR_LOG, one_line, report_failure, root_cause
-from ray_ppo.runtime.coordinator_state import MakerBook
+from ray_ppo.coordinator.state import MakerBook
+from ray_ppo.makers.experience import ExperienceMaker, RewardError
+from ray_ppo.models import Critic, load_actor, load_tokenizer
+from ray_ppo.outputs.failures import ERROR_LOG, one_line, report_failure, root_cause
 from ray_ppo.tasks import toy
 
 

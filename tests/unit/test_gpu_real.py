@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ray_ppo.config import ConfigError, load_config
-from ray_ppo.resources import ResourcePlan, check_fits
+from ray_ppo.config.resources import ResourcePlan, check_fits
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -9,8 +9,8 @@ import itertools
 import pytest
 
 from ray_ppo.config import Config, ConfigError
-from ray_ppo.runtime.messages import MakerStats, PullRequest
-from ray_ppo.runtime.transport import ExperienceChunk, resolve
+from ray_ppo.wire.messages import MakerStats, PullRequest
+from ray_ppo.wire.transport import ExperienceChunk, resolve
 from tests.unit.test_coordinator import coordinator, counters, item
 
 

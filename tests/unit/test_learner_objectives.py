@@ -8,13 +8,14 @@ import math
 import pytest
 import torch
 
+from ray_ppo.algo import ExperienceBatch, ExperienceItem, overlong_penalty
+from ray_ppo.algo.experience import unpack
 from ray_ppo.config import Config
-from ray_ppo.core.algo import ExperienceBatch, ExperienceItem, overlong_penalty
-from ray_ppo.core.algo.experience import unpack
-from ray_ppo.core.build import build_actor, build_experience_maker
-from ray_ppo.core.learner import PPOLearner, drop_absent
-from ray_ppo.core.packed import PackedItems
-from ray_ppo.core.strategies import LocalStrategy
+from ray_ppo.makers.build import build_experience_maker
+from ray_ppo.models.build import build_actor
+from ray_ppo.train.learner import PPOLearner, drop_absent
+from ray_ppo.train.strategies import LocalStrategy
+from ray_ppo.wire.packed import PackedItems
 
 
 def config(tiny_path, **overrides) -> Config:

@@ -4,11 +4,12 @@
 import pytest
 import torch
 
+from ray_ppo.algo import ExperienceBatch
 from ray_ppo.config import Config
-from ray_ppo.core.algo import ExperienceBatch
-from ray_ppo.core.build import build_actor, build_critic, build_experience_maker
-from ray_ppo.core.learner import PPOLearner, Proximal
-from ray_ppo.core.strategies import LocalStrategy
+from ray_ppo.makers.build import build_experience_maker
+from ray_ppo.models.build import build_actor, build_critic
+from ray_ppo.train.learner import PPOLearner, Proximal
+from ray_ppo.train.strategies import LocalStrategy
 
 
 class SeparatePass(PPOLearner):

@@ -1,4 +1,4 @@
-"""Unit tests of ray_ppo.runtime.ledger.PromptLedger: exactly-once prompts by identity (no Ray)."""
+"""Unit tests of ray_ppo.coordinator.ledger.PromptLedger: exactly-once prompts by identity (no Ray)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from ray_ppo.runtime.ledger import LedgerError, PromptLedger
+from ray_ppo.coordinator.ledger import LedgerError, PromptLedger
 
 
 def ledger(n: int = 10, start: dict | None = None, shuffle: bool = False, seed: int = 0) -> PromptLedger:

@@ -1,4 +1,5 @@
-"""The environment ``ray_ppo.cluster.start_local_cluster`` gives the cluster it starts (no cluster: ``ray.init`` is recorded)."""
+"""The environment ``ray_ppo.cluster.local_cluster.start_local_cluster`` gives the cluster it starts
+(no cluster: ``ray.init`` is recorded)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from unittest import mock
 
 import ray
 
-from ray_ppo import cluster
+from ray_ppo.cluster import local_cluster as cluster
 
 
 def started_with(monkeypatch, **env) -> dict:

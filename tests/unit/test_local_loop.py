@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from ray_ppo.algo import ExperienceBatch
 from ray_ppo.config import Config, load_config
-from ray_ppo.core.algo import ExperienceBatch
-from ray_ppo.core.experience import ExperienceMaker
-from ray_ppo.core.learner import PPOLearner, lr_lambda
-from ray_ppo.core.models import Critic, load_actor, load_tokenizer
-from ray_ppo.core.models.hf import disable_dropout
-from ray_ppo.core.strategies import LocalStrategy
 from ray_ppo.local import run_local
+from ray_ppo.makers.experience import ExperienceMaker
+from ray_ppo.models import Critic, load_actor, load_tokenizer
+from ray_ppo.models.hf import disable_dropout
 from ray_ppo.tasks import toy
+from ray_ppo.train.learner import PPOLearner, lr_lambda
+from ray_ppo.train.strategies import LocalStrategy
 
 ROOT = Path(__file__).parents[2]
 STEP_KEYS = {"reward_mean", "kl", "policy_loss", "value_loss", "clipfrac", "approx_kl", "entropy",

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ray_ppo.core.algo import ExperienceBatch, ExperienceItem
-from ray_ppo.core.learner import STALE_KL_PREFIX
-from ray_ppo.runtime import loop
-from ray_ppo.runtime.loop import _Background, _pull, _StepPlan
-from ray_ppo.runtime.transport import Fetched
+from ray_ppo.algo import ExperienceBatch, ExperienceItem
+from ray_ppo.train import loop
+from ray_ppo.train.learner import STALE_KL_PREFIX
+from ray_ppo.train.loop import _Background, _pull, _StepPlan
+from ray_ppo.wire.transport import Fetched
 
 
 def test_calls_run_one_after_another_on_one_thread_and_errors_reach_their_future():

@@ -1,4 +1,4 @@
-"""The synchronous loop (``ray_ppo.local``) and the detached one (``ray_ppo.runtime.loop``) give a
+"""The synchronous loop (``ray_ppo.local``) and the detached one (``ray_ppo.train.loop``) give a
 config key they both read the same meaning, and the synchronous loop refuses what it cannot do.
 
 Every config key the detached loop reads is in one of three lists: ``SHARED`` (honoured by both;
@@ -24,11 +24,11 @@ from pydantic import BaseModel
 
 from ray_ppo import local
 from ray_ppo.config import Config, ConfigError
-from ray_ppo.eval_records import split_evals
-from ray_ppo.samples import SAMPLES_KEY
+from ray_ppo.outputs.evals import split_evals
+from ray_ppo.outputs.samples import SAMPLES_KEY
 
 ROOT = Path(__file__).parents[2]
-LOCAL, DETACHED = ROOT / "ray_ppo" / "local.py", ROOT / "ray_ppo" / "runtime" / "loop.py"
+LOCAL, DETACHED = ROOT / "ray_ppo" / "local.py", ROOT / "ray_ppo" / "train" / "loop.py"
 PROMPTS = str(ROOT / "data" / "toy_prompts.csv")
 SMALL = {"trainer.total_steps": 2, "trainer.train_batch_size": 8, "trainer.mini_batch_size": 4,
          "maker.batch_size": 8, "maker.max_new_tokens": 4}
@@ -210,7 +210,7 @@ def test_the_time_budget_counts_from_the_first_step(run, monkeypatch):
 
 @pytest.mark.parametrize("key", sorted(REFUSED))
 def test_the_synchronous_loop_refuses_in_one_line_what_it_cannot_honour(key, monkeypatch):
-    monkeypatch.setattr("ray_ppo.config.check_engine_available", lambda engine: None)  # vLLM need not be installed
+    monkeypatch.setattr("ray_ppo.config.schema.check_engine_available", lambda engine: None)  # vLLM need not be installed
     cfg = Config().with_overrides({**SMALL, key: REFUSED[key]})
     with pytest.raises(ConfigError) as refused:
         local.run_local(cfg)
@@ -230,7 +230,7 @@ def test_every_key_the_detached_loop_reads_is_listed():
 
 def test_a_shared_key_is_read_by_the_synchronous_loop_or_its_learner():
     assert set(SHARED) - config_reads(LOCAL) == THROUGH_THE_LEARNER
-    learner = (ROOT / "ray_ppo" / "core" / "learner.py").read_text()
+    learner = (ROOT / "ray_ppo" / "train" / "learner.py").read_text()
     assert all(f"self.{key}" in learner for key in THROUGH_THE_LEARNER)
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ray_ppo.runtime.loop import _Background, _publish, _StepPlan
+from ray_ppo.train.loop import _Background, _publish, _StepPlan
 
 
 class SlowPublisher:
@@ -84,7 +84,7 @@ def test_only_rank_0_pushes():
 
 
 def test_the_plan_pushes_every_update_steps_and_at_the_end_and_the_version_follows_the_pushes():
-    from ray_ppo.runtime.loop import _plan
+    from ray_ppo.train.loop import _plan
 
     t = SimpleNamespace(total_steps=5, update_steps=2, checkpoint_every=4)
     plans = [_plan(t, step, version=7) for step in range(1, 6)]

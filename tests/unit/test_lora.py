@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from ray_ppo.config import Config
-from ray_ppo.core.build import build_actor, build_experience_maker
-from ray_ppo.core.models.lora import trainable_names
-from ray_ppo.core.sync import make_buckets, unpack_bucket
-from ray_ppo.runtime.maker import _check_keys
-from ray_ppo.runtime.messages import PushHeader
+from ray_ppo.makers.build import build_experience_maker
+from ray_ppo.makers.worker import _check_keys
+from ray_ppo.models.build import build_actor
+from ray_ppo.models.lora import trainable_names
+from ray_ppo.models.sync import make_buckets, unpack_bucket
+from ray_ppo.wire.messages import PushHeader
 
 
 @pytest.fixture
@@ -78,8 +79,8 @@ def test_lora_reference_is_the_base_model(cfg):
     ids = [[3, 4, 5], [6, 7]]
     items, _ = maker.make_experience(ids, policy_version=0)
     plain = build_actor(cfg, with_lora=False)
-    from ray_ppo.core.algo import ExperienceBatch
-    from ray_ppo.core.models import action_log_probs
+    from ray_ppo.algo import ExperienceBatch
+    from ray_ppo.models import action_log_probs
     batch = ExperienceBatch.merge(items, maker.tokenizer.pad_token_id)
     expected = action_log_probs(plain, batch.sequences, batch.attention_mask, batch.num_actions) * batch.action_mask
     torch.testing.assert_close(batch.ref_log_probs, expected, atol=1e-5, rtol=0)
@@ -89,8 +90,8 @@ def test_lora_reference_is_the_base_model(cfg):
 def test_lora_only_pushes_through_a_maker_swap_in_only_the_adapters(cfg):
     """The maker's own push path (staged copies, then a swap of the parameters): base weights
     keep their tensors, adapters and value head take the pushed values, twice in a row."""
-    from ray_ppo.core.sync import join_state
-    from ray_ppo.runtime.maker import MakerWorker
+    from ray_ppo.makers.worker import MakerWorker
+    from ray_ppo.models.sync import join_state
 
     worker = MakerWorker(0, cfg.to_dict(), coordinator=None)
     trainer_actor, trainer_critic = copy.deepcopy(worker.float_policy), copy.deepcopy(worker.maker.critic)

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from ray_ppo.config import Config, ConfigError
-from ray_ppo.core.build import build_experience_maker, maker_device
-from ray_ppo.core.sync import fingerprint
-from ray_ppo.runtime.device_checks import bad_item_fields, deliver_push, perturbed_push
-from ray_ppo.runtime.maker import MakerWorker
+from ray_ppo.makers.build import build_experience_maker, maker_device
+from ray_ppo.makers.device_checks import bad_item_fields, deliver_push, perturbed_push
+from ray_ppo.makers.worker import MakerWorker
+from ray_ppo.models.sync import fingerprint
 
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ray_ppo.config import Config, ConfigError, load_config
-from ray_ppo.core.sync import as_held, cast_floating, fingerprint, join_state, make_buckets, push_aliases
-from ray_ppo.runtime.device_checks import as_stored, bad_item_fields, deliver_push
-from ray_ppo.runtime.maker import MakerWorker
+from ray_ppo.makers.device_checks import as_stored, bad_item_fields, deliver_push
+from ray_ppo.makers.worker import MakerWorker
+from ray_ppo.models.sync import as_held, cast_floating, fingerprint, join_state, make_buckets, push_aliases
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9]]
 

@@ -1,4 +1,4 @@
-"""Unit tests of ray_ppo.core.models: the tiny offline models, padding, generation, log-probs, critic, reward model."""
+"""Unit tests of ray_ppo.models: the tiny offline models, padding, generation, log-probs, critic, reward model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ray_ppo.core.models import (
+from ray_ppo.models import (
     Critic,
     RewardModel,
     SamplingParams,
@@ -24,7 +24,7 @@ from ray_ppo.core.models import (
     stop_token_ids,
     torch_dtype,
 )
-from ray_ppo.core.models.tiny import TINY_NAME, resolve_pretrained, tiny_gpt2_config
+from ray_ppo.models.tiny import TINY_NAME, resolve_pretrained, tiny_gpt2_config
 
 PAD, EOS = 0, 1  # ids of <pad> and <eos> in the tiny tokenizer: <pad> <eos> <unk> 0 1 ... 9
 
@@ -143,7 +143,7 @@ def test_response_mask_ends_at_the_first_of_several_end_tokens():
 
 
 def test_stop_token_ids_are_the_eos_the_checkpoints_end_ids_and_the_pad(tiny_path):
-    from ray_ppo.core.models import load_tokenizer
+    from ray_ppo.models import load_tokenizer
 
     tokenizer, model = load_tokenizer(tiny_path), load_actor(tiny_path)
     assert stop_token_ids(tokenizer, model) == stop_token_ids(tokenizer) == (EOS, PAD)
@@ -252,7 +252,7 @@ def test_generate_samples_with_the_sampling_params_alone(actor, tmp_path, caplog
     plain = actor.generate(input_ids=torch.tensor(prompts), do_sample=True, max_new_tokens=6, pad_token_id=PAD,
                            eos_token_id=EOS, top_k=0)
     assert not (plain[:, 2:] == banned).any()  # transformers applies it
-    with caplog.at_level(logging.WARNING, logger="ray_ppo.core.models.generation"):
+    with caplog.at_level(logging.WARNING, logger="ray_ppo.models.generation"):
         for _ in range(2):
             rollout = generate(actor, prompts, params, PAD, EOS)
             assert (rollout.sequences[:, 2:][rollout.action_mask] == banned).any()
@@ -409,7 +409,7 @@ def test_action_logits_ask_the_model_for_the_response_positions_only(actor):
     a model whose forward lacks the keyword gets the plain call."""
     from peft import LoraConfig, get_peft_model
 
-    from ray_ppo.core.models.hf import action_logits, keeps_logits
+    from ray_ppo.models.hf import action_logits, keeps_logits
 
     _, sequences, attention_mask = padded_batch()
     shapes = []

@@ -17,8 +17,8 @@ PAD, EOS = 0, 1
 
 
 def test_trl_loss_mask_stops_at_the_first_sampled_pad_and_restores_the_sampler(monkeypatch):
-    from ray_ppo.core import experience
-    from ray_ppo.core.models import Rollout, response_mask
+    from ray_ppo.makers import experience
+    from ray_ppo.models import Rollout, response_mask
 
     responses = torch.tensor([[5, 6, PAD, 7, 8],    # a pad the policy sampled: TRL's end
                               [5, EOS, PAD, PAD, PAD],  # EOS, then HF's padding: EOS kept, as TRL
@@ -53,7 +53,7 @@ def test_paired_reward_difference_is_an_exact_sign_flip_test():
 
 @pytest.mark.parametrize("pad_ends", [False, True])
 def test_toy_reward_model_scores_past_a_pad_as_trl_reads_it_or_up_to_it_as_ours(pad_ends):
-    from ray_ppo.core.models import ensure_tiny_model, load_tokenizer
+    from ray_ppo.models import ensure_tiny_model, load_tokenizer
     from ray_ppo.tasks.toy import reward
 
     tokenizer = load_tokenizer(str(ensure_tiny_model("lm")))

@@ -12,7 +12,7 @@ import pytest
 
 from ray_ppo.cli import EXIT_USAGE, main
 from ray_ppo.config import load_config
-from ray_ppo.preflight import PreflightError, check_run
+from ray_ppo.config.preflight import PreflightError, check_run
 
 ROOT = Path(__file__).parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from ray_ppo.config import Config
-from ray_ppo.core.models import SamplingParams, action_logits, generate, load_actor
-from ray_ppo.core.models.quantize import quantize_for_generation
-from ray_ppo.runtime.maker import MakerWorker
-from ray_ppo.runtime.messages import PushHeader
+from ray_ppo.makers.worker import MakerWorker
+from ray_ppo.models import SamplingParams, action_logits, generate, load_actor
+from ray_ppo.models.quantize import quantize_for_generation
+from ray_ppo.wire.messages import PushHeader
 
 
 def test_int8_copy_is_close_and_generates(tiny_path):

@@ -1,4 +1,4 @@
-"""Ray's private modules are used in one file, ``ray_ppo/ray_private.py``, and what it reads there
+"""Ray's private modules are used in one file, ``ray_ppo/cluster/ray_private.py``, and what it reads there
 still exists: this fails loudly on a Ray release that moves it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ray_ppo import ray_private
+from ray_ppo.cluster import ray_private
 
 PACKAGE = Path(ray_private.__file__).parent
 

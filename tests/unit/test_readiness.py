@@ -1,11 +1,11 @@
-"""Bounded waits for Ray's services (``ray_ppo.readiness``), with stand-in services: no cluster."""
+"""Bounded waits for Ray's services (``ray_ppo.cluster.readiness``), with stand-in services: no cluster."""
 
 from __future__ import annotations
 
 import pytest
 
-from ray_ppo import readiness
-from ray_ppo.readiness import ServiceNotReady, ready_timeout_s, submit_job, wait_until
+from ray_ppo.cluster import readiness
+from ray_ppo.cluster.readiness import ServiceNotReady, ready_timeout_s, submit_job, wait_until
 
 
 class SlowService:
@@ -90,6 +90,6 @@ def test_any_other_submission_error_is_raised_at_once():
 
 
 def test_no_dashboard_is_known_without_a_cluster():
-    """``dashboard_url`` reads the driver's node (``ray_ppo.ray_private``; tests/unit/test_ray_private.py
+    """``dashboard_url`` reads the driver's node (``ray_ppo.cluster.ray_private``; tests/unit/test_ray_private.py
     fails on a Ray release that moves it)."""
     assert readiness.dashboard_url() is None

@@ -22,9 +22,12 @@ CODE_DIRS = ("ray_ppo", "benchmarks", "examples", "scripts", "tests")
 DOCS = ("README.md", "docs", "benchmarks/README.md", "configs")  # not CHANGELOG.md: history names what was
 
 NAME = re.compile(r"(?<![\w./-])ray_ppo(?:\.[A-Za-z_]\w*)+(?![\w-])")
-SHORT = re.compile(r"(?<![\w./-])(?:core|runtime)(?:\.[A-Za-z_]\w*)+(?![\w-])")  # ``runtime.loop``: ray_ppo's own
-GONE = re.compile(r"(?<![\w./-])(?:train|makers)\.(?:metrics|monitor|collectives|loop|strategies|receiver|maker)\b")
-"""Module paths of packages that were folded into ``ray_ppo.core`` and ``ray_ppo.runtime``."""
+GONE = re.compile(r"(?<![\w./-])(?:ray_ppo[./])?(?:core|runtime)[./][a-z_]+\b")
+"""Paths in the packages the code left on 2026-12-06 (``ray_ppo.core``, ``ray_ppo.runtime``, their
+folders and short forms such as ``runtime.loop``): the old module paths still import
+(``ray_ppo._MOVED``), so only this scan tells a stale one."""
+ALIASES = ("ray_ppo/__init__.py", "tests/unit/test_layout.py", "tests/unit/test_references.py")
+"""Where old paths are named on purpose: the table that keeps them importing and its tests."""
 
 
 def prose(path: Path, strings: bool = True) -> str:
@@ -94,7 +97,6 @@ def _module_file(module: str) -> bool:
 
 def names_in(text: str) -> set[str]:
     found = {m.group(0).rstrip(".") for m in NAME.finditer(text)}
-    found |= {"ray_ppo." + m.group(0).rstrip(".") for m in SHORT.finditer(text)}
     return {name for name in found if not name.endswith(("_py", ".py", ".md", ".yaml"))}
 
 
@@ -105,16 +107,18 @@ def all_texts() -> dict[str, str]:
 
 def test_the_scan_sees_names_and_catches_a_wrong_one(all_texts):
     names = set().union(*(names_in(text) for text in all_texts.values()))
-    assert {"ray_ppo.runtime.coordinator_state", "ray_ppo.runtime.ledger"} <= names and len(names) > 60
-    assert resolves("ray_ppo.runtime.coordinator.Coordinator.pull")
-    assert resolves("ray_ppo.runtime.coordinator.Coordinator.state")  # set in __init__
-    assert not resolves("ray_ppo.runtime.coordinator.Coordinator.no_such_method")
-    assert not resolves("ray_ppo.train.loop")
+    assert {"ray_ppo.coordinator.state", "ray_ppo.coordinator.ledger"} <= names and len(names) > 60
+    assert resolves("ray_ppo.coordinator.actor.Coordinator.pull")
+    assert resolves("ray_ppo.coordinator.actor.Coordinator.state")  # set in __init__
+    assert not resolves("ray_ppo.coordinator.actor.Coordinator.no_such_method")
+    assert not resolves("ray_ppo.train.no_such_module")
 
 
 def test_every_dotted_name_in_prose_resolves(all_texts):
     broken = {}
     for where, text in all_texts.items():
+        if where in ALIASES:
+            continue  # old paths, named on purpose (the alias tests import each)
         bad = sorted(name for name in names_in(text) if not resolves(name))
         if bad:
             broken[where] = bad
@@ -122,6 +126,6 @@ def test_every_dotted_name_in_prose_resolves(all_texts):
 
 
 def test_no_text_names_a_package_the_code_left(all_texts):
-    stale = {where: sorted(set(GONE.findall(text))) for where, text in all_texts.items() if GONE.search(text)}
-    stale.pop("tests/unit/test_references.py", None)
-    assert not stale, f"old module paths (now under ray_ppo.core / ray_ppo.runtime): {stale}"
+    stale = {where: sorted(set(GONE.findall(text))) for where, text in all_texts.items()
+             if GONE.search(text) and where not in ALIASES}
+    assert not stale, f"paths of ray_ppo.core / ray_ppo.runtime, which the code left (docs/design.md maps it): {stale}"

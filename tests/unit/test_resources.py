@@ -1,4 +1,4 @@
-"""What a run reserves against what the cluster has (``ray_ppo.resources``): no cluster."""
+"""What a run reserves against what the cluster has (``ray_ppo.config.resources``): no cluster."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from ray_ppo import cli
 from ray_ppo.config import load_config
-from ray_ppo.resources import ResourceError, ResourcePlan, check_fits, cluster_can_grow, worker_resources
+from ray_ppo.config.resources import ResourceError, ResourcePlan, check_fits, cluster_can_grow, worker_resources
 
 TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 pytestmark = pytest.mark.usefixtures("tiny_path")
@@ -73,7 +73,7 @@ def test_makers_and_a_trainer_worker_may_share_one_gpu():
 
 
 def test_a_process_without_a_cluster_of_its_own_may_see_the_cluster_grow():
-    """``cluster_can_grow`` reads the driver's node (``ray_ppo.ray_private``; tests/unit/test_ray_private.py
+    """``cluster_can_grow`` reads the driver's node (``ray_ppo.cluster.ray_private``; tests/unit/test_ray_private.py
     fails on a Ray release that moves it)."""
     assert cluster_can_grow()
 

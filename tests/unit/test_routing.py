@@ -1,10 +1,10 @@
-"""Unit tests of ray_ppo.runtime.routing: which trainer ranks each maker sends to."""
+"""Unit tests of ray_ppo.coordinator.routing: which trainer ranks each maker sends to."""
 
 from __future__ import annotations
 
 import pytest
 
-from ray_ppo.runtime.routing import get_receivers_per_sender, receivers
+from ray_ppo.coordinator.routing import get_receivers_per_sender, receivers
 
 
 @pytest.mark.parametrize("num_senders, num_receivers, expected", [

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
+from ray_ppo.algo import ExperienceItem
 from ray_ppo.cli import _summary, main
 from ray_ppo.config import Config, _schema
-from ray_ppo.core.algo import ExperienceItem
-from ray_ppo.samples import SAMPLES_KEY, pick_samples, samples_due
-from ray_ppo.tracking import LiveLine, RunDirectory, counts_summary, read_metrics
+from ray_ppo.outputs.samples import SAMPLES_KEY, pick_samples, samples_due
+from ray_ppo.outputs.tracking import LiveLine, RunDirectory, counts_summary, read_metrics
 
 ROOT = Path(__file__).parents[2]
 ROW = {"step": 4, "reward_mean": 0.5, "kl": 0.01, "policy_version": 4, "prompts_served": 96.0,

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from ray_ppo.core.checkpoint import RunState, publish_checkpoint, write_trainer_state
-from ray_ppo.rundir import (
+from ray_ppo.outputs.rundir import (
     CheckpointPublisher,
     RunDirError,
     claim_run_dir,
@@ -13,6 +12,7 @@ from ray_ppo.rundir import (
     resuming_line,
     stopped_line,
 )
+from ray_ppo.train.checkpoint import RunState, publish_checkpoint, write_trainer_state
 
 
 def old_run(path):
@@ -87,7 +87,7 @@ def test_a_resume_touches_the_run_record_only_from_its_first_step(tmp_path):
     and metrics.jsonl as they were; at its first step the rows after the checkpoint are dropped
     in one rename and the new rows appended."""
     from ray_ppo.config import Config
-    from ray_ppo.tracking import RunDirectory, read_metrics
+    from ray_ppo.outputs.tracking import RunDirectory, read_metrics
 
     run = tmp_path / "run"
     run.mkdir()

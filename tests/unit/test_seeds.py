@@ -1,11 +1,11 @@
-"""The run's derived seeds and its prompt order (``ray_ppo.core.seeds``): the values runs and
+"""The run's derived seeds and its prompt order (``ray_ppo.data.seeds``): the values runs and
 checkpoints depend on, and the same prompt order in the synchronous loop and the coordinator."""
 
 from ray_ppo.config import Config
-from ray_ppo.core.seeds import maker_seed, prompt_order, rank_seed
+from ray_ppo.coordinator.feed import PromptFeed
+from ray_ppo.coordinator.ledger import PromptLedger
+from ray_ppo.data.seeds import maker_seed, prompt_order, rank_seed
 from ray_ppo.local import prompt_batches, run_local
-from ray_ppo.runtime.feed import PromptFeed
-from ray_ppo.runtime.ledger import PromptLedger
 from ray_ppo.tasks import toy
 
 

@@ -1,4 +1,4 @@
-"""``ray_ppo.sweep.sweep`` up to the point where it hands Tune its trials (on the local cluster it
+"""``ray_ppo.cluster.sweep.sweep`` up to the point where it hands Tune its trials (on the local cluster it
 starts, which runs no trial): what Tune is given (the trials themselves run in tests/e2e and tests/ray)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import ray
 from ray import tune
 from ray.tune.experiment import Experiment
 
+from ray_ppo.cluster.sweep import sweep
 from ray_ppo.config import load_config
-from ray_ppo.sweep import sweep
 
 TINY = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 pytestmark = pytest.mark.usefixtures("tiny_path")
@@ -73,7 +73,7 @@ def test_a_trial_line_shows_the_keys_a_preset_sets():
     import io
     from types import SimpleNamespace
 
-    from ray_ppo.sweep import PRESET_KEY, trial_lines
+    from ray_ppo.cluster.sweep import PRESET_KEY, trial_lines
 
     stream = io.StringIO()
     lines = trial_lines(["seed", PRESET_KEY], "reward_mean", stream=stream, total=2)

@@ -1,4 +1,4 @@
-"""Unit tests of ray_ppo.core.sync: byte buckets of a state dict, and weight fingerprints."""
+"""Unit tests of ray_ppo.models.sync: byte buckets of a state dict, and weight fingerprints."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ray_ppo.core.sync import TensorMeta, bucket_nbytes, fingerprint, make_buckets, unpack_bucket
+from ray_ppo.models.sync import TensorMeta, bucket_nbytes, fingerprint, make_buckets, unpack_bucket
 
 MIB = 2**20
 
@@ -131,7 +131,7 @@ def test_unpack_reads_read_only_arrays_without_copy_or_warning():
 
 
 def test_round_trip_of_the_tiny_model(tiny_path):
-    from ray_ppo.core.models import load_actor
+    from ray_ppo.models import load_actor
 
     state = load_actor(tiny_path).state_dict()
     buckets, rebuilt = round_trip(state, 0.05)
@@ -162,8 +162,8 @@ def test_fingerprint_is_equal_iff_bit_identical():
 
 
 def test_tied_aliases_of_gpt2_are_sent_once(tiny_path):
-    from ray_ppo.core.models import load_actor
-    from ray_ppo.core.sync import tied_aliases
+    from ray_ppo.models import load_actor
+    from ray_ppo.models.sync import tied_aliases
 
     actor = load_actor(tiny_path)
     assert tied_aliases(actor) == {"lm_head.weight"}
@@ -178,7 +178,7 @@ def test_tied_aliases_of_gpt2_are_sent_once(tiny_path):
 
 
 def test_staging_copies_each_tensor_into_its_targets_dtype_and_device():
-    from ray_ppo.core.sync import StagedPush
+    from ray_ppo.models.sync import StagedPush
 
     source = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     view = torch.from_numpy(source.numpy().copy())  # stands in for a read-only object-store view
@@ -195,7 +195,7 @@ def test_staging_copies_each_tensor_into_its_targets_dtype_and_device():
 def test_shared_staging_keeps_matching_views_and_copies_only_what_needs_converting():
     """``share`` (sync.zero_copy): a tensor whose target has its dtype and device is staged as the
     pushed view itself (no copy); one that must change dtype is copied, into a spare if one fits."""
-    from ray_ppo.core.sync import StagedPush
+    from ray_ppo.models.sync import StagedPush
 
     view = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     spare = torch.empty(2, 3, dtype=torch.bfloat16)
@@ -209,8 +209,8 @@ def test_shared_staging_keeps_matching_views_and_copies_only_what_needs_converti
 
 
 def test_assign_state_swaps_staged_tensors_in_without_copy_and_reties(tiny_path):
-    from ray_ppo.core.models import load_actor
-    from ray_ppo.core.sync import StagedPush, assign_state, tied_groups
+    from ray_ppo.models import load_actor
+    from ray_ppo.models.sync import StagedPush, assign_state, tied_groups
 
     actor, donor = load_actor(tiny_path), load_actor(tiny_path)
     assert tied_groups(actor) == [["transformer.wte.weight", "lm_head.weight"]]
@@ -230,7 +230,7 @@ def test_assign_state_swaps_staged_tensors_in_without_copy_and_reties(tiny_path)
 
 
 def test_assign_state_keeps_the_models_dtype():
-    from ray_ppo.core.sync import assign_state
+    from ray_ppo.models.sync import assign_state
 
     model = torch.nn.Linear(2, 2).to(torch.bfloat16)
     assign_state(model, {"weight": torch.ones(2, 2), "bias": torch.zeros(2)})
@@ -242,8 +242,8 @@ def test_a_prepared_swap_binds_nothing_until_applied_and_then_matches_load_state
     """The maker prepares a swap while it generates and applies it under the model lock: the
     model must be untouched until ``apply``, and then as ``load_state_dict(assign=True)`` with
     re-tying leaves it (same tensors, ``Parameter`` types and ``requires_grad``)."""
-    from ray_ppo.core.models import load_actor
-    from ray_ppo.core.sync import prepare_swap, tied_groups
+    from ray_ppo.models import load_actor
+    from ray_ppo.models.sync import prepare_swap, tied_groups
 
     actor, donor, reference = load_actor(tiny_path), load_actor(tiny_path), load_actor(tiny_path)
     with torch.no_grad():
@@ -271,8 +271,8 @@ def test_a_prepared_swap_binds_nothing_until_applied_and_then_matches_load_state
 
 
 def test_a_push_of_another_shape_is_refused_before_any_tensor_is_bound(tiny_path):
-    from ray_ppo.core.models import load_actor
-    from ray_ppo.core.sync import prepare_swap
+    from ray_ppo.models import load_actor
+    from ray_ppo.models.sync import prepare_swap
 
     actor = load_actor(tiny_path)
     pushed = {k: v.clone() + 1 for k, v in actor.state_dict().items() if k != "lm_head.weight"}
@@ -286,7 +286,7 @@ def test_a_push_of_another_shape_is_refused_before_any_tensor_is_bound(tiny_path
 
 def test_a_model_that_loads_its_own_way_is_swapped_through_load_state_dict():
     """BatchNorm overrides ``_load_from_state_dict``: such a model keeps going through it."""
-    from ray_ppo.core.sync import prepare_swap
+    from ray_ppo.models.sync import prepare_swap
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     pushed = {k: v.clone() + 1 for k, v in model.state_dict().items()}
@@ -299,8 +299,8 @@ def test_a_model_that_loads_its_own_way_is_swapped_through_load_state_dict():
 
 
 def test_staging_reuses_matching_spares_and_a_swap_frees_only_untied_replaced_tensors(tiny_path):
-    from ray_ppo.core.models import load_actor
-    from ray_ppo.core.sync import StagedPush, assign_state, replaced_tensors
+    from ray_ppo.models import load_actor
+    from ray_ppo.models.sync import StagedPush, assign_state, replaced_tensors
 
     actor, donor = load_actor(tiny_path), load_actor(tiny_path)
     pushed = {k: v for k, v in donor.state_dict().items() if k != "lm_head.weight"}

@@ -1,4 +1,4 @@
-"""``ray_ppo.testing.WaitingExperienceMaker``: the stand-in maker of tests and ``overlap_sim.py``."""
+"""``ray_ppo.makers.testing.WaitingExperienceMaker``: the stand-in maker of tests and ``overlap_sim.py``."""
 
 import time
 from pathlib import Path
@@ -7,8 +7,8 @@ import pytest
 
 from ray_ppo.api import resolve_config
 from ray_ppo.config import load_config
-from ray_ppo.core.sync import fingerprint
-from ray_ppo.testing import WaitingExperienceMaker
+from ray_ppo.makers.testing import WaitingExperienceMaker
+from ray_ppo.models.sync import fingerprint
 
 REPO = Path(__file__).parents[2]
 
@@ -34,7 +34,7 @@ def test_each_batch_waits_its_entry_and_the_last_entry_repeats(cfg):
 
 
 def test_its_models_are_the_configs_real_ones(cfg):
-    from ray_ppo.core.build import build_actor
+    from ray_ppo.models.build import build_actor
 
     maker = WaitingExperienceMaker(cfg, "m", "cpu")
     assert fingerprint(maker.actor.state_dict()) == fingerprint(build_actor(cfg).state_dict())

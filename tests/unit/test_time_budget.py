@@ -5,7 +5,7 @@ import time
 import torch
 
 from ray_ppo.config import Config
-from ray_ppo.core.collectives import broadcast_time_up
+from ray_ppo.train.collectives import broadcast_time_up
 
 
 def test_no_budget_never_ends_the_run():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ray_ppo.config import Config, ConfigError
-from ray_ppo.tracking import RunDirectory
+from ray_ppo.outputs.tracking import RunDirectory
 
 ROW = {"step": 3, "reward_mean": 0.5, "kl": 0.01, "weights_in_sync": float("nan"), "note": "text"}
 

@@ -11,8 +11,8 @@ import pytest
 from matplotlib.image import imread
 
 from ray_ppo.config import Config
-from ray_ppo.plots import plot_run, plot_sweep, run_figure, write_trials_csv
-from ray_ppo.tracking import TENSORBOARD_MISSING, LiveLine, Progress, RunDirectory, TensorBoardWriter, read_metrics
+from ray_ppo.outputs.plots import plot_run, plot_sweep, run_figure, write_trials_csv
+from ray_ppo.outputs.tracking import TENSORBOARD_MISSING, LiveLine, Progress, RunDirectory, TensorBoardWriter, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

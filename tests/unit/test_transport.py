@@ -1,11 +1,11 @@
-"""Unit tests of ray_ppo.runtime.transport: experience chunks, in-process (inline payloads, no Ray)."""
+"""Unit tests of ray_ppo.wire.transport: experience chunks, in-process (inline payloads, no Ray)."""
 
 import numpy as np
 import pytest
 import torch
 
-from ray_ppo.core.algo import ExperienceItem, PackedItems
-from ray_ppo.runtime.transport import ExperienceChunk, resolve
+from ray_ppo.algo import ExperienceItem, PackedItems
+from ray_ppo.wire.transport import ExperienceChunk, resolve
 
 
 def item(uid: str, version: int = 3, n: int = 2) -> ExperienceItem:
@@ -34,8 +34,11 @@ def test_a_chunk_holds_one_policy_version():
 
 
 def test_items_whose_payload_died_with_its_owner_are_counted_lost(monkeypatch):
-    """``resolve`` with remote payloads: one fetched, one whose owner (the maker) died."""
+    """``resolve`` with remote payloads, fetched by ``fetch_objects``: one fetched, one whose owner
+    (the maker) died."""
     import ray
+
+    from ray_ppo.cluster.handles import fetch_objects
 
     alive, dead = object(), object()  # stand-ins for two ObjectRefs
     stored = {alive: ExperienceChunk.inline([item("a0"), item("a1")]).payload}
@@ -50,7 +53,7 @@ def test_items_whose_payload_died_with_its_owner_are_counted_lost(monkeypatch):
     dead_ids = np.array([7, 7, 8, 9, 9])  # the dead payload's items answer prompts 7, 7, 8, 9, 9
     chunks = [ExperienceChunk([dead], 3, 1, 5, dead_ids), ExperienceChunk([alive], 3, 0, 1),
               ExperienceChunk([alive], 3, 1, 2)]
-    got, lost, lost_ids = resolve(chunks)
+    got, lost, lost_ids = resolve(chunks, fetch_objects)
     assert [it.uid for it in got] == ["a0", "a1"]
     assert lost == 4 and lost_ids == [7, 8, 9, 9]  # the prompts the rank reports, to be served again
 

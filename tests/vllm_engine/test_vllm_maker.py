@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from ray_ppo.core.algo.experience import PER_TOKEN_FIELDS
-from ray_ppo.runtime.messages import PushHeader
+from ray_ppo.algo.experience import PER_TOKEN_FIELDS
+from ray_ppo.wire.messages import PushHeader
 
 pytestmark = [
     pytest.mark.vllm,
@@ -34,7 +34,7 @@ def worker(tiny_model_cache):
     answers up to 12 tokens, more than its batches' 8."""
     from ray_ppo.api import resolve_config
     from ray_ppo.config import load_config
-    from ray_ppo.runtime.maker import MakerWorker
+    from ray_ppo.makers.worker import MakerWorker
 
     cfg = resolve_config(load_config("configs/tiny_vllm.yaml", [
         "maker.engine=vllm", "maker.top_k=1", "maker.max_new_tokens=8", "maker.torch_threads=1",
@@ -46,7 +46,7 @@ def worker(tiny_model_cache):
 
 
 def hf_greedy(actor, prompts, tokenizer, max_new_tokens=8):
-    from ray_ppo.core.models import SamplingParams, generate
+    from ray_ppo.models import SamplingParams, generate
 
     return generate(actor, prompts, SamplingParams(max_new_tokens=max_new_tokens, top_k=1), tokenizer.pad_token_id,
                     tokenizer.eos_token_id)
@@ -63,7 +63,7 @@ def perturb(model, scale: float, seed: int) -> None:
 def push(worker, state: dict, version: int, num_chunks: int = 2, deliver: int | None = None) -> bool:
     """A push through the worker's real ``weights_start`` / staging / ``weights_end`` (buckets added
     directly: no Ray)."""
-    from ray_ppo.core.sync import make_buckets
+    from ray_ppo.models.sync import make_buckets
 
     buckets = list(make_buckets(state, bucket_mb=sum(t.numel() * t.element_size() for t in state.values())
                                 / num_chunks / 2**20 + 1e-3))
@@ -75,7 +75,7 @@ def push(worker, state: dict, version: int, num_chunks: int = 2, deliver: int | 
 
 def full_push_state(actor, critic) -> dict:
     """What the trainer sends: both models' state without tied aliases (``sync.push_aliases``)."""
-    from ray_ppo.core.sync import join_state, push_aliases
+    from ray_ppo.models.sync import join_state, push_aliases
 
     state = join_state(actor.state_dict(), critic.state_dict())
     return {k: v.clone() for k, v in state.items() if k not in push_aliases(actor, critic)}
@@ -110,7 +110,7 @@ def test_multi_turn_episodes_generate_with_the_engine_as_with_hf(worker):
     """Episodes (env.cls) batch their turns into the engine: greedy, a two-turn episode of the vLLM
     maker is the HF maker's token for token, and only the policy's tokens are actions."""
     from ray_ppo.config import EnvConfig
-    from ray_ppo.core.episodes import EpisodeRunner
+    from ray_ppo.makers.episodes import EpisodeRunner
     from ray_ppo.tasks.turns import TwoTurnEnv
 
     maker = worker.maker
@@ -136,7 +136,7 @@ def test_the_engine_holds_an_evaluations_longest_answer(worker):
     """eval.max_new_tokens (12) above maker.max_new_tokens (8): the engine's context is
     data.max_prompt_len + 12 (``Config.max_context``, pre-flight's bound), so the longest prompt's
     evaluation answer fits it."""
-    from ray_ppo.core.models.generation import SamplingParams
+    from ray_ppo.models.generation import SamplingParams
 
     assert worker.engine.llm.model_config.max_model_len == 16 + 12
     tokenizer = worker.maker.tokenizer
@@ -146,7 +146,7 @@ def test_the_engine_holds_an_evaluations_longest_answer(worker):
 
 
 def test_greedy_generation_equals_the_hf_makers(worker):
-    from ray_ppo.core.models.generation import SamplingParams
+    from ray_ppo.models.generation import SamplingParams
 
     tokenizer = worker.maker.tokenizer
     hf = hf_greedy(worker.float_policy, PROMPTS, tokenizer)
@@ -159,7 +159,7 @@ def test_several_end_tokens_end_the_engines_responses_as_hf_s(worker):
     """``stop_token_ids`` gives a maker several end ids (EOS, a checkpoint's other end ids, the
     pad): greedy, with a token some response reaches as one of them, vLLM ends every response where
     HF does, that token included."""
-    from ray_ppo.core.models.generation import SamplingParams, generate
+    from ray_ppo.models.generation import SamplingParams, generate
 
     tokenizer = worker.maker.tokenizer
     plain = hf_greedy(worker.float_policy, PROMPTS, tokenizer)
@@ -185,7 +185,7 @@ def test_generation_compiles_nothing(worker):
     sync). The CPU engine runs them eagerly: no frame goes through dynamo."""
     from torch._dynamo.utils import counters
 
-    from ray_ppo.core.models.generation import SamplingParams
+    from ray_ppo.models.generation import SamplingParams
 
     tokenizer = worker.maker.tokenizer
     for prompts in (PROMPTS, PROMPTS[:1]):  # a batch, and a batch of one: a shape specialisation of its own
@@ -201,9 +201,9 @@ def test_three_pushes_land_in_the_engine(worker):
     the engine's read-back weights fingerprint equal to the trainer's."""
     import copy
 
-    from ray_ppo.core.models import action_log_probs
-    from ray_ppo.core.models.generation import SamplingParams
-    from ray_ppo.core.sync import fingerprint, join_state
+    from ray_ppo.models import action_log_probs
+    from ray_ppo.models.generation import SamplingParams
+    from ray_ppo.models.sync import fingerprint, join_state
 
     trainer_actor, trainer_critic = copy.deepcopy(worker.float_policy), copy.deepcopy(worker.maker.critic)
     tokenizer = worker.maker.tokenizer
@@ -229,7 +229,7 @@ def test_three_pushes_land_in_the_engine(worker):
 
 
 def test_an_interrupted_push_leaves_the_engine_on_its_version(worker):
-    from ray_ppo.core.models.generation import SamplingParams
+    from ray_ppo.models.generation import SamplingParams
 
     tokenizer = worker.maker.tokenizer
     version, print_before = worker.weights_fingerprint()
@@ -247,7 +247,7 @@ def test_an_interrupted_push_leaves_the_engine_on_its_version(worker):
 
 
 def test_an_unsupported_shape_is_one_line(tiny_path):
-    from ray_ppo.core.vllm_engine import EngineError, VllmEngine
+    from ray_ppo.makers.vllm_engine import EngineError, VllmEngine
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with pytest.raises(EngineError) as error:

@@ -1,0 +1,364 @@
+"""The maker: an ``ExperienceMaker`` in a loop, fed by the coordinator, taking weight pushes.
+
+``MakerWorker`` is a plain class; ``maker_actor_class`` turns it into a threaded Ray actor with
+four concurrency groups of one thread each:
+
+  - ``compute``: ``run`` — fetch prompts -> make experience -> hand items to the sender;
+  - ``experience_io``: ``send_loop`` — send items to the coordinator (blocks on back-pressure
+    while ``run`` goes on generating the next batch);
+  - ``model_io``: ``weights_start`` / ``weights_chunk`` / ``weights_end`` — stage a push while
+    generation continues (each bucket is copied into fresh tensors as it arrives); only the
+    final swap, which rebinds the parameters to the staged tensors, takes the model lock;
+  - ``eval``: ``evaluate`` — answer the ``eval`` section's held-out prompts with the weights of a
+    given version, under the model lock (this maker's generation of experience waits meanwhile).
+
+Every process that receives a maker's handle imports this module: Ray loads an actor's class to
+read its methods when it deserializes the handle. The coordinator holds the makers' handles and
+must not pay for torch (seconds of CPU at each ``fit()`` start on a small machine), so this module
+imports torch and the model code only inside the methods that run in the maker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from ray_ppo.cluster.handles import fetch_objects, find_coordinator, put_object
+from ray_ppo.config import Config
+from ray_ppo.data import PromptEncoder
+from ray_ppo.data.seeds import maker_seed
+from ray_ppo.wire.messages import EvalReport, MakerStats, PushHeader, RunHandles
+from ray_ppo.wire.transport import ExperienceChunk
+
+if TYPE_CHECKING:
+    import torch
+
+CONCURRENCY_GROUPS = {"compute": 1, "experience_io": 1, "model_io": 1, "eval": 1}
+SEND_QUEUE_BATCHES = 2
+"""Made batches that may wait for the sender before generation blocks."""
+
+logger = logging.getLogger(__name__)
+
+
+class MakerWorker:
+    """Responsibilities: generate experience at the current policy version, keep the
+    coordinator fed, and swap in new weights atomically (a push that never completes leaves
+    the previous weights in place)."""
+
+    def __init__(self, maker_id: int, config: dict, coordinator: Any, maker_factory: Any = None):
+        """``coordinator``: the coordinator's handle, or the ``RunHandles`` to look it up by (what
+        ``PPOTrainer`` passes its restartable makers; see ``RunHandles``), or None outside a run.
+        ``maker_factory(cfg, name=, device=)`` builds the ``ExperienceMaker`` (default
+        ``build.build_experience_maker``); benchmarks pass one that simulates generation."""
+        import torch
+
+        from ray_ppo.makers.build import build_experience_maker, maker_device
+        from ray_ppo.makers.evaluation import Evaluation
+        from ray_ppo.makers.receiver import WeightReceiver
+        from ray_ppo.models.quantize import quantize_for_generation
+
+        self.cfg = Config.from_dict(config)
+        torch.set_num_threads(self.cfg.maker.torch_threads)
+        self.seed = maker_seed(self.cfg.seed, maker_id)  # each maker samples its own stream, reproducibly
+        torch.manual_seed(self.seed)
+        if isinstance(coordinator, RunHandles):
+            coordinator = find_coordinator(coordinator)
+        self.maker_id, self.coordinator = maker_id, coordinator
+        self.device = maker_device(self.cfg)  # cuda:0 (the GPU Ray gave this maker's process) if maker.num_gpus > 0
+        self.maker = (maker_factory or build_experience_maker)(self.cfg, name=f"maker_{maker_id}", device=self.device)
+        self.maker.actor.eval()
+        if self.maker.critic is not None:  # critic-free estimators build none
+            self.maker.critic.eval()
+        self.float_policy = self.maker.actor  # the policy model pushes update; generation may use a quantized copy
+        if self.cfg.maker.quantization:
+            if self.maker.ref is None:  # LoRA: the reference stays the float base model
+                self.maker.ref = self.float_policy
+            self.maker.actor = quantize_for_generation(self.float_policy, self.cfg.maker.quantization)
+        self.engine = self._build_engine() if self.cfg.maker.engine == "vllm" else None
+        self.encoder = PromptEncoder(self.maker.tokenizer, self.cfg.data.max_prompt_len, self.cfg.data.chat_template)
+        self.version = 0
+        self.kl_coef: float | None = None  # the trainer's, with the weights of ``version``; None: ppo.kl_coef
+        self.model_lock = threading.Lock()
+        # Clear while an evaluation waits for the model lock or holds it: the compute thread waits
+        # for it before each batch, since a lock is not fair and back-to-back batches would otherwise
+        # keep the evaluation waiting past the push it was meant to evaluate.
+        self.no_eval = threading.Event()
+        self.no_eval.set()
+        self.outbox: queue.Queue = queue.Queue(maxsize=SEND_QUEUE_BATCHES)
+        self.receiver = WeightReceiver(share=self.cfg.sync.zero_copy, fetch=fetch_objects)
+        self.items_made = 0  # items made since this process started (the summary's ``made``)
+        self.sent = 0
+        self.pause_s = 0.0
+        self._unreported_pause_s = 0.0
+        self.pushes_loaded = 0
+        # Read now, not at the first evaluation: the base model's must start before a push lands.
+        self.evaluation = Evaluation.of_config(self.cfg, self.maker.tokenizer) if self.cfg.eval.path else None
+        if coordinator is not None and ray.is_initialized() and _was_restarted():
+            # A restarted process: the coordinator counts what died with the old one and resends
+            # the latest weights; admission keeps this maker idle until they are loaded.
+            ray.get(coordinator.maker_restarted.remote(maker_id))
+        self._unreported_idle_s = 0.0
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def _build_engine(self):
+        """maker.engine=vllm: a vLLM engine in this process generates; the HF models score."""
+        from ray_ppo.makers.vllm_engine import build_engine
+
+        engine = build_engine(self.cfg, self.cfg.model.pretrained, self.seed,
+                              on_gpu=self.device.type == "cuda")
+        self.maker.engine, self.maker.engine_logprobs = engine, self.cfg.maker.sampler_logprobs
+        return engine
+
+    # -- compute --------------------------------------------------------------------------------
+    @ray.method(concurrency_group="compute")
+    def run(self) -> dict:
+        """Make experience until the coordinator has no more prompts; returns a summary. The next
+        prompt batch is asked for as soon as one arrives, so its round trip to the coordinator
+        (and any wait at admission it can absorb) passes while this one is made. A made batch goes
+        to the sender once the next one is encoded (when its prompts are already here), so the
+        sender packs it while the next batch generates: this thread and the sender's would
+        otherwise take turns on the GIL between two batches, when generation waits for both."""
+        made_batch = None  # (items, stats) of the last batch, until the sender has it
+        try:
+            if self.cfg.maker.wait_for_weights:
+                self._wait_for_first_push()
+            asked = self.coordinator.next_prompts.remote(self.maker_id)
+            while True:
+                if made_batch is not None and not ray.wait([asked], timeout=0)[0]:
+                    # Admission may be waiting for these very items (the staleness bound): send first.
+                    self._queue(made_batch)
+                    made_batch = None
+                start = time.perf_counter()
+                batch = ray.get(asked)
+                waited_s = time.perf_counter() - start
+                if batch is not None:
+                    asked = self.coordinator.next_prompts.remote(self.maker_id)
+                    encoded = self.encoder.encode(batch.prompts)
+                if made_batch is not None:
+                    self._queue(made_batch)
+                    made_batch = None
+                if batch is None:
+                    break
+                made_batch = self._make(batch.prompts, batch.ids, encoded, waited_s)
+        except Exception as e:  # reported in one line, with the full traceback for RUN_DIR/error.log
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            summary = f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})"
+            ray.get(self.coordinator.maker_failed.remote(self.maker_id, summary, "".join(traceback.format_exception(e))))
+            raise
+        finally:
+            if made_batch is not None:
+                self._queue(made_batch)
+            self.outbox.put(None)
+        return {"made": self.items_made, "version": self.version}
+
+    def _wait_for_first_push(self) -> None:
+        self._wait_for_push(lambda: self.pushes_loaded > 0, f"maker_{self.maker_id}: no weight push arrived within "
+                            f"{self.cfg.trainer.pull_timeout_s:.0f} s (maker.wait_for_weights=true)")
+
+    def _wait_for_push(self, loaded, problem: str, poll_s: float = 0.05) -> None:
+        """Poll until ``loaded()`` (a weight push has swapped in); after ``trainer.pull_timeout_s``
+        raise ``TimeoutError(problem)``."""
+        deadline = time.monotonic() + self.cfg.trainer.pull_timeout_s
+        while not loaded():
+            if time.monotonic() > deadline:
+                raise TimeoutError(problem)
+            time.sleep(poll_s)
+
+    def _make(self, prompts: list, prompt_ids: list[int], encoded, waited_s: float) -> tuple[list, MakerStats]:
+        """Make one batch of ``encoded`` prompts; returns its items (each carrying its prompt and its id)
+        and stats, which cover every id of the batch (the coordinator counts the ones without
+        items as blank) and the waits since the previous batch: for prompts (admission) and for
+        the sender (back-pressure, counted by ``_queue``)."""
+        items, generation = [], {}
+        if encoded.ids:
+            self.no_eval.wait()
+            with self.model_lock:
+                items, run = self.maker.make_experience(encoded.ids, self.version, self.kl_coef, encoded.prompts)
+            for fault in run.faults:  # the episode ended, the run goes on
+                logger.warning("maker_%d: an episode ended on an environment fault: %s", self.maker_id, fault)
+            if prompt_ids:
+                tag_prompt_ids(items, [prompt_ids[i] for i in encoded.kept])
+            self.items_made += len(items)
+            generation = dict(generate_s=run.generate_s + run.score_s, num_tokens=run.num_tokens,
+                              logprob_gap=run.logprob_gap)
+        idle_s, self._unreported_idle_s = waited_s + self._unreported_idle_s, 0.0
+        pause_s, self._unreported_pause_s = self._unreported_pause_s, 0.0
+        stats = MakerStats(num_prompts=len(prompts), prompt_ids=tuple(prompt_ids), blank=encoded.blank,
+                           truncated=encoded.truncated, idle_s=idle_s, pause_s=pause_s,
+                           admission_s=waited_s, **generation)  # admission_s: of idle_s, the wait for this batch
+        return items, stats
+
+    def _queue(self, made_batch: tuple[list, MakerStats]) -> None:
+        """Hand a made batch to the sender; a wait for room (back-pressure) is reported with the next batch."""
+        start = time.perf_counter()
+        self.outbox.put(made_batch)
+        self._unreported_idle_s += time.perf_counter() - start
+
+    # -- experience_io --------------------------------------------------------------------------
+    @ray.method(concurrency_group="experience_io")
+    def send_loop(self) -> dict:
+        """Forward made batches to the coordinator, waiting on back-pressure; returns counts.
+        A batch travels packed, inside the call or by ref (``topology.transport``,
+        ``ray_ppo.wire.transport``)."""
+        unsent = 0
+        while (entry := self.outbox.get()) is not None:
+            items, stats = entry
+            chunk = ExperienceChunk.of(items, self.cfg.topology.transport, group_size=self.cfg.maker.samples_per_prompt,
+                                       put=put_object)
+            accepted = ray.get(self.coordinator.send.remote(self.maker_id, chunk, stats))
+            self.sent += accepted
+            unsent += len(items) - accepted
+        return {"sent": self.sent, "unsent": unsent}
+
+    # -- model_io -------------------------------------------------------------------------------
+    @ray.method(concurrency_group="model_io")
+    def weights_start(self, header: PushHeader, relay: int = 0) -> None:
+        """chunk_start: begin staging push ``header.version`` for the coordinator's relay number
+        ``relay`` (any unfinished earlier push is dropped; one older than the push staging or the
+        weights held, or an older relay of the push staging, is ignored: ``WeightReceiver.start``)."""
+        from ray_ppo.models.sync import join_state
+
+        if not self.receiver.start(header, join_state(self.float_policy.state_dict(), self._critic_state()),
+                                   loaded_version=self.version, relay=relay):
+            staging = self.receiver.staging.version if self.receiver.staging is not None else None
+            logger.warning("maker_%d: chunk_start of push v%d (relay %d) came after newer weights or a newer relay "
+                           "(holding v%d, staging v%s, relay %d); ignored, the newer one stands", self.maker_id,
+                           header.version, relay, self.version, staging, self.receiver.relay)
+
+    @ray.method(concurrency_group="model_io")
+    def weights_chunk(self, version: int, index: int, bucket_ref: list, relay: int = 0) -> None:
+        """One bucket of push ``version``; the ref comes nested so it is fetched here, zero-copy,
+        and copied into staged tensors on the maker's device while generation goes on."""
+        self.receiver.chunk(version, index, bucket_ref, relay)
+
+    @ray.method(concurrency_group="model_io")
+    def weights_end(self, version: int, relay: int = 0) -> bool:
+        """chunk_end: swap the staged weights in under the model lock. False if the push is
+        incomplete, or another relay or push is staging."""
+        from ray_ppo.makers.vllm_engine import hf_weights
+        from ray_ppo.models.quantize import quantize_for_generation
+        from ray_ppo.models.sync import prepare_swap, split_state
+
+        received = self.receiver.end(version, relay)
+        if received is None:
+            return False
+        header, staged = received
+        policy_state, critic_state = split_state(staged.tensors)
+        partial = header.partial  # LoRA-only: adapters and value head
+        _check_keys(self.float_policy, policy_state, partial, "actor")  # before touching any weight
+        if self.maker.critic is not None:
+            _check_keys(self.maker.critic, critic_state, partial, "critic")
+        elif critic_state:
+            raise ValueError(f"critic push to a critic-free maker (algo.advantage={self.cfg.algo.advantage})")
+        # The staged tensors are the maker's own copies, already on its device and in its dtype
+        # (or shared read-only with the object store): the swap rebinds parameters (and re-ties
+        # tied ones), it copies nothing. What it binds where is worked out while generation goes on.
+        swaps = [prepare_swap(self.float_policy, policy_state)]
+        if self.maker.critic is not None:
+            swaps.append(prepare_swap(self.maker.critic, critic_state))
+        with self.model_lock:  # generation is paused from here (a batch being made finishes first)
+            start = time.perf_counter()
+            for swap in swaps:
+                swap.apply()
+            if self.cfg.maker.quantization:
+                self.maker.actor = quantize_for_generation(self.float_policy, self.cfg.maker.quantization)
+            if self.engine is not None:  # after the HF copy swapped in the push, load it into the engine
+                self.engine.load(hf_weights(self.float_policy).items(), version)
+            self.version, self.kl_coef = version, header.kl_coef
+            self.pushes_loaded += 1
+            paused = time.perf_counter() - start
+        if self.device.type == "cpu":  # on a GPU the caching allocator reuses the memory anyway
+            self.receiver.recycle(staged)
+        self.pause_s += paused
+        self._unreported_pause_s += paused
+        return True
+
+    # -- eval -----------------------------------------------------------------------------------
+    @ray.method(concurrency_group="eval")
+    def evaluate(self, step: int, version: int) -> EvalReport:
+        """The ``eval`` section's evaluation of the weights of ``step``, push ``version`` (0: the
+        base model), once this maker holds them (a later push that came first answers instead: the
+        report names the version that did). The model lock is held throughout, so one version
+        answers every prompt; meanwhile this maker's experience waits, the other makers' does not."""
+        self._wait_for_push(lambda: self.version >= version, f"maker_{self.maker_id} was asked to evaluate push "
+                            f"v{version} (step {step}) while holding v{self.version}, and v{version} had not arrived "
+                            f"after {self.cfg.trainer.pull_timeout_s:.0f} s")
+        self.no_eval.clear()
+        try:
+            with self.model_lock:
+                start = time.perf_counter()
+                result = self.evaluation.run(self.maker.actor, self.engine, model=f"maker_{self.maker_id}")
+                held = self.version
+        finally:
+            self.no_eval.set()
+        return result.report(step, held, self.maker_id, eval_s=time.perf_counter() - start)
+
+    def weights_fingerprint(self) -> tuple[int, str]:
+        """(version, fingerprint of the policy and critic weights) for consistency checks. With an
+        engine, the policy's weights are those read back from the engine, not the HF copy's."""
+        from ray_ppo.makers.vllm_engine import engine_actor_state
+        from ray_ppo.models.sync import fingerprint, join_state
+
+        with self.model_lock:
+            policy_state = (self.float_policy.state_dict() if self.engine is None
+                            else engine_actor_state(self.engine, self.float_policy))
+            return self.version, fingerprint(join_state(policy_state, self._critic_state()))
+
+    def _critic_state(self) -> dict[str, torch.Tensor]:
+        """The critic's state dict; empty for critic-free estimators (``algo.advantage`` != gae)."""
+        return self.maker.critic.state_dict() if self.maker.critic is not None else {}
+
+
+def tag_prompt_ids(items: list, prompt_ids: list[int]) -> None:
+    """Give each item the id of its prompt. Items come prompt-major: with k samples per prompt,
+    items ``i*k .. i*k+k-1`` answer prompt ``i``."""
+    if not prompt_ids or len(items) % len(prompt_ids):
+        raise ValueError(f"{len(items)} items for {len(prompt_ids)} prompts: expected a whole number of samples per prompt")
+    per_prompt = len(items) // len(prompt_ids)
+    for i, item in enumerate(items):
+        item.prompt_id = int(prompt_ids[i // per_prompt])
+
+
+def _was_restarted() -> bool:
+    """Whether this actor process is a restart. Ray's own property reads its deprecated ``actor_id``
+    inside, which would print a RayDeprecationWarning in every maker; the property itself is current."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+def _check_keys(model: torch.nn.Module, state: dict[str, torch.Tensor], partial: bool, what: str) -> None:
+    """A push may never bring tensors the model lacks; it omits tied aliases (loaded through
+    their canonical name), and only a partial (LoRA-only) push may omit anything else."""
+    from ray_ppo.models.sync import tied_aliases
+
+    expected = set(model.state_dict())
+    unknown, missing = sorted(set(state) - expected), sorted(expected - set(state) - tied_aliases(model))
+    if unknown or (missing and not partial):
+        raise ValueError(f"{what} push does not match the maker's model: unknown {unknown[:5]}, missing {missing[:5]}")
+
+
+def maker_actor_class(num_cpus: float, num_gpus: float, max_restarts: int = 0, resources: dict | None = None):
+    """``MakerWorker`` as a Ray actor class with its concurrency groups.
+
+    With ``max_restarts`` a dead maker process is restarted and its interrupted calls are retried
+    on the new process (``max_task_retries=-1``). ``run`` and ``send_loop`` only ask the
+    coordinator for more work, so retrying them is safe. The weight-push calls of a relay the
+    dead process was in are retried too, beside the coordinator's resend of the latest push:
+    each carries its relay's number, and the newer relay stages (``WeightReceiver.start``).
+    Exceptions raised by the code are not retried: they end the run.
+    """
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, concurrency_groups=CONCURRENCY_GROUPS,
+                      max_restarts=max_restarts, max_task_retries=-1 if max_restarts else 0)(MakerWorker)

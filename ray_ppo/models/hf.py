@@ -1,0 +1,223 @@
+"""Factories over Hugging Face ``transformers`` Auto classes.
+
+Shapes: B = batch, T = sequence length (left-padded prompt + right-padded response),
+R = number of response tokens ("actions").
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ray_ppo.config.choices import DTYPES as DTYPE_NAMES
+from ray_ppo.models.quiet import quiet_transformers
+from ray_ppo.models.tiny import resolve_pretrained
+
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+RewardFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
+"""Rule reward: ``fn(prompts, responses) -> one float per response`` (decoded text, special tokens removed)."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; a clear error on unknown names."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+def dtype_kwargs(dtype: str) -> dict:
+    """``from_pretrained`` keyword for the weights' dtype: ``dtype`` since transformers 4.56,
+    ``torch_dtype`` before (ColossalAI pins transformers 4.51.3)."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch_dtype(dtype)}
+
+
+def load_tokenizer(path: str):
+    """Tokenizer for generation: left padding, and a pad token (the EOS token if it has none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained(path))
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_actor(path: str, dtype: str = "float32") -> nn.Module:
+    """Causal LM for the actor (policy) or the reference model."""
+    from transformers import AutoModelForCausalLM
+
+    quiet_transformers()
+    return AutoModelForCausalLM.from_pretrained(resolve_pretrained(path), **dtype_kwargs(dtype))
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Set every dropout probability of ``model`` to 0, in place.
+
+    PPO's ratio compares the policy that sampled (no dropout) with the policy being updated; a
+    dropout mask in the update alone would bias it. LoRA adapters applied afterwards keep their
+    own ``model.lora.dropout``.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: 0 at the first real token of each row."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def keeps_logits(model: nn.Module) -> bool:
+    """Whether ``model`` computes logits for its last positions only when told ``logits_to_keep``
+    (transformers' causal LMs since 4.50), looking through peft's base model and the ``.module``
+    of DDP and ColossalAI wrappers, which pass the keyword on."""
+    inner = model
+    while True:
+        if hasattr(inner, "get_base_model"):
+            inner = inner.get_base_model()
+        elif isinstance(getattr(inner, "module", None), nn.Module):
+            inner = inner.module
+        else:
+            return _forward_takes(type(inner), "logits_to_keep")
+
+
+@functools.cache
+def _forward_takes(cls: type, name: str) -> bool:
+    return name in inspect.signature(cls.forward).parameters
+
+
+def action_logits(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int,
+                  temperature: float = 1.0) -> torch.Tensor:
+    """Logits (B, R, V) that predict the last ``num_actions`` tokens of ``sequences``, divided by
+    the sampling temperature so they describe the distribution the tokens were sampled from."""
+    keep = {"logits_to_keep": num_actions + 1} if keeps_logits(model) else {}  # no vocabulary-wide logits for the prompt
+    out = model(input_ids=sequences, attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask), use_cache=False, **keep)
+    logits = out.logits[:, -num_actions - 1:-1].float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def action_log_probs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int,
+                     temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs (B, R) of the response tokens under ``model``."""
+    from ray_ppo.algo import log_probs_from_logits
+
+    logits = action_logits(model, sequences, attention_mask, num_actions, temperature)
+    return log_probs_from_logits(logits, sequences[:, -num_actions:])
+
+
+class Critic(nn.Module):
+    """Value model: a transformer backbone (``AutoModel``) plus a scalar value head.
+
+    ``forward`` returns per-token values (B, T); the value of response token t is read at the
+    position that predicts it, like the actor's logits (see ``action_values``).
+    """
+
+    def __init__(self, backbone: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(backbone.config.hidden_size, 1)
+        nn.init.normal_(self.value_head.weight, std=1.0 / (backbone.config.hidden_size + 1))
+        nn.init.zeros_(self.value_head.bias)
+        self.value_head.to(next(backbone.parameters()).dtype)
+
+    @property
+    def config(self):
+        return self.backbone.config
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+        return self.value_head(hidden).squeeze(-1).float()
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: str = "float32") -> "Critic":
+        """Backbone from any causal-LM or base checkpoint; value head from ``value_head.safetensors`` if present."""
+        from safetensors.torch import load_file
+        from transformers import AutoModel
+
+        quiet_transformers()
+        path = resolve_pretrained(path)
+        critic = cls(AutoModel.from_pretrained(path, **dtype_kwargs(dtype)))
+        head_file = Path(path) / VALUE_HEAD_FILE
+        if head_file.exists():
+            critic.value_head.load_state_dict(load_file(str(head_file)))
+        return critic
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Backbone with ``save_pretrained`` (safetensors) and the head in ``value_head.safetensors``."""
+        from safetensors.torch import save_file
+
+        self.backbone.save_pretrained(directory)
+        save_file({k: v.contiguous() for k, v in self.value_head.state_dict().items()}, str(Path(directory) / VALUE_HEAD_FILE))
+
+
+def action_values(critic: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int) -> torch.Tensor:
+    """Values (B, R), in float32, of the states in which each response token was chosen."""
+    return critic(sequences, attention_mask)[:, -num_actions - 1:-1].float()
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index (B,) of the last attended token of each row (works for left and right padding)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask.long()).argmax(dim=1)
+
+
+class RewardModel(nn.Module):
+    """Sequence classifier with one label; the score is read at the last non-pad token.
+
+    The last token is found from the attention mask rather than from the pad id, because many
+    tokenizers use EOS as pad and a generated EOS is a real token.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.head = next((getattr(model, n) for n in ("score", "classifier") if hasattr(model, n)), None)
+        if self.head is None:
+            raise ValueError(f"{type(model).__name__} has no 'score' or 'classifier' head; "
+                             "the reward model must be an AutoModelForSequenceClassification with num_labels=1")
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: str = "float32") -> "RewardModel":
+        from transformers import AutoModelForSequenceClassification
+
+        quiet_transformers()
+        model = AutoModelForSequenceClassification.from_pretrained(resolve_pretrained(path), **dtype_kwargs(dtype))
+        if model.config.num_labels != 1:
+            raise ValueError(f"reward model {path!r} has num_labels={model.config.num_labels}; it needs exactly 1")
+        return cls(model)
+
+    @torch.no_grad()
+    def forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.base_model(input_ids=sequences, attention_mask=attention_mask,
+                                       position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_token_index(attention_mask)]
+        return self.head(last).squeeze(-1).float()
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Import a rule reward given as ``"package.module:function"``."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward function {spec!r} must look like 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load reward function {spec!r}: {e}") from e
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r} is not callable")
+    return fn

@@ -1,0 +1,355 @@
+"""The PPO update: epochs x minibatches of actor and critic steps on one experience batch.
+
+The policy objective is ``ppo.policy_loss``: the PPO clipped surrogate, GSPO or CISPO
+(``ray_ppo.algo.functional``). With a ``ppo.off_policy`` correction the step first recomputes
+the trainer's own log-probs of the batch (pi_old, no grad) and clips the ratio around them,
+weighting each token by an importance weight built from pi_old / pi_behaviour
+(``ray_ppo.algo.off_policy``). With ``algo.overlong_filter`` the truncated responses are
+masked out of the policy loss. Critic-free estimators have no critic here.
+
+Plain class, no Ray: the synchronous local loop and the Ray Train loop both drive it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from ray_ppo.algo import (
+    ExperienceBatch,
+    aggregate_loss,
+    behaviour_kl,
+    cispo_loss,
+    compute_kl,
+    correction_stats,
+    entropy_from_logits,
+    explained_variance,
+    gspo_loss,
+    importance_weights,
+    kl_by_staleness,
+    log_probs_from_logits,
+    masked_mean,
+    masked_whiten,
+    overlong_penalty,
+    policy_loss,
+    value_loss,
+)
+from ray_ppo.config import Config
+from ray_ppo.models import action_logits, action_values
+from ray_ppo.train.strategies import Strategy
+
+STALE_KL_PREFIX = "behaviour_kl_stale_"
+"""``behaviour_kl_stale_<s>``: KL(behaviour || proximal) over the items of staleness s (nan where
+a rank has none; ``drop_absent`` removes the key when no rank had such items)."""
+
+
+def drop_absent(metrics: dict[str, float]) -> dict[str, float]:
+    """The metrics without the per-staleness statistics that no item of the step had (nan)."""
+    return {k: v for k, v in metrics.items() if not (k.startswith(STALE_KL_PREFIX) and math.isnan(v))}
+
+
+def all_ranks_agree(flag: bool, device: torch.device) -> bool:
+    """True only if ``flag`` is true on every rank (a collective when a process group exists)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_updates: int):
+    """Multiplier of the base learning rate after ``n`` optimizer updates: linear warm-up, then
+    constant, linear decay to 0, or cosine decay to 0 (Loshchilov & Hutter 2017, SGDR)."""
+    def factor(n: int) -> float:
+        if n < warmup_steps:
+            return (n + 1) / warmup_steps
+        progress = min(1.0, (n - warmup_steps) / max(1, total_updates - warmup_steps))
+        if schedule == "linear":
+            return 1.0 - progress
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+    return factor
+
+
+class Proximal:
+    """A step's proximal log-probs (B, R), the anchor of the clipped ratio. Rows ``pending`` (the
+    first minibatch's) are filled from that minibatch's own update: its forward pass runs on the
+    weights of the step's start, so they equal a separate no-grad pass, which is saved."""
+
+    def __init__(self, anchor: torch.Tensor, mask: torch.Tensor, pending: torch.Tensor | None = None):
+        self.anchor, self.mask, self.pending = anchor, mask, pending
+
+    def rows(self, idx: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+        """The anchor of rows ``idx``, whose log-probs under the updating actor are ``log_probs``."""
+        if self.pending is not None:
+            if not torch.equal(idx, self.pending):
+                raise RuntimeError("the proximal log-probs of the step's first minibatch must come from its own "
+                                   "update, the step's first")
+            self.anchor[idx] = torch.where(self.mask[idx].bool(), log_probs.detach(), 0.0)
+            self.pending = None
+        return self.anchor[idx]
+
+
+class PPOLearner:
+    """Owns the actor and critic being trained, their optimizers and schedules.
+
+    Responsibilities:
+      - wrap the models with the strategy;
+      - recompute the trainer's log-probs of the batch when ``off_policy`` needs them;
+      - run ``ppo_epochs`` passes of minibatch actor (``ppo.policy_loss`` + entropy bonus, and the
+        KL term with ``kl_in="loss"``) and critic (clipped value loss) updates on one ``ExperienceBatch``;
+      - return the step's metrics.
+
+    The settings are the run's ``Config``: ``trainer.*`` (optimizers, schedule, epochs, minibatches),
+    ``ppo.*`` (the objective), ``algo.*`` (the estimator and the overlong settings),
+    ``maker.temperature`` and ``maker.max_new_tokens``.
+    ``critic`` is None for the critic-free estimators (no critic optimizer, no value loss).
+    ``kl_coef`` is the coefficient of the KL loss term (``kl_in="loss"``); the loop sets it from
+    its KL controller before each step.
+    """
+
+    def __init__(self, actor: nn.Module, critic: nn.Module | None, strategy: Strategy, cfg: Config, seed: int = 0):
+        self.strategy = strategy
+        self.trainer, self.ppo, self.algo, self.estimator = cfg.trainer, cfg.ppo, cfg.algo, cfg.algo.advantage
+        self.temperature = cfg.maker.temperature  # the log-probs are of the distribution the makers sample from
+        self.max_new_tokens = cfg.maker.max_new_tokens
+        t = cfg.trainer
+        self.actor = strategy.wrap(actor.train())
+        self.critic = strategy.wrap(critic.train()) if critic is not None else None
+        self.actor_optim = strategy.make_optimizer(self.actor, t.actor_lr, t.weight_decay)
+        schedule = lr_lambda(t.lr_schedule, t.warmup_steps, cfg.total_updates)
+        self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_optim, schedule)
+        self.critic_optim = self.critic_sched = None
+        if self.critic is not None:
+            self.critic_optim = strategy.make_optimizer(self.critic, t.critic_lr, t.weight_decay)
+            self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_optim, schedule)
+        self.kl_coef = 0.0
+        self.generator = torch.Generator().manual_seed(seed)
+        self.device = strategy.device
+        self.nonfinite_updates = 0  # updates skipped for a non-finite loss or gradient, whole run
+        self.consecutive_nonfinite = 0
+
+    def train_step(self, batch: ExperienceBatch, version: int | None = None,
+                   behaviour_is_policy: bool = False) -> dict[str, float]:
+        """PPO epochs over ``batch``; returns mean losses and statistics. ``version`` is the
+        trainer's policy version (for the off-policy statistics by staleness).
+        ``behaviour_is_policy``: this very actor, with its present weights, sampled the batch and
+        computed its log-probs (the synchronous loop). The proximal policy of ``tis`` /
+        ``decoupled`` is then the behaviour policy, so its extra forward pass is skipped (weights
+        1, behaviour KL 0). Not for a detached maker's batch: its copy may differ (int8, an engine's
+        log-probs, LoRA dropout) even at staleness 0."""
+        batch = batch.to(self.device)
+        if self._whitens():
+            batch.advantages = masked_whiten(batch.advantages, batch.action_mask)
+        size = self.trainer.mini_batch_size
+        orders = [torch.randperm(batch.batch_size, generator=self.generator) for _ in range(self.trainer.ppo_epochs)]
+        proximal = self._proximal(batch, behaviour_is_policy, first=orders[0][:size].to(self.device))
+        sums: dict[str, float] = {}
+        updates, skipped_before = 0, self.nonfinite_updates
+        for order in orders:
+            for start in range(0, batch.batch_size, size):
+                idx = order[start:start + size].to(self.device)
+                minibatch = batch.select(idx)
+                stats = self._actor_update(minibatch, proximal, idx)
+                if self.critic is not None:
+                    stats.update(self._critic_update(minibatch))
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                updates += 1
+        metrics = self._off_policy_metrics(batch, proximal.anchor, version)
+        metrics.update(self._overlong_metrics(batch))
+        metrics.update({key: value / updates for key, value in sums.items()})
+        metrics["actor_lr"] = self.actor_sched.get_last_lr()[0]
+        if self.critic is not None:
+            metrics["critic_lr"] = self.critic_sched.get_last_lr()[0]
+            metrics["explained_variance"] = float(explained_variance(batch.values, batch.returns, batch.action_mask))
+        metrics["nonfinite_updates"] = float(self.nonfinite_updates - skipped_before)
+        return metrics
+
+    def _forward(self):
+        """The context of a forward pass: bfloat16 autocast with ``trainer.autocast`` (the weights stay
+        float32; logits and values are read in float32), else nothing."""
+        if self.trainer.autocast:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _whitens(self) -> bool:
+        """GAE: as ``ppo.whiten_advantages``; REINFORCE++: always (its batch normalisation); GRPO
+        and RLOO: never (their advantages are already normalised within each group)."""
+        if self.estimator in ("grpo", "rloo"):
+            return False
+        return self.ppo.whiten_advantages or self.estimator == "reinforce_pp"
+
+    @torch.no_grad()
+    def _log_probs(self, batch: ExperienceBatch) -> torch.Tensor:
+        """(B, R) log-probs of the batch's responses under the current actor, minibatch by minibatch."""
+        out = []
+        for start in range(0, batch.batch_size, self.trainer.mini_batch_size):
+            mb = batch.select(torch.arange(start, min(start + self.trainer.mini_batch_size, batch.batch_size)))
+            with self._forward():
+                logits = action_logits(self.actor, mb.sequences, mb.attention_mask, mb.num_actions, self.temperature)
+            out.append(log_probs_from_logits(logits, mb.sequences[:, -mb.num_actions:]))
+        return torch.where(batch.action_mask.bool(), torch.cat(out), 0.0)
+
+    def _proximal(self, batch: ExperienceBatch, behaviour_is_policy: bool, first: torch.Tensor) -> Proximal:
+        """The log-probs the ratio is clipped around, for the step.
+
+        ``none``: the maker's behaviour log-probs. ``tis`` / ``decoupled``: the trainer's own
+        log-probs at the start of the step. The rows of the step's first minibatch (``first``)
+        come from that minibatch's own update, whose forward pass runs before any weight of the
+        step changes; the other rows from one no-grad forward pass now (none with a single
+        minibatch). With ``behaviour_is_policy`` they are the behaviour log-probs (no forward)."""
+        behaviour = batch.action_log_probs
+        if self.ppo.off_policy == "none" or behaviour_is_policy:
+            return Proximal(behaviour, batch.action_mask)
+        anchor = torch.zeros_like(behaviour)
+        rest = torch.ones(batch.batch_size, dtype=torch.bool, device=behaviour.device)
+        rest[first] = False
+        if bool(rest.any()):
+            rows = rest.nonzero().flatten()
+            anchor[rows] = self._log_probs(batch.select(rows))
+        return Proximal(anchor, batch.action_mask, pending=first)
+
+    def _off_policy_metrics(self, batch: ExperienceBatch, old: torch.Tensor, version: int | None) -> dict[str, float]:
+        """Importance-weight statistics and the behaviour KL (``tis`` / ``decoupled``), overall and
+        by staleness (given ``version``), from the step's proximal log-probs ``old``."""
+        p, behaviour, mask = self.ppo, batch.action_log_probs, batch.action_mask
+        if p.off_policy == "none":
+            return {}
+        metrics = correction_stats(p.off_policy, old, behaviour, mask, p.importance_cap, p.importance_band)
+        kl = behaviour_kl(old, behaviour)
+        metrics["behaviour_kl"] = float(masked_mean(kl, mask))
+        if version is not None:
+            staleness = version - batch.policy_version
+            for s, value in kl_by_staleness(kl, mask, staleness, p.max_staleness).items():
+                metrics[f"{STALE_KL_PREFIX}{s}"] = value
+        return metrics
+
+    def _overlong_metrics(self, batch: ExperienceBatch) -> dict[str, float]:
+        """``algo.overlong_buffer``: the share of responses whose length entered the buffer and their mean
+        penalty; ``algo.overlong_filter``: the share of truncated responses, masked out of the loss."""
+        a, metrics = self.algo, {}
+        if a.overlong_buffer:
+            penalty = overlong_penalty(batch.action_mask.sum(dim=1), self.max_new_tokens, a.overlong_buffer,
+                                       a.overlong_penalty)
+            metrics["overlong_penalized_frac"] = float((penalty < 0).float().mean())
+            metrics["overlong_penalty_mean"] = float(penalty.mean())
+        if a.overlong_filter:
+            metrics["overlong_filtered_frac"] = float(self._truncated(batch).float().mean())
+        return metrics
+
+    @staticmethod
+    def _truncated(batch: ExperienceBatch) -> torch.Tensor:
+        if batch.truncated is None:
+            return torch.zeros(batch.batch_size, dtype=torch.bool, device=batch.action_mask.device)
+        return batch.truncated
+
+    def _loss_mask(self, mb: ExperienceBatch) -> torch.Tensor:
+        """The tokens of the policy loss: the policy's own, without the truncated responses' with
+        ``algo.overlong_filter`` (DAPO's overlong filtering)."""
+        if not self.algo.overlong_filter:
+            return mb.action_mask
+        return mb.action_mask & ~self._truncated(mb).unsqueeze(1)
+
+    def _weights(self, anchor: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """Importance weights of ``ppo.off_policy`` from pi_proximal / pi_behaviour (None for ``none``)."""
+        p = self.ppo
+        if p.off_policy == "none":
+            return None
+        return importance_weights(p.off_policy, anchor, behaviour, mask, p.importance_cap, p.importance_band)
+
+    def _policy_loss(self, log_probs: torch.Tensor, anchor: torch.Tensor, advantages: torch.Tensor,
+                     mask: torch.Tensor, weights: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of ``ppo.policy_loss`` and its stats."""
+        p = self.ppo
+        if p.policy_loss == "gspo":
+            return gspo_loss(log_probs, anchor, advantages, mask, p.eps_clip, p.eps_clip_high, weights, p.loss_agg)
+        if p.policy_loss == "cispo":
+            eps_clip_high = p.eps_clip if p.eps_clip_high is None else p.eps_clip_high
+            return cispo_loss(log_probs, anchor, advantages, mask, eps_clip_high, weights, p.loss_agg)
+        return policy_loss(log_probs, anchor, advantages, mask, p.eps_clip, p.dual_clip,
+                           eps_clip_high=p.eps_clip_high, is_weights=weights, loss_agg=p.loss_agg)
+
+    def _actor_update(self, mb: ExperienceBatch, proximal: Proximal, idx: torch.Tensor) -> dict[str, float]:
+        """One policy update on minibatch ``mb`` (rows ``idx`` of the step's batch)."""
+        p = self.ppo
+        with self._forward():
+            logits = action_logits(self.actor, mb.sequences, mb.attention_mask, mb.num_actions, self.temperature)
+        log_probs = log_probs_from_logits(logits, mb.sequences[:, -mb.num_actions:])
+        anchor = proximal.rows(idx, log_probs)
+        mask = self._loss_mask(mb)
+        weights = self._weights(anchor, mb.action_log_probs, mb.action_mask)
+        pg_loss, stats = self._policy_loss(log_probs, anchor, mb.advantages, mask, weights)
+        entropy = aggregate_loss(entropy_from_logits(logits), mask)
+        loss = pg_loss - p.entropy_coef * entropy
+        out = {}
+        if p.kl_in == "loss" and p.uses_reference:
+            kl_loss = aggregate_loss(compute_kl(log_probs, mb.ref_log_probs, p.kl_estimator), mask, p.loss_agg)
+            loss = loss + self.kl_coef * kl_loss
+            out["kl_loss"] = kl_loss.item()
+        grad_norm = self._optimize(loss, self.actor, self.actor_optim, self.actor_sched, "actor")
+        return {**out, "policy_loss": pg_loss.item(), "entropy": entropy.item(), "clipfrac": float(stats["clipfrac"]),
+                "approx_kl": float(stats["approx_kl"]), "actor_grad_norm": grad_norm}
+
+    def _critic_update(self, mb: ExperienceBatch) -> dict[str, float]:
+        with self._forward():
+            values = action_values(self.critic, mb.sequences, mb.attention_mask, mb.num_actions)
+        vf_loss, stats = value_loss(values, mb.values, mb.returns, mb.action_mask, self.ppo.value_clip)
+        grad_norm = self._optimize(vf_loss, self.critic, self.critic_optim, self.critic_sched, "critic")
+        return {"value_loss": vf_loss.item(), "vf_clipfrac": float(stats["vf_clipfrac"]), "critic_grad_norm": grad_norm}
+
+    def _optimize(self, loss: torch.Tensor, model: nn.Module, optim, sched, what: str) -> float:
+        """backward -> clip -> step; returns the gradient norm.
+
+        If the loss or the gradient norm is non-finite on any rank, every rank drops its
+        gradients and skips the step (weights unchanged; counted in ``nonfinite_updates``).
+        More than ``max_nonfinite_updates`` such updates in a row end the run.
+        """
+        grad_norm = float("nan")
+        finite = all_ranks_agree(bool(torch.isfinite(loss.detach())), self.device)
+        if finite:
+            self.strategy.backward(loss, model, optim)
+            grad_norm = self.strategy.clip_grad_norm(model, optim, self.trainer.max_grad_norm)
+            finite = math.isfinite(grad_norm)  # computed from synchronised gradients: equal on every rank
+        if finite:
+            self.strategy.step(optim, model)
+            self.consecutive_nonfinite = 0
+        else:
+            optim.zero_grad(set_to_none=True)
+            self.nonfinite_updates += 1
+            self.consecutive_nonfinite += 1
+            if self.consecutive_nonfinite > self.trainer.max_nonfinite_updates:
+                raise FloatingPointError(
+                    f"{self.consecutive_nonfinite} optimizer updates in a row had a non-finite loss or gradient "
+                    f"(last: {what} loss={loss.item()}, grad norm={grad_norm}); lower the learning rate, check the "
+                    f"reward function, or raise trainer.max_nonfinite_updates")
+        sched.step()
+        return grad_norm
+
+    def full_state_dict(self) -> dict:
+        """Collective on every rank: full optimizer states (rank 0; ``{}`` elsewhere), schedulers and
+        the minibatch RNG — what a checkpoint needs besides the weights."""
+        s = self.strategy
+        state = {"actor": s.full_optimizer_state_dict(self.actor, self.actor_optim),
+                 "actor_sched": self.actor_sched.state_dict(), "generator": self.generator.get_state()}
+        if self.critic is not None:
+            state.update(critic=s.full_optimizer_state_dict(self.critic, self.critic_optim),
+                         critic_sched=self.critic_sched.state_dict())
+        return state
+
+    def load_state(self, state: dict) -> None:
+        """Restore what ``ray_ppo.train.loop`` checkpoints: full optimizer states (strategy-aware),
+        schedulers and the minibatch RNG."""
+        self.strategy.load_optimizer_state(self.actor, self.actor_optim, state["actor"])
+        self.actor_sched.load_state_dict(state["actor_sched"])
+        if self.critic is not None:
+            if "critic" not in state:
+                raise ValueError("the checkpoint has no critic optimizer state (it was made by a critic-free "
+                                 "algo.advantage); resume it with the same algo.advantage")
+            self.strategy.load_optimizer_state(self.critic, self.critic_optim, state["critic"])
+            self.critic_sched.load_state_dict(state["critic_sched"])
+        self.generator.set_state(state["generator"])
