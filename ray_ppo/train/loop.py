@@ -108,6 +108,17 @@ class _StepPlan:
         return dataclasses.replace(self, last=True, push=True, checkpoint=True)
 
 
+@dataclass(frozen=True)
+class _StepResult:
+    """What a trained step hands its report thread (``_complete_row``), read there only."""
+
+    over_ranks: Callable[[], dict[str, float]]  # waits for the metrics all-reduce the step started
+    own: dict[str, float]  # this rank's own figures (push time and bytes, step, version, ...), never averaged
+    step_s: float
+    items: list[ExperienceItem]  # the step's experience (samples.jsonl)
+    state: dict[str, torch.Tensor]  # the gathered weights (empty unless pushed or checkpointed)
+
+
 def _plan(t: TrainerConfig, step: int, version: int) -> _StepPlan:
     """Step ``step`` at ``version``: the last at ``total_steps``; pushes every ``update_steps`` and
     at the end; checkpoints every ``checkpoint_every`` and at the end."""
@@ -155,7 +166,7 @@ def _train_step(run: _Run, carry: _Carry, step: int) -> _Carry | None:
         own = dict(push_s=push_s, push_bytes=float(push_bytes), step=step, policy_version=plan.next_version,
                    kl_coef=run.kl_ctl.value, samples_per_s=run.cfg.trainer.train_batch_size * run.world / step_s,
                    elapsed_s=elapsed_s)
-        _report(run, plan, over_ranks, own, step_s, items, state, checkpoint)
+        _report(run, plan, _StepResult(over_ranks, own, step_s, items, state), checkpoint)
     finally:  # Ray Train has its copy (the report uploads in SYNC mode), or the step failed: the staged one is spent
         if checkpoint is not None:
             shutil.rmtree(checkpoint.path, ignore_errors=True)
@@ -293,9 +304,7 @@ def _checkpoint(run: _Run, plan: _StepPlan, state: dict[str, torch.Tensor]) -> r
     return ray.train.Checkpoint.from_directory(str(run.checkpoints.write(state, optim_state, run_state)))
 
 
-def _report(run: _Run, plan: _StepPlan, over_ranks: Callable[[], dict[str, float]], own: dict[str, float],
-            step_s: float, items: list[ExperienceItem], state: dict[str, torch.Tensor],
-            checkpoint: ray.train.Checkpoint | None) -> None:
+def _report(run: _Run, plan: _StepPlan, result: _StepResult, checkpoint: ray.train.Checkpoint | None) -> None:
     """Hand the step's metrics row to the report thread, which completes it while the next step
     runs (``_complete_row``); every rank reports it to Ray Train when due, waiting for it then.
     Off the step's path: the metrics all-gather (started by every rank, so no rank waits there for
@@ -303,34 +312,42 @@ def _report(run: _Run, plan: _StepPlan, over_ranks: Callable[[], dict[str, float
     lengthen rank 0's step, and with it every rank's at the next collective."""
     reporter = run.threads.reporter
     reporter.wait()  # the previous step's row, done a step ago; a failure of it is raised here
-    reporter.submit(_complete_row, run, plan, over_ranks, own, step_s, items, state)
+    reporter.submit(_complete_row, run, plan, result)
     if plan.last or plan.checkpoint or plan.step % run.cfg.logging.report_every == 0:
         ray.train.report(reporter.wait(), checkpoint=checkpoint)
         if checkpoint is not None:
             _announce_checkpoint(run.coordinator, plan.step)
 
 
-def _complete_row(run: _Run, plan: _StepPlan, over_ranks: Callable[[], dict[str, float]], own: dict[str, float],
-                  step_s: float, items: list[ExperienceItem], state: dict[str, torch.Tensor]) -> dict[str, float]:
-    """The step's metrics over the ranks with this rank's own figures. Rank 0 adds the makers' view
-    (and, at the end, whether they hold the final weights), asks for the evaluation of this step's
-    weights when due (``eval``), adds the evaluations finished since its previous row (at the
-    end: every one asked for) and records the row. In the report
-    thread: reads only what this step handed it."""
-    metrics = {**drop_absent(over_ranks()), **own}
-    if run.rank == 0:
-        metrics.update(run.monitor.metrics(step_s, plan.step))
-        if plan.last:
-            held = as_held(state, run.cfg.engine_dtype, run.cfg.maker_dtype)  # pushes are cast to the makers' dtypes
-            metrics["weights_in_sync"] = verify_makers(CoordinatorClient(run.coordinator), plan.next_version, fingerprint(held))
-        if plan.push and run.cfg.eval.due(plan.step, plan.last, run.cfg.trainer.update_steps):
-            # waited for: the coordinator runs one caller's calls out of order
-            ray.get(run.coordinator.request_eval.remote(plan.step, plan.next_version))
-        row = attach_evals(metrics, run.monitor.evals(wait=plan.last))  # the last row waits for its own
-        metrics = split_evals(row)[0]
-        samples = step_samples(items, run.tokenizer, plan.step, run.cfg.logging.samples_every)
-        run.rows.record({**row, SAMPLES_KEY: samples} if samples else row)
-    return metrics
+def _complete_row(run: _Run, plan: _StepPlan, result: _StepResult) -> dict[str, float]:
+    """The step's metrics over the ranks with this rank's own figures; rank 0 completes and records
+    the run's row (``_rank_0_row``). In the report thread."""
+    metrics = {**drop_absent(result.over_ranks()), **result.own}
+    return _rank_0_row(run, plan, result, metrics) if run.rank == 0 else metrics
+
+
+def _rank_0_row(run: _Run, plan: _StepPlan, result: _StepResult, metrics: dict[str, float]) -> dict[str, float]:
+    """Rank 0's row: the makers' view, the evaluation of this step's weights asked for when due, the
+    evaluations finished since the previous row (at the end: every one asked for), and the step's
+    samples; recorded at the coordinator. Returns the row without its evaluations (Ray Train's)."""
+    metrics = {**metrics, **_makers_view(run, plan, result)}
+    if plan.push and run.cfg.eval.due(plan.step, plan.last, run.cfg.trainer.update_steps):
+        # waited for: the coordinator runs one caller's calls out of order
+        ray.get(run.coordinator.request_eval.remote(plan.step, plan.next_version))
+    row = attach_evals(metrics, run.monitor.evals(wait=plan.last))  # the last row waits for its own
+    samples = step_samples(result.items, run.tokenizer, plan.step, run.cfg.logging.samples_every)
+    run.rows.record({**row, SAMPLES_KEY: samples} if samples else row)
+    return split_evals(row)[0]
+
+
+def _makers_view(run: _Run, plan: _StepPlan, result: _StepResult) -> dict[str, float]:
+    """The makers' throughput and counters since the previous row; at the end, also whether every
+    maker holds the final weights (``weights_in_sync``)."""
+    view = run.monitor.metrics(result.step_s, plan.step)
+    if plan.last:
+        held = as_held(result.state, run.cfg.engine_dtype, run.cfg.maker_dtype)  # pushes are cast to the makers' dtypes
+        view["weights_in_sync"] = verify_makers(CoordinatorClient(run.coordinator), plan.next_version, fingerprint(held))
+    return view
 
 
 # -- calls to the coordinator -----------------------------------------------------------------------

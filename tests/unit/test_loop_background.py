@@ -108,7 +108,7 @@ def test_rank_0_completes_and_records_each_row_in_the_background_and_reports_whe
         plan = _StepPlan(step, 0, last=False, push=False, checkpoint=False)
         over_ranks = lambda: {"loss": float(step), f"{STALE_KL_PREFIX}3": float("nan")}  # noqa: E731
         start = time.perf_counter()
-        loop._report(w, plan, over_ranks, {"step": step, "policy_version": 0}, 1.0, [], {}, None)
+        loop._report(w, plan, loop._StepResult(over_ranks, {"step": step, "policy_version": 0}, 1.0, [], {}), None)
         return time.perf_counter() - start
 
     assert report(1) < 1.0 and rows.recorded == []  # not due: the step went on while its row waits for the makers' view
