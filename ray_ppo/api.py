@@ -29,7 +29,6 @@ from ray_ppo.config import Config
 from ray_ppo.config.preflight import check_run
 from ray_ppo.config.resources import ResourcePlan, check_fits, cluster_can_grow, worker_resources
 from ray_ppo.coordinator.actor import CoordinatorActor
-from ray_ppo.data import check_prompt_column
 from ray_ppo.makers.worker import maker_actor_class
 from ray_ppo.models.build import resolve_config
 from ray_ppo.outputs.evals import split_evals
@@ -252,7 +251,7 @@ class PPOTrainer(TorchTrainer):
 
     def _dataset(self) -> tuple[Any, str]:
         """The prompt dataset and the column that holds the prompts (a given dataset's column is
-        checked by ``_check_given_prompts``)."""
+        checked by pre-flight, ``check_run``)."""
         d = self.ppo_config.data
         if self.prompts is not None:
             return self.prompts, d.prompt_column
@@ -261,13 +260,6 @@ class PPOTrainer(TorchTrainer):
             texts = make_prompts(toy.num_prompts, toy.prompt_len, toy.seed)
             return ray.data.from_items([{"prompt": t} for t in texts]), "prompt"
         return read_prompt_dataset(d.path, d.prompt_column, d.format, checked=True), d.prompt_column  # check_run read it
-
-    def _check_given_prompts(self) -> None:
-        """A dataset given to ``PPOTrainer`` must hold ``data.prompt_column``. Its schema comes from
-        a Ray Data task (seconds in a new worker process on a small machine), so the check runs once
-        the actors are starting, not before; a missing column still ends ``fit()`` before any step."""
-        if self.prompts is not None:
-            check_prompt_column(self.prompts, self.ppo_config.data.prompt_column)
 
     def _start_actors(self) -> None:
         cfg = self.ppo_config
@@ -287,7 +279,6 @@ class PPOTrainer(TorchTrainer):
             for i in range(cfg.maker.num_makers)}
         self._loops = _MakerLoops(self.coordinator, self.makers, self.coordinator.register_makers.remote(self.makers),
                                   cfg.maker.max_restarts)
-        self._check_given_prompts()  # while the actors start (it waits on a read task); before vLLM's minutes
         if cfg.maker.engine == "vllm":  # minutes on a loaded CPU machine: longer than a pull may wait
             try:
                 ray.get(self._loops.registered, timeout=ACTOR_READY_TIMEOUT_S)

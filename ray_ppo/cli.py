@@ -421,7 +421,7 @@ def cmd_local(args) -> int:
 
     cfg = _load(args)
     out_dir = Path(cfg.output_dir).resolve()
-    check_run(cfg)
+    check_run(cfg, local=True)
     claim = claim_run_dir(out_dir, overwrite=args.overwrite)
     args.run_dir = out_dir
     try:

@@ -14,7 +14,8 @@ import torch
 
 from ray_ppo.algo import ExperienceBatch, ExperienceItem, make_kl_controller
 from ray_ppo.algo.metrics import experience_metrics
-from ray_ppo.config import Config, ConfigError
+from ray_ppo.config import Config
+from ray_ppo.config.preflight import check_local_loop
 from ray_ppo.data import DataError, Prompt, PromptEncoder, read_prompt_texts
 from ray_ppo.data.seeds import prompt_order, rank_seed
 from ray_ppo.makers.build import build_experience_maker
@@ -47,7 +48,7 @@ def run_local(cfg: Config, prompts: Sequence[Prompt | None] | None = None,
     """Train ``cfg.trainer.total_steps`` synchronous PPO steps, or fewer when ``trainer.time_budget_s``
     runs out; returns the per-step metrics. ``prompts`` (each a ``ray_ppo.data.Prompt``: a text or a
     list of chat messages) default to ``data.path``'s, else the toy task's."""
-    _refuse_what_it_cannot_honour(cfg)
+    check_local_loop(cfg)  # pre-flight's first check; here too for a caller of run_local without it
     cfg = resolve_config(cfg)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer.torch_threads)
@@ -91,36 +92,6 @@ def run_local(cfg: Config, prompts: Sequence[Prompt | None] | None = None,
         if last:
             break
     return history
-
-
-def _refuse_what_it_cannot_honour(cfg: Config) -> None:
-    """Raise a one-line ``ConfigError`` for a setting the synchronous loop could only ignore: it
-    trains in one process on the CPU, its maker generates with the learner's live weights (nothing
-    is pushed), and it writes no checkpoint. The keys it shares with the detached loop mean the
-    same in both (docs/getting-started.md, tests/unit/test_loop_parity.py)."""
-    t = cfg.trainer
-    refusals = [
-        (cfg.maker.engine != "hf",
-         f"the synchronous loop generates with HF only, but maker.engine={cfg.maker.engine!r}; "
-         f"set maker.engine=hf, or run ray-ppo train for vLLM makers"),
-        (cfg.maker.dtype not in (None, cfg.model.dtype),
-         f"the synchronous loop's maker generates with the learner's own weights, in model.dtype="
-         f"{cfg.model.dtype!r}, not maker.dtype={cfg.maker.dtype!r}; set maker.dtype=null, or run "
-         f"ray-ppo train for makers in a dtype of their own"),
-        (t.use_gpu, "the synchronous loop trains on the CPU, but trainer.use_gpu=true; set trainer.use_gpu=false, "
-                    "or run ray-ppo train to train on a GPU"),
-        (t.num_workers > 1, f"the synchronous loop trains in one process, but trainer.num_workers={t.num_workers}; "
-                            f"set trainer.num_workers=1, or run ray-ppo train for several workers"),
-        (t.update_steps > 1, f"the synchronous loop's maker generates every step with the weights being trained, but "
-                             f"trainer.update_steps={t.update_steps}; set trainer.update_steps=1, or run ray-ppo "
-                             f"train to push weights every {t.update_steps} steps"),
-        (t.checkpoint_every > 0, f"the synchronous loop writes no checkpoint, but trainer.checkpoint_every="
-                                 f"{t.checkpoint_every}; set trainer.checkpoint_every=0, or run ray-ppo train "
-                                 f"for checkpoints"),
-    ]
-    for refused, message in refusals:
-        if refused:
-            raise ConfigError(message)
 
 
 def _evaluate(evaluation: Evaluation, actor: torch.nn.Module, step: int, version: int):

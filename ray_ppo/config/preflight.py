@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ray_ppo.config import Config, ConfigError, ConfigWarning, EnvConfig
-from ray_ppo.data import DataError, Prompt, is_blank, prompt_text, to_prompts
+from ray_ppo.data import DataError, Prompt, check_prompt_column, is_blank, prompt_text, to_prompts
 
 PROBE_PROMPTS = 2
 """Prompts in the probe batch the reward function must answer."""
@@ -36,12 +36,18 @@ class DataPreflightError(PreflightError, DataError):
     """The prompt data cannot be used (also a ``DataError``, as Ray Data's reading would raise)."""
 
 
-def check_run(cfg: Config, prompts: Any = None) -> None:
-    """Every check that needs no cluster; ``prompts`` (a given dataset) skips the prompt file.
+def check_run(cfg: Config, prompts: Any = None, local: bool = False) -> None:
+    """Every check of a run, before any actor starts. ``prompts``: a dataset given to
+    ``PPOTrainer`` (its column is checked here, and the prompt file is not read); ``local``: the run
+    is ``ray-ppo local``'s synchronous loop (``check_local_loop`` first).
 
     The reward function answers a probe batch of the run's first prompts, of the shape the run
     gives it. Prompts that pre-flight does not read (a given dataset, a remote URI) give no probe:
     the function is only imported, and the makers' first batch checks its answers."""
+    if local:
+        check_local_loop(cfg)
+    if prompts is not None:
+        check_prompt_column(prompts, cfg.data.prompt_column)
     m = cfg.model
     if cfg.env.cls:  # before the context check, which counts env.max_tokens: a class that is not there comes first
         load_env_checked(cfg.env.cls)
@@ -71,6 +77,37 @@ def check_run(cfg: Config, prompts: Any = None) -> None:
 
 PROBE_RESPONSE = "1"
 """The policy's response in pre-flight's probe episode."""
+
+
+
+def check_local_loop(cfg: Config) -> None:
+    """Raise a one-line ``ConfigError`` for a setting the synchronous loop could only ignore: it
+    trains in one process on the CPU, its maker generates with the learner's live weights (nothing
+    is pushed), and it writes no checkpoint. The keys it shares with the detached loop mean the
+    same in both (docs/getting-started.md, tests/unit/test_loop_parity.py)."""
+    t = cfg.trainer
+    refusals = [
+        (cfg.maker.engine != "hf",
+         f"the synchronous loop generates with HF only, but maker.engine={cfg.maker.engine!r}; "
+         f"set maker.engine=hf, or run ray-ppo train for vLLM makers"),
+        (cfg.maker.dtype not in (None, cfg.model.dtype),
+         f"the synchronous loop's maker generates with the learner's own weights, in model.dtype="
+         f"{cfg.model.dtype!r}, not maker.dtype={cfg.maker.dtype!r}; set maker.dtype=null, or run "
+         f"ray-ppo train for makers in a dtype of their own"),
+        (t.use_gpu, "the synchronous loop trains on the CPU, but trainer.use_gpu=true; set trainer.use_gpu=false, "
+                    "or run ray-ppo train to train on a GPU"),
+        (t.num_workers > 1, f"the synchronous loop trains in one process, but trainer.num_workers={t.num_workers}; "
+                            f"set trainer.num_workers=1, or run ray-ppo train for several workers"),
+        (t.update_steps > 1, f"the synchronous loop's maker generates every step with the weights being trained, but "
+                             f"trainer.update_steps={t.update_steps}; set trainer.update_steps=1, or run ray-ppo "
+                             f"train to push weights every {t.update_steps} steps"),
+        (t.checkpoint_every > 0, f"the synchronous loop writes no checkpoint, but trainer.checkpoint_every="
+                                 f"{t.checkpoint_every}; set trainer.checkpoint_every=0, or run ray-ppo train "
+                                 f"for checkpoints"),
+    ]
+    for refused, message in refusals:
+        if refused:
+            raise ConfigError(message)
 
 
 def check_env(env: EnvConfig, prompts: Sequence[Prompt], tokenizer, tokenizer_path: str) -> None:

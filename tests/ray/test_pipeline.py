@@ -160,7 +160,7 @@ def test_a_given_dataset_is_read_as_given_and_its_column_checked(ray_session, tm
     before = run_namespaces()
     with pytest.raises(DataError, match=r"'question'.*columns present: \['text', 'id'\]"):
         PPOTrainer(small_config(tmp_path, "data.prompt_column=question"), prompts=given).fit()
-    assert run_namespaces() == before  # the actors that had started are gone
+    assert run_namespaces() == before  # pre-flight refused it: no actor started
 
 
 def test_unreadable_file_names_the_path(ray_session, tmp_path):

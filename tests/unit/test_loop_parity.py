@@ -14,6 +14,7 @@ code in both loops.
 from __future__ import annotations
 
 import ast
+import inspect
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -24,11 +25,14 @@ from pydantic import BaseModel
 
 from ray_ppo import local
 from ray_ppo.config import Config, ConfigError
+from ray_ppo.config.preflight import check_local_loop
 from ray_ppo.outputs.evals import split_evals
 from ray_ppo.outputs.samples import SAMPLES_KEY
 
 ROOT = Path(__file__).parents[2]
-LOCAL, DETACHED = ROOT / "ray_ppo" / "local.py", ROOT / "ray_ppo" / "train" / "loop.py"
+LOCAL = (ROOT / "ray_ppo" / "local.py").read_text() + "\n" + inspect.getsource(check_local_loop)
+"""The synchronous loop's source, with the pre-flight check of what it refuses."""
+DETACHED = (ROOT / "ray_ppo" / "train" / "loop.py").read_text()
 PROMPTS = str(ROOT / "data" / "toy_prompts.csv")
 SMALL = {"trainer.total_steps": 2, "trainer.train_batch_size": 8, "trainer.mini_batch_size": 4,
          "maker.batch_size": 8, "maker.max_new_tokens": 4}
@@ -242,11 +246,11 @@ def test_the_lists_name_config_keys_once():
     assert {"trainer.time_budget_s", "trainer.total_steps", "eval.every"} <= config_reads(LOCAL) & config_reads(DETACHED)
 
 
-def config_reads(path: Path) -> set[str]:
-    """The config keys a module's source reads: attribute chains through ``cfg`` (``run.cfg`` too)
+def config_reads(source: str) -> set[str]:
+    """The config keys a source reads: attribute chains through ``cfg`` (``run.cfg`` too)
     or through a name bound to a section (``t = run.cfg.trainer``, ``t: TrainerConfig``), down to
     a field, or to a method or property of ``INDIRECT``. A chain that reaches neither fails."""
-    tree = ast.parse(path.read_text())
+    tree = ast.parse(source)
     aliases = _section_aliases(tree)
     keys = set()
     for node in ast.walk(tree):
