@@ -23,7 +23,7 @@ and two diagnostic variants, only when named in ``--variants``:
                  ``<pad>`` (``toy_reward_model(pad_ends=True)``): ours' episode, in TRL's loop
 
 TRL's loop takes the first pad token of a response as its end (``sequence_lengths`` in
-``PPOTrainer.train``), also a pad the policy sampled itself: the tiny tokenizer's ``<pad>`` is one
+TRL's ``PPOTrainer.train()``), also a pad the policy sampled itself: the tiny tokenizer's ``<pad>`` is one
 of its 13 tokens (and not its EOS), so TRL's loss, value loss and whitening stop at it, while its
 generation goes on to the first EOS and its reward scores the whole response. Ours ends the
 response at a sampled pad (the pad is one of a maker's end tokens, ``stop_token_ids``), so its

@@ -129,3 +129,41 @@ def test_no_text_names_a_package_the_code_left(all_texts):
     stale = {where: sorted(set(GONE.findall(text))) for where, text in all_texts.items()
              if GONE.search(text) and where not in ALIASES}
     assert not stale, f"paths of ray_ppo.core / ray_ppo.runtime, which the code left (docs/design.md maps it): {stale}"
+
+
+BARE = re.compile(r"``([A-Z][A-Za-z0-9]*)\.([a-z_][A-Za-z0-9_]*)``")
+"""A bare ``Class.attr`` in a docstring, comment or doc (no module path)."""
+
+
+def package_classes() -> dict[str, list[type]]:
+    """Class name -> the classes of that name defined in ``ray_ppo`` (imported module by module)."""
+    import pkgutil
+
+    import ray_ppo
+
+    classes: dict[str, list[type]] = {}
+    for info in pkgutil.walk_packages(ray_ppo.__path__, "ray_ppo."):
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # an optional extra (colossalai)
+            continue
+        for name, obj in vars(module).items():
+            if inspect.isclass(obj) and obj.__module__ == info.name:
+                classes.setdefault(name, []).append(obj)
+    return classes
+
+
+def test_every_bare_class_attribute_in_prose_resolves(all_texts):
+    classes = package_classes()
+    assert "Coordinator" in classes and "PPOLearner" in classes  # the scan found the package's classes
+    assert BARE.findall("see ``Coordinator.pull``") == [("Coordinator", "pull")]
+    assert not any(hasattr(c, "no_such_method") for c in classes["Coordinator"])
+    broken = {}
+    for where, text in all_texts.items():
+        if where in ALIASES:
+            continue
+        bad = sorted({f"{cls}.{attr}" for cls, attr in BARE.findall(text) if cls in classes
+                      and not any(hasattr(c, attr) or attr in instance_attributes(c) for c in classes[cls])})
+        if bad:
+            broken[where] = bad
+    assert not broken, "Class.attr names that do not exist: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in broken.items())
