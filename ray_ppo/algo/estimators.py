@@ -18,7 +18,17 @@ from ray_ppo.config.choices import ADVANTAGES as ADVANTAGE_ESTIMATORS
 
 
 def needs_critic(estimator: str) -> bool:
-    """True if ``estimator`` needs a value model (only GAE does)."""
+    """True if ``estimator`` needs a value model (only GAE does).
+
+    Args:
+        estimator: an advantage estimator's name (``algo.advantage``).
+
+    Returns:
+        Whether the estimator needs a critic.
+
+    Raises:
+        ValueError: if ``estimator`` is not a known estimator.
+    """
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; valid names: {', '.join(ADVANTAGE_ESTIMATORS)}")
     return estimator == "gae"
@@ -43,6 +53,18 @@ def grpo_advantages(scores: torch.Tensor, group_size: int, norm_by_std: bool = T
     up-weights prompts that are too easy or too hard. A group of one has no baseline: its
     advantage is the score itself (mean 0, std 1, as veRL). A group of equal scores gets 0
     (0 / (0 + eps)), never nan.
+
+    Args:
+        scores: (B,) float tensor, one score per response, groups contiguous.
+        group_size: n, the number of responses per prompt.
+        norm_by_std: divide by the group's standard deviation (GRPO) or not (Dr. GRPO).
+        eps: added to the standard deviation.
+
+    Returns:
+        (B,) float32 tensor of advantages.
+
+    Raises:
+        ValueError: if B is not a multiple of ``group_size`` (or ``group_size`` < 1).
     """
     groups = _groups(scores.float(), group_size)
     if group_size == 1:
@@ -60,6 +82,16 @@ def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     from Human Feedback in LLMs", arXiv:2402.14740, eq. 7 (Kool et al. 2019). Equal to
     n / (n - 1) * (r_i - mean_group). A group of one has no other sample: its baseline is 0 and
     its advantage the score itself (as veRL's ``compute_rloo_outcome_advantage``).
+
+    Args:
+        scores: (B,) float tensor, one score per response, groups contiguous.
+        group_size: n, the number of responses per prompt.
+
+    Returns:
+        (B,) float32 tensor of advantages.
+
+    Raises:
+        ValueError: if B is not a multiple of ``group_size`` (or ``group_size`` < 1).
     """
     groups = _groups(scores.float(), group_size)
     if group_size == 1:
@@ -69,7 +101,15 @@ def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def broadcast_to_tokens(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B,) per-response advantages -> (B, T): every valid token gets its response's value, padding 0."""
+    """(B,) per-response advantages -> (B, T): every valid token gets its response's value, padding 0.
+
+    Args:
+        advantages: (B,) float tensor, one advantage per response.
+        mask: (B, T) bool or 0/1 tensor of the valid tokens.
+
+    Returns:
+        (B, T) float32 tensor.
+    """
     return torch.where(mask.bool(), advantages.unsqueeze(1).to(torch.float32), 0.0)
 
 
@@ -78,6 +118,14 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
 
     The time steps of a row are its valid tokens in order (``left_aligned``: an environment's
     tokens between turns are skipped), so the return of the last valid token is its reward.
+
+    Args:
+        rewards: (B, T) float tensor, the per-token rewards.
+        mask: (B, T) bool or 0/1 tensor of the valid tokens (the time steps).
+        gamma: discount factor.
+
+    Returns:
+        (B, T) float tensor of returns (``rewards``' dtype).
     """
     order, valid = left_aligned(mask)
     rewards = torch.where(valid, rewards.gather(1, order), 0.0)
@@ -98,6 +146,14 @@ def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: fl
     normalisation, no critic and no per-prompt baseline). In the pipeline the batch is the trainer's
     training batch: makers send the returns, the learner normalises them (``masked_whiten``).
     A batch of equal returns gets 0, never nan.
+
+    Args:
+        rewards: (B, T) float tensor, the KL-penalised per-token rewards.
+        mask: (B, T) bool or 0/1 tensor of the valid tokens.
+        gamma: discount factor.
+
+    Returns:
+        (B, T) float tensor of advantages, 0 outside ``mask``.
     """
     return masked_whiten(discounted_returns(rewards, mask, gamma), mask)
 
@@ -121,6 +177,26 @@ def compute_advantages(estimator: str, score: torch.Tensor, kl: torch.Tensor, va
       OpenRLHF's RLOO) against its group's, broadcast to every token;
     - ``reinforce_pp``: the discounted returns of the per-token rewards; the learner normalises
       them over its training batch (``reinforce_pp_advantages``), so advantages == returns here.
+
+    Args:
+        estimator: the advantage estimator: "gae", "grpo", "rloo" or "reinforce_pp".
+        score: (B,) float tensor, the scalar reward of each response.
+        kl: (B, T) float tensor, the per-token KL estimate against the reference.
+        values: (B, T) float tensor, the critic's values (zeros without a critic).
+        mask: (B, T) bool or 0/1 tensor of the policy's tokens.
+        kl_coef: the KL coefficient beta.
+        kl_in: "reward" (KL penalty in the rewards) or "loss" (the learner adds it to the loss).
+        gamma: discount factor (gae, reinforce_pp).
+        lam: GAE lambda (gae).
+        group_size: n, the responses per prompt (grpo, rloo).
+        group_norm_std: divide GRPO's advantages by the group's standard deviation.
+        token_scores: (B, T) float tensor placing the score per token, or None for the last token.
+
+    Returns:
+        Tuple ``(rewards, advantages, returns)``, each a (B, T) float tensor, 0 at padding.
+
+    Raises:
+        ValueError: if ``estimator`` is unknown, or B is not whole groups of ``group_size`` (grpo, rloo).
     """
     rewards = kl_penalized_rewards(score, kl, mask, kl_coef if kl_in == "reward" else 0.0, token_scores)
     if estimator == "gae":

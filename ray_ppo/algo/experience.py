@@ -73,7 +73,17 @@ class ExperienceItem:
                per_token: Callable[[str], torch.Tensor] | None = None, **fields) -> ExperienceItem:
         """An item whose per-token fields (``PER_TOKEN_FIELDS``) are ``per_token(name)``, zeros by
         default: for tests and benchmarks that need items without a model. ``fields`` gives the
-        others (``reward``, ``policy_version``, ``uid``, ``prompt_id``, ``prompt``, ``truncated``)."""
+        others (``reward``, ``policy_version``, ``uid``, ``prompt_id``, ``prompt``, ``truncated``).
+
+        Args:
+            prompt_ids: (P_i,) int64 tensor of prompt token ids.
+            response_ids: (R_i,) int64 tensor of response token ids.
+            per_token: maps a per-token field's name to its (R_i,) float32 tensor; None for zeros.
+            **fields: the item's other fields, by name.
+
+        Returns:
+            The item.
+        """
         make = per_token or (lambda name: torch.zeros(response_ids.numel()))
         return cls(prompt_ids=prompt_ids, response_ids=response_ids, **{name: make(name) for name in PER_TOKEN_FIELDS},
                    **fields)
@@ -156,15 +166,33 @@ class ExperienceBatch:
         return self.sequences.shape[0]
 
     def position_ids(self) -> torch.Tensor:
-        """(B, P+R) int64 positions that count real tokens only, so left padding does not shift them."""
+        """(B, P+R) int64 positions that count real tokens only, so left padding does not shift them.
+
+        Returns:
+            (B, P+R) int64 tensor, 0 on the left padding and at each row's first real token.
+        """
         return (self.attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
     def to(self, device: torch.device | str) -> ExperienceBatch:
-        """A copy with every tensor on `device`."""
+        """A copy with every tensor on `device`.
+
+        Args:
+            device: the target device.
+
+        Returns:
+            The batch on ``device`` (same shapes and dtypes).
+        """
         return dataclasses.replace(self, **{k: v.to(device) for k, v in _tensors(self).items()})
 
     def select(self, indices: Sequence[int] | torch.Tensor) -> ExperienceBatch:
-        """The rows `indices` (e.g. a minibatch), keeping P and R."""
+        """The rows `indices` (e.g. a minibatch), keeping P and R.
+
+        Args:
+            indices: M row indices, a sequence of ints or an (M,) int tensor.
+
+        Returns:
+            A batch of M rows, in the order of ``indices``: (M, P+R) sequences, (M, R) per-token fields.
+        """
         idx = torch.as_tensor(indices, dtype=torch.long, device=self.sequences.device)
         tensors = {k: v.index_select(0, idx) for k, v in _tensors(self).items()}
         return dataclasses.replace(self, **tensors, uids=[self.uids[i] for i in idx.tolist()])
@@ -173,7 +201,11 @@ class ExperienceBatch:
         """The B unpadded items: inverse of `merge`. Each field is masked once for the whole batch
         and cut into rows (row-major order), so the items view one tensor per field. A response is
         every attended token after the prompt; an item's ``action_mask`` is kept only where it
-        leaves some of them out."""
+        leaves some of them out.
+
+        Returns:
+            B items, in row order; each item's tensors view the batch's (on its device).
+        """
         P, B = self.prompt_len, self.batch_size
         prompt_mask, response_mask = self.attention_mask[:, :P].bool(), self.attention_mask[:, P:].bool()
         prompt_lens, response_lens = prompt_mask.sum(dim=1).tolist(), response_mask.sum(dim=1).tolist()
@@ -192,7 +224,20 @@ class ExperienceBatch:
     @classmethod
     def merge(cls, items: Sequence[ExperienceItem], pad_token_id: int) -> ExperienceBatch:
         """Pad `items` into one batch: prompts left-padded to P, responses right-padded to R. Each
-        field is written with one masked assignment of the items' concatenated values."""
+        field is written with one masked assignment of the items' concatenated values.
+
+        Args:
+            items: the B items, each with (P_i,) prompt and (R_i,) response tensors, on one device.
+            pad_token_id: the token id written at padded positions of ``sequences``.
+
+        Returns:
+            The batch: (B, P+R) int64 sequences and attention mask, (B, R) bool action mask and
+            (B, R) float32 per-token fields, on the items' device.
+
+        Raises:
+            ValueError: if ``items`` is empty, or an item has a zero-length response, a per-token
+                field or action mask not shaped like its response, or an action mask with no token set.
+        """
         if len(items) == 0:
             raise ValueError("cannot merge an empty list of ExperienceItem")
         for i, item in enumerate(items):
@@ -231,7 +276,16 @@ class ExperienceBatch:
 
 def unpack(packed: PackedItems, start: int = 0, stop: int | None = None) -> list[ExperienceItem]:
     """Items ``start:stop`` of ``packed``. Their tensors view one writable copy of each field's
-    range (Ray hands out read-only buffers), so unpacking costs one copy per field, not one per item."""
+    range (Ray hands out read-only buffers), so unpacking costs one copy per field, not one per item.
+
+    Args:
+        packed: the packed items (``PackedItems``).
+        start: the first item.
+        stop: one past the last item; None for the end.
+
+    Returns:
+        ``stop - start`` items on the CPU, with (P_i,) prompt and (R_i,) per-token tensors.
+    """
     stop = len(packed) if stop is None else stop
     p_base, r_base = int(packed.prompt_offsets[start]), int(packed.response_offsets[start])
     p_end, r_end = int(packed.prompt_offsets[stop]), int(packed.response_offsets[stop])

@@ -17,18 +17,46 @@ from ray_ppo.config.choices import POLICY_LOSSES  # noqa: F401  (re-exported by 
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Sum of `x` over the positions where `mask` is set (over `dim`, or over everything)."""
+    """Sum of `x` over the positions where `mask` is set (over `dim`, or over everything).
+
+    Args:
+        x: float tensor of any shape, e.g. (B, T).
+        mask: bool or 0/1 tensor of the shape of ``x``, set on the positions that count.
+        dim: the dimension to sum over; None sums over every position.
+
+    Returns:
+        Tensor of ``x``'s dtype: 0-dim with ``dim=None``, else ``x``'s shape without ``dim``
+        ((B,) for a (B, T) ``x`` and ``dim=1``).
+    """
     x = torch.where(mask.bool(), x, 0.0)
     return x.sum() if dim is None else x.sum(dim=dim)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of `x` over the positions where `mask` is set; nan where no position is set."""
+    """Mean of `x` over the positions where `mask` is set; nan where no position is set.
+
+    Args:
+        x: float tensor of any shape, e.g. (B, T).
+        mask: bool or 0/1 tensor of the shape of ``x``, set on the positions that count.
+        dim: the dimension to average over; None averages over every position.
+
+    Returns:
+        Float tensor: 0-dim with ``dim=None``, else ``x``'s shape without ``dim``.
+    """
     return masked_sum(x, mask, dim) / masked_sum(torch.ones_like(x), mask, dim)
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of `x` over all positions where `mask` is set (Bessel-corrected if `unbiased`)."""
+    """Variance of `x` over all positions where `mask` is set (Bessel-corrected if `unbiased`).
+
+    Args:
+        x: float tensor of any shape, e.g. (B, T).
+        mask: bool or 0/1 tensor of the shape of ``x``, set on the positions that count.
+        unbiased: divide by n - 1 instead of n (n = the number of set positions).
+
+    Returns:
+        0-dim float tensor.
+    """
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
     if unbiased:
@@ -42,6 +70,15 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
 
     As `whiten` in OpenAI lm-human-preferences (lm_human_preferences/utils/core.py), which uses the
     population variance; with `shift_mean=False` the mean is added back (only the scale changes).
+
+    Args:
+        x: (B, T) float tensor, e.g. advantages.
+        mask: (B, T) bool or 0/1 tensor of the valid positions.
+        shift_mean: subtract the mean (else only divide by the standard deviation).
+        eps: added to the variance before its inverse square root.
+
+    Returns:
+        (B, T) float tensor, 0 where ``mask`` is unset.
     """
     mean, var = masked_mean(x, mask), masked_var(x, mask, unbiased=False)
     whitened = (x - mean) * torch.rsqrt(var + eps)
@@ -55,7 +92,15 @@ def left_aligned(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     its front, in order, and ``prefix`` is the mask of the gathered rows (a valid prefix of each row).
     ``out.scatter(1, order, x)`` puts a gathered ``x`` back. Time-step recursions (GAE, discounted
     returns) run on the gathered rows, so positions outside ``mask`` (an environment's tokens in a
-    multi-turn episode, ``ray_ppo.makers.episodes``) are skipped, not counted as time steps."""
+    multi-turn episode, ``ray_ppo.makers.episodes``) are skipped, not counted as time steps.
+
+    Args:
+        mask: (B, T) bool or 0/1 tensor of the valid positions.
+
+    Returns:
+        Tuple ``(order, prefix)``: ``order`` (B, T) int64 column indices for ``gather(1, order)``,
+        ``prefix`` (B, T) bool, True on the first ``mask.sum(1)`` columns of each row.
+    """
     valid = mask.bool()
     order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
     return order, valid.gather(1, order)
@@ -73,6 +118,16 @@ def compute_gae(
     (the environment's tokens between them are no actions). The episode ends at the last valid
     token, so V and A beyond it are 0. Returns (advantages, returns), both (B, T) and 0 outside
     `mask`, with returns = advantages + values (the critic's regression target).
+
+    Args:
+        rewards: (B, T) float tensor, the per-token rewards r_t.
+        values: (B, T) float tensor, the critic's values V(s_t).
+        mask: (B, T) bool or 0/1 tensor of the valid tokens (the time steps).
+        gamma: discount factor.
+        lam: GAE lambda.
+
+    Returns:
+        Tuple ``(advantages, returns)``, each a (B, T) float tensor, 0 outside ``mask``.
     """
     order, valid = left_aligned(mask)
     rewards = torch.where(valid, rewards.gather(1, order), 0.0)
@@ -96,6 +151,16 @@ def compute_gae_reference(
     """`compute_gae` as a plain loop over samples and their valid time steps: the readable reference for tests.
 
     Schulman et al. 2016, arXiv:1506.02438, eq. 16; same inputs and outputs as `compute_gae`.
+
+    Args:
+        rewards: (B, T) float tensor, the per-token rewards r_t.
+        values: (B, T) float tensor, the critic's values V(s_t).
+        mask: (B, T) bool or 0/1 tensor of the valid tokens (the time steps).
+        gamma: discount factor.
+        lam: GAE lambda.
+
+    Returns:
+        Tuple ``(advantages, returns)``, each a (B, T) float tensor, 0 outside ``mask``.
     """
     advantages, returns = torch.zeros_like(values), torch.zeros_like(values)
     for b in range(rewards.shape[0]):
@@ -122,6 +187,17 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, loss_agg: str = "toke
       Shao et al. 2024, arXiv:2402.03300, eq. 3).
     A row without a valid token (a response filtered out of the loss) is no response of the means;
     with no valid token at all the loss is 0 (and its gradient too). Names as veRL's ``loss_agg_mode``.
+
+    Args:
+        loss: (B, T) float tensor, the per-token loss.
+        mask: (B, T) bool or 0/1 tensor of the tokens that count.
+        loss_agg: one of ``LOSS_AGGREGATIONS``: token_mean, seq_mean_token_sum, seq_mean_token_mean.
+
+    Returns:
+        0-dim float tensor, the loss.
+
+    Raises:
+        ValueError: if ``loss_agg`` is not a known aggregation.
     """
     if loss_agg not in LOSS_AGGREGATIONS:
         raise ValueError(f"unknown loss_agg {loss_agg!r}; valid names: {', '.join(LOSS_AGGREGATIONS)}")
@@ -158,6 +234,24 @@ def policy_loss(
     recomputed proximal log-probs, and the ratio is clipped around them).
     Stats (0-dim, detached): "clipfrac", the fraction of tokens whose clipped term is active, and
     "approx_kl", the k3 estimate of KL(old || new) (http://joschu.net/blog/kl-approx.html).
+
+    Args:
+        log_probs: (B, T) float tensor, the current policy's log-probs of the response tokens (with grad).
+        old_log_probs: (B, T) float tensor, the log-probs the ratio is taken against (behaviour or proximal).
+        advantages: (B, T) float tensor, the per-token advantages.
+        mask: (B, T) bool or 0/1 tensor of the tokens of the loss.
+        eps_clip: lower clip range: the ratio is kept >= 1 - eps_clip.
+        dual_clip: bound on a negative-advantage token's loss, > 1; None for no dual clip.
+        eps_clip_high: upper clip range (ratio <= 1 + eps_clip_high); None uses ``eps_clip``.
+        is_weights: (B, T) float tensor of importance weights (detached here), or None.
+        loss_agg: how the per-token losses are reduced (``aggregate_loss``).
+
+    Returns:
+        Tuple ``(loss, stats)``: ``loss`` a 0-dim float tensor; ``stats`` maps "clipfrac" and
+        "approx_kl" to 0-dim detached float tensors.
+
+    Raises:
+        ValueError: if ``dual_clip`` is not > 1 or ``loss_agg`` is unknown.
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
@@ -205,6 +299,23 @@ def gspo_loss(
     gradient sg[s_i] * grad log pi(y_i,t), so per-token advantages and weights fit in; with one
     advantage per sequence it is GSPO. The paper averages each sequence's tokens, then the
     sequences (``loss_agg=seq_mean_token_mean``). `is_weights` and the stats as ``policy_loss``.
+
+    Args:
+        log_probs: (B, T) float tensor, the current policy's log-probs of the response tokens (with grad).
+        old_log_probs: (B, T) float tensor, the log-probs the ratio is taken against (behaviour or proximal).
+        advantages: (B, T) float tensor, the per-token advantages.
+        mask: (B, T) bool or 0/1 tensor of the tokens of the loss and of each sequence ratio.
+        eps_clip: lower clip range of the sequence ratio.
+        eps_clip_high: upper clip range; None uses ``eps_clip``.
+        is_weights: (B, T) float tensor of importance weights (detached here), or None.
+        loss_agg: how the per-token losses are reduced (``aggregate_loss``).
+
+    Returns:
+        Tuple ``(loss, stats)``: ``loss`` a 0-dim float tensor; ``stats`` maps "clipfrac" and
+        "approx_kl" to 0-dim detached float tensors.
+
+    Raises:
+        ValueError: if ``loss_agg`` is unknown.
     """
     eps_clip_high = eps_clip if eps_clip_high is None else eps_clip_high
     logratio = log_probs - old_log_probs
@@ -239,6 +350,22 @@ def cispo_loss(
     (``loss_agg=token_mean``). `is_weights` as ``policy_loss``; "clipfrac" is the share of
     tokens whose weight was clipped. The loss's value is -A * r_hat * log pi, not comparable with
     the clipped surrogate's; its gradient is the paper's.
+
+    Args:
+        log_probs: (B, T) float tensor, the current policy's log-probs of the response tokens (with grad).
+        old_log_probs: (B, T) float tensor, the log-probs the ratio is taken against (behaviour or proximal).
+        advantages: (B, T) float tensor, the per-token advantages.
+        mask: (B, T) bool or 0/1 tensor of the tokens of the loss.
+        eps_clip_high: the weight is capped at 1 + eps_clip_high.
+        is_weights: (B, T) float tensor of importance weights (detached here), or None.
+        loss_agg: how the per-token losses are reduced (``aggregate_loss``).
+
+    Returns:
+        Tuple ``(loss, stats)``: ``loss`` a 0-dim float tensor; ``stats`` maps "clipfrac" and
+        "approx_kl" to 0-dim detached float tensors.
+
+    Raises:
+        ValueError: if ``loss_agg`` is unknown.
     """
     logratio = log_probs - old_log_probs
     ratio = torch.exp(logratio)
@@ -262,6 +389,17 @@ def value_loss(
     As CleanRL ppo.py and OpenAI baselines ppo2: the clipped loss is the max of the unclipped and the
     clipped squared errors, with V_clipped = V_old + clamp(V - V_old, -value_clip, value_clip).
     Stats (0-dim, detached): "vf_clipfrac", the fraction of tokens where the clipped error is larger.
+
+    Args:
+        values: (B, T) float tensor, the critic's current values (with grad).
+        old_values: (B, T) float tensor, the values recorded when the experience was made.
+        returns: (B, T) float tensor, the regression targets.
+        mask: (B, T) bool or 0/1 tensor of the valid tokens.
+        value_clip: clip range of V - V_old; None for the unclipped loss.
+
+    Returns:
+        Tuple ``(loss, stats)``: ``loss`` a 0-dim float tensor; ``stats`` maps "vf_clipfrac" to a
+        0-dim float tensor (0 without ``value_clip``).
     """
     v_loss_unclipped = (values - returns) ** 2
     if value_clip is None:
@@ -278,13 +416,27 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """(..., V) finite logits -> (...) entropy of softmax(logits).
 
     H = -sum_a p_a log p_a = logsumexp(z) - sum_a p_a z_a, which never takes the log of a probability.
+
+    Args:
+        logits: (..., V) float tensor of finite logits, e.g. (B, T, V).
+
+    Returns:
+        (...) float tensor of entropies in nats, e.g. (B, T).
     """
     p = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (p * logits).sum(dim=-1)
 
 
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(..., V) logits and (...) int labels -> (...) log softmax(logits)[label], without a (..., V) log-softmax."""
+    """(..., V) logits and (...) int labels -> (...) log softmax(logits)[label], without a (..., V) log-softmax.
+
+    Args:
+        logits: (..., V) float tensor, e.g. (B, T, V).
+        labels: (...) int64 tensor of token ids in [0, V), e.g. (B, T).
+
+    Returns:
+        (...) tensor of ``logits``' dtype, the log-prob of each label.
+    """
     label_logits = torch.gather(logits, dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
     return label_logits - torch.logsumexp(logits, dim=-1)
 
@@ -293,6 +445,13 @@ def kl_k1(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     """k1 = log p - log r: unbiased per-sample estimate of KL(pi || pi_ref), can be negative.
 
     John Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html.
+
+    Args:
+        log_probs: (B, T) float tensor, log-probs under pi of tokens sampled from pi.
+        ref_log_probs: (B, T) float tensor, log-probs of the same tokens under pi_ref.
+
+    Returns:
+        (B, T) float tensor, the per-token estimate.
     """
     return log_probs - ref_log_probs
 
@@ -301,6 +460,13 @@ def kl_k2(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     """k2 = 0.5 * (log p - log r)^2: biased, low-variance, non-negative estimate of KL(pi || pi_ref).
 
     John Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html.
+
+    Args:
+        log_probs: (B, T) float tensor, log-probs under pi of tokens sampled from pi.
+        ref_log_probs: (B, T) float tensor, log-probs of the same tokens under pi_ref.
+
+    Returns:
+        (B, T) float tensor, the per-token estimate.
     """
     return 0.5 * (log_probs - ref_log_probs) ** 2
 
@@ -309,6 +475,13 @@ def kl_k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     """k3 = (r/p - 1) - log(r/p): unbiased, non-negative estimate of KL(pi || pi_ref).
 
     John Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html.
+
+    Args:
+        log_probs: (B, T) float tensor, log-probs under pi of tokens sampled from pi.
+        ref_log_probs: (B, T) float tensor, log-probs of the same tokens under pi_ref.
+
+    Returns:
+        (B, T) float tensor, the per-token estimate.
     """
     log_ratio = ref_log_probs - log_probs
     return torch.exp(log_ratio) - 1 - log_ratio
@@ -319,7 +492,19 @@ KL_ESTIMATORS = dict(zip(KL_ESTIMATOR_NAMES, (kl_k1, kl_k2, kl_k3), strict=True)
 
 
 def compute_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) with the estimator named `estimator` (see KL_ESTIMATORS)."""
+    """Per-token estimate of KL(pi || pi_ref) with the estimator named `estimator` (see KL_ESTIMATORS).
+
+    Args:
+        log_probs: (B, T) float tensor, log-probs under pi of tokens sampled from pi.
+        ref_log_probs: (B, T) float tensor, log-probs of the same tokens under pi_ref.
+        estimator: "k1", "k2" or "k3".
+
+    Returns:
+        (B, T) float tensor, the per-token estimate.
+
+    Raises:
+        ValueError: if ``estimator`` is not a known estimator.
+    """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {estimator!r}; valid names: {sorted(KL_ESTIMATORS)}")
     return KL_ESTIMATORS[estimator](log_probs, ref_log_probs)
@@ -336,6 +521,16 @@ def kl_penalized_rewards(
     Stiennon et al. 2020, arXiv:2009.01325. `token_scores` (B, T), when given, replace the placed
     score: a multi-turn episode's reward of each turn sits at that turn's last token
     (``ray_ppo.makers.episodes``). Rewards are 0 at padding; every row needs a valid token.
+
+    Args:
+        reward: (B,) float tensor, the scalar score of each response.
+        kl: (B, T) float tensor, the per-token KL estimate.
+        action_mask: (B, T) bool or 0/1 tensor of the valid tokens.
+        kl_coef: the KL coefficient beta.
+        token_scores: (B, T) float tensor placing the score per token, or None to place ``reward`` at the last valid token.
+
+    Returns:
+        (B, T) float tensor of per-token rewards (``kl``'s dtype), 0 outside ``action_mask``.
     """
     valid = action_mask.bool()
     rewards = torch.where(valid, -kl_coef * kl, 0.0)
@@ -350,6 +545,14 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     """1 - Var[returns - values] / Var[returns] over valid tokens; nan if Var[returns] == 0.
 
     As CleanRL ppo.py: 1 is a perfect critic, 0 is no better than a constant, < 0 is worse.
+
+    Args:
+        values: (B, T) float tensor, the critic's values.
+        returns: (B, T) float tensor, the returns they predict.
+        mask: (B, T) bool or 0/1 tensor of the valid tokens.
+
+    Returns:
+        0-dim float tensor.
     """
     var_y = masked_var(returns, mask, unbiased=False)
     ev = 1 - masked_var(returns - values, mask, unbiased=False) / var_y

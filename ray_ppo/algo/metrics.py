@@ -11,7 +11,16 @@ from ray_ppo.algo import ExperienceItem
 def experience_metrics(items: list[ExperienceItem], version: int, reference: bool = True) -> dict[str, float]:
     """Reward, KL (with a ``reference``: ``ppo.uses_reference``), length and staleness statistics of
     the items of one step, and of multi-turn episodes the ``env/...`` means of their counts
-    (``ExperienceItem.episode``) and ``fault_count``, how many an environment fault ended."""
+    (``ExperienceItem.episode``) and ``fault_count``, how many an environment fault ended.
+
+    Args:
+        items: the step's items (unpadded; per-token fields (R_i,) float32).
+        version: the trainer's policy version, against which staleness is counted.
+        reference: whether the run has a reference model (then ``kl`` is reported).
+
+    Returns:
+        Dict from metric names to floats.
+    """
     rewards = torch.tensor([it.reward for it in items])
     lengths = torch.tensor([it.num_actions for it in items], dtype=torch.float32)
     kl = torch.cat([_actions(it.action_log_probs - it.ref_log_probs, it) for it in items])

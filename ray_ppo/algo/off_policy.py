@@ -33,6 +33,9 @@ numerator; it still counts in ``ppo.loss_agg``'s denominators, as in each paper'
 
 Sequence weights are over each sequence's valid tokens (``mask``): the environment's tokens
 between the turns of a multi-turn episode are no part of them.
+
+Shapes: B = number of sequences, T = response length in tokens. Every ``mask`` is (B, T), bool or
+0/1, set on the policy's tokens; log-probs are float tensors of the sampled tokens.
 """
 
 from __future__ import annotations
@@ -57,12 +60,32 @@ def _check_band(band: tuple[float, float]) -> None:
 
 
 def raw_weights(old_log_probs: torch.Tensor, behaviour_log_probs: torch.Tensor) -> torch.Tensor:
-    """Per-token pi_old / mu, detached, before any cap."""
+    """Per-token pi_old / mu, detached, before any cap.
+
+    Args:
+        old_log_probs: (B, T) float tensor, log-probs of the sampled tokens under pi_old.
+        behaviour_log_probs: (B, T) float tensor, log-probs of the same tokens under mu.
+
+    Returns:
+        (B, T) float tensor of weights.
+    """
     return torch.exp((old_log_probs - behaviour_log_probs).detach())
 
 
 def tis_weights(old_log_probs: torch.Tensor, behaviour_log_probs: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated IS weights min(pi_old / mu, cap) per token, detached."""
+    """Truncated IS weights min(pi_old / mu, cap) per token, detached.
+
+    Args:
+        old_log_probs: (B, T) float tensor, log-probs of the sampled tokens under pi_old.
+        behaviour_log_probs: (B, T) float tensor, log-probs of the same tokens under mu.
+        cap: the truncation threshold, >= 1.
+
+    Returns:
+        (B, T) float tensor of weights in [0, cap].
+
+    Raises:
+        ValueError: if ``cap`` < 1.
+    """
     _check_cap(cap)
     return torch.clamp(raw_weights(old_log_probs, behaviour_log_probs), max=cap)
 
@@ -73,6 +96,17 @@ def decoupled_weights(proximal_log_probs: torch.Tensor, behaviour_log_probs: tor
 
     As AReaL's ``ppo_actor_loss_fn``: a token whose weight exceeds the cap is masked out of the
     loss (its weight is 0) rather than truncated.
+
+    Args:
+        proximal_log_probs: (B, T) float tensor, log-probs of the sampled tokens under pi_prox.
+        behaviour_log_probs: (B, T) float tensor, log-probs of the same tokens under mu.
+        cap: the drop threshold, >= 1.
+
+    Returns:
+        (B, T) float tensor of weights in [0, cap].
+
+    Raises:
+        ValueError: if ``cap`` < 1.
     """
     _check_cap(cap)
     raw = raw_weights(proximal_log_probs, behaviour_log_probs)
@@ -82,7 +116,20 @@ def decoupled_weights(proximal_log_probs: torch.Tensor, behaviour_log_probs: tor
 def seq_tis_weights(old_log_probs: torch.Tensor, behaviour_log_probs: torch.Tensor, mask: torch.Tensor,
                     cap: float) -> torch.Tensor:
     """Sequence-level truncated IS: min(prod_t pi_old / mu, cap) over each sequence's valid tokens,
-    on every one of them (0 elsewhere), detached. The product is taken in log space."""
+    on every one of them (0 elsewhere), detached. The product is taken in log space.
+
+    Args:
+        old_log_probs: (B, T) float tensor, log-probs of the sampled tokens under pi_old.
+        behaviour_log_probs: (B, T) float tensor, log-probs of the same tokens under mu.
+        mask: (B, T) bool or 0/1 tensor of each sequence's valid tokens.
+        cap: the truncation threshold, >= 1.
+
+    Returns:
+        (B, T) float tensor: each row's sequence weight on its valid tokens, 0 elsewhere.
+
+    Raises:
+        ValueError: if ``cap`` < 1.
+    """
     _check_cap(cap)
     log_w = masked_sum((old_log_probs - behaviour_log_probs).detach(), mask, dim=1)
     w = torch.exp(torch.clamp(log_w, max=math.log(cap)))
@@ -92,7 +139,16 @@ def seq_tis_weights(old_log_probs: torch.Tensor, behaviour_log_probs: torch.Tens
 def geometric_mean_weights(old_log_probs: torch.Tensor, behaviour_log_probs: torch.Tensor,
                            mask: torch.Tensor) -> torch.Tensor:
     """(B,) per sequence the geometric mean of its valid tokens' weights, exp(mean_t log(pi_old / mu)),
-    detached: the length-normalised sequence weight (1 for a sequence without a valid token)."""
+    detached: the length-normalised sequence weight (1 for a sequence without a valid token).
+
+    Args:
+        old_log_probs: (B, T) float tensor, log-probs of the sampled tokens under pi_old.
+        behaviour_log_probs: (B, T) float tensor, log-probs of the same tokens under mu.
+        mask: (B, T) bool or 0/1 tensor of each sequence's valid tokens.
+
+    Returns:
+        (B,) float tensor, one weight per sequence.
+    """
     valid = mask.bool()
     log_w = masked_sum((old_log_probs - behaviour_log_probs).detach(), valid, dim=1)
     return torch.exp(log_w / valid.sum(dim=1).clamp(min=1))
@@ -106,7 +162,21 @@ def seq_mask_weights(old_log_probs: torch.Tensor, behaviour_log_probs: torch.Ten
                      cap: float, band: tuple[float, float]) -> torch.Tensor:
     """seq-mask-TIS: the token weights min(pi_old / mu, cap), and 0 on every token of a sequence whose
     geometric-mean weight (``geometric_mean_weights``) is outside ``band`` = (low, high) (and off
-    ``mask``), detached."""
+    ``mask``), detached.
+
+    Args:
+        old_log_probs: (B, T) float tensor, log-probs of the sampled tokens under pi_old.
+        behaviour_log_probs: (B, T) float tensor, log-probs of the same tokens under mu.
+        mask: (B, T) bool or 0/1 tensor of each sequence's valid tokens.
+        cap: the per-token truncation threshold, >= 1.
+        band: (low, high) with 0 < low < 1 < high, the geometric-mean weights a sequence may have.
+
+    Returns:
+        (B, T) float tensor of weights.
+
+    Raises:
+        ValueError: if ``band`` is not 0 < low < 1 < high, or ``cap`` < 1.
+    """
     _check_band(band)
     keep = _in_band(geometric_mean_weights(old_log_probs, behaviour_log_probs, mask), band).unsqueeze(1)
     return torch.where(keep & mask.bool(), tis_weights(old_log_probs, behaviour_log_probs, cap), 0.0)
@@ -114,7 +184,19 @@ def seq_mask_weights(old_log_probs: torch.Tensor, behaviour_log_probs: torch.Ten
 
 def icepop_weights(old_log_probs: torch.Tensor, behaviour_log_probs: torch.Tensor,
                    band: tuple[float, float]) -> torch.Tensor:
-    """IcePop's masked weights: pi_old / mu where it lies in ``band`` = (low, high), else 0, detached."""
+    """IcePop's masked weights: pi_old / mu where it lies in ``band`` = (low, high), else 0, detached.
+
+    Args:
+        old_log_probs: (B, T) float tensor, log-probs of the sampled tokens under pi_old.
+        behaviour_log_probs: (B, T) float tensor, log-probs of the same tokens under mu.
+        band: (low, high) with 0 < low < 1 < high, the weights kept.
+
+    Returns:
+        (B, T) float tensor of weights.
+
+    Raises:
+        ValueError: if ``band`` is not 0 < low < 1 < high.
+    """
     _check_band(band)
     raw = raw_weights(old_log_probs, behaviour_log_probs)
     return torch.where(_in_band(raw, band), raw, 0.0)
@@ -124,7 +206,22 @@ def importance_weights(mode: str, old_log_probs: torch.Tensor, behaviour_log_pro
                        mask: torch.Tensor, cap: float, band: tuple[float, float] | None = None) -> torch.Tensor:
     """The (B, T) weights of ``ppo.off_policy`` mode ``mode`` (see the module docstring): ``cap`` is
     the truncation or drop threshold (tis, decoupled, seq_tis, seq_mask), ``band`` the (low, high)
-    band of seq_mask and icepop."""
+    band of seq_mask and icepop.
+
+    Args:
+        mode: "tis", "decoupled", "seq_tis", "seq_mask" or "icepop".
+        old_log_probs: (B, T) float tensor, log-probs of the sampled tokens under pi_old.
+        behaviour_log_probs: (B, T) float tensor, log-probs of the same tokens under mu.
+        mask: (B, T) bool or 0/1 tensor of each sequence's valid tokens (seq_tis, seq_mask).
+        cap: the truncation or drop threshold, >= 1.
+        band: (low, high) with 0 < low < 1 < high (seq_mask, icepop); None for the other modes.
+
+    Returns:
+        (B, T) float tensor of detached weights.
+
+    Raises:
+        ValueError: if ``mode`` has no weights (``none`` or unknown), or ``cap`` or ``band`` is out of range.
+    """
     if mode == "tis":
         return tis_weights(old_log_probs, behaviour_log_probs, cap)
     if mode == "decoupled":
@@ -143,6 +240,13 @@ def behaviour_kl(proximal_log_probs: torch.Tensor, behaviour_log_probs: torch.Te
     """Per-token k3 estimate of KL(mu || pi_prox) from tokens sampled from mu, non-negative.
 
     With log r = log pi_prox - log mu: k3 = (r - 1) - log r (http://joschu.net/blog/kl-approx.html).
+
+    Args:
+        proximal_log_probs: (B, T) float tensor, log-probs of the sampled tokens under pi_prox.
+        behaviour_log_probs: (B, T) float tensor, log-probs of the same tokens under mu.
+
+    Returns:
+        (B, T) float tensor, detached.
     """
     log_ratio = (proximal_log_probs - behaviour_log_probs).detach()
     return torch.exp(log_ratio) - 1 - log_ratio
@@ -151,7 +255,17 @@ def behaviour_kl(proximal_log_probs: torch.Tensor, behaviour_log_probs: torch.Te
 def kl_by_staleness(kl: torch.Tensor, mask: torch.Tensor, staleness: torch.Tensor,
                     max_staleness: int) -> dict[int, float]:
     """Mean per-token ``kl`` (B, T) over the rows of each staleness 0..max_staleness (B,);
-    nan for a staleness that no row has."""
+    nan for a staleness that no row has.
+
+    Args:
+        kl: (B, T) float tensor, a per-token KL estimate.
+        mask: (B, T) bool or 0/1 tensor of the valid tokens.
+        staleness: (B,) int tensor, each row's trainer version minus the version that made it.
+        max_staleness: the largest staleness reported.
+
+    Returns:
+        Dict from each staleness 0..max_staleness to the mean KL of its rows' valid tokens.
+    """
     out = {}
     for s in range(max_staleness + 1):
         rows = staleness == s
@@ -161,7 +275,16 @@ def kl_by_staleness(kl: torch.Tensor, mask: torch.Tensor, staleness: torch.Tenso
 
 def weight_stats(raw: torch.Tensor, cap: float, mask: torch.Tensor) -> dict[str, float]:
     """Mean and max of the raw weights pi_old / mu over the valid tokens (before the cap), and the
-    share of tokens whose weight exceeded ``cap`` (truncated by ``tis``, dropped by ``decoupled``)."""
+    share of tokens whose weight exceeded ``cap`` (truncated by ``tis``, dropped by ``decoupled``).
+
+    Args:
+        raw: (B, T) float tensor of raw weights (``raw_weights``).
+        cap: the threshold counted in ``is_capped_frac``.
+        mask: (B, T) bool or 0/1 tensor of the valid tokens.
+
+    Returns:
+        Dict with float ``is_weight_mean``, ``is_weight_max`` (nan without a valid token) and ``is_capped_frac``.
+    """
     valid = mask.bool()
     return {"is_weight_mean": float(masked_mean(raw, valid)),
             "is_weight_max": float(raw[valid].max()) if bool(valid.any()) else float("nan"),
@@ -174,7 +297,19 @@ def correction_stats(mode: str, old_log_probs: torch.Tensor, behaviour_log_probs
     (``weight_stats``) for every mode, and the share of what it truncated or masked:
     ``is_capped_frac`` (tokens above ``cap``: tis, decoupled, seq_mask), ``seq_capped_frac``
     (seq_tis: sequences whose weight exceeded ``cap``), ``seq_masked_frac`` (seq_mask: sequences
-    outside ``band``) and ``icepop_masked_frac`` (icepop: tokens outside ``band``)."""
+    outside ``band``) and ``icepop_masked_frac`` (icepop: tokens outside ``band``).
+
+    Args:
+        mode: the ``ppo.off_policy`` mode: "tis", "decoupled", "seq_tis", "seq_mask" or "icepop".
+        old_log_probs: (B, T) float tensor, log-probs of the sampled tokens under pi_old.
+        behaviour_log_probs: (B, T) float tensor, log-probs of the same tokens under mu.
+        mask: (B, T) bool or 0/1 tensor of the valid tokens.
+        cap: the truncation or drop threshold.
+        band: (low, high), the band of seq_mask and icepop; None for the other modes.
+
+    Returns:
+        Dict from the statistics' names to floats.
+    """
     valid = mask.bool()
     raw = raw_weights(old_log_probs, behaviour_log_probs)
     stats = weight_stats(raw, cap, valid)

@@ -19,7 +19,20 @@ import torch
 
 
 def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
-    """(B,) response lengths in tokens -> (B,) float32 penalties, each in [-penalty, 0] (DAPO eq. 13)."""
+    """(B,) response lengths in tokens -> (B,) float32 penalties, each in [-penalty, 0] (DAPO eq. 13).
+
+    Args:
+        lengths: (B,) int or float tensor, the number of tokens of each response.
+        max_new_tokens: L_max, the response length limit.
+        buffer: L_cache, the tokens before the limit where the penalty grows.
+        penalty: the penalty at the limit (``algo.overlong_penalty``).
+
+    Returns:
+        (B,) float32 tensor of penalties to add to the scores.
+
+    Raises:
+        ValueError: if ``buffer`` is not in (0, max_new_tokens).
+    """
     if not 0 < buffer < max_new_tokens:
         raise ValueError(f"the overlong buffer must be in (0, max_new_tokens={max_new_tokens}), got {buffer}")
     expected = max_new_tokens - buffer

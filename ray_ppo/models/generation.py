@@ -1,4 +1,8 @@
-"""Sampling responses from a causal LM: left-padded prompts in, a padded rollout out."""
+"""Sampling responses from a causal LM: left-padded prompts in, a padded rollout out.
+
+Shapes: B = number of prompts, P = prompt width (the longest prompt; the others left-padded),
+R = response width (the longest response; the others right-padded), V = vocabulary size.
+"""
 
 from __future__ import annotations
 
@@ -54,7 +58,14 @@ class Rollout:
         return self.action_mask.shape[1]
 
     def responses(self, stop_ids) -> list[tuple[list[int], bool]]:
-        """Each row's response tokens (those of ``action_mask``), and whether they end on one of ``stop_ids``."""
+        """Each row's response tokens (those of ``action_mask``), and whether they end on one of ``stop_ids``.
+
+        Args:
+            stop_ids: the token ids that end a response (``stop_token_ids``).
+
+        Returns:
+            B pairs ``(token_ids, stopped)``, in row order.
+        """
         rows, mask = self.sequences[:, self.prompt_len:].cpu(), self.action_mask.cpu()
         out = []
         for row, keep in zip(rows, mask, strict=True):
@@ -64,7 +75,18 @@ class Rollout:
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token id lists into (input_ids, attention_mask), each (B, P)."""
+    """Left-pad token id lists into (input_ids, attention_mask), each (B, P).
+
+    Args:
+        prompts: B lists of token ids, each non-empty.
+        pad_token_id: the id written at padded positions.
+
+    Returns:
+        Tuple ``(input_ids, attention_mask)``, each a (B, P) int64 CPU tensor; the mask is 1 on real tokens.
+
+    Raises:
+        ValueError: if ``prompts`` is empty or a prompt has no token.
+    """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     width = max(len(p) for p in prompts)
@@ -85,6 +107,13 @@ def stop_token_ids(tokenizer, model: nn.Module | None = None) -> tuple[int, ...]
     end where the checkpoint's would. A pad the policy samples ends its response, as TRL and
     OpenRLHF read one: otherwise the tokens after it would be trained and scored although any
     decoder drops the pad (with ``skip_special_tokens``) and any mask built as ``ids != pad`` hides it.
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        model: the policy, whose ``generation_config`` may list more end ids; None for none.
+
+    Returns:
+        The distinct end ids, in the order above.
     """
     config_ends = end_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
     ids = [tokenizer.eos_token_id, *config_ends, tokenizer.pad_token_id]
@@ -92,13 +121,28 @@ def stop_token_ids(tokenizer, model: nn.Module | None = None) -> tuple[int, ...]
 
 
 def end_ids(eos_token_id: int | Sequence[int] | None) -> list[int]:
-    """``eos_token_id`` (one id, several, or None for none) as a list of ids."""
+    """``eos_token_id`` (one id, several, or None for none) as a list of ids.
+
+    Args:
+        eos_token_id: one id, a sequence of ids, or None.
+
+    Returns:
+        The ids as a list (empty for None).
+    """
     return [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
 
 
 def response_mask(responses: torch.Tensor, eos_token_id: int | Sequence[int] | None) -> torch.Tensor:
     """True on tokens up to and including the first end token of each row (B, R); ``eos_token_id``
-    is one id or several (any of them ends a response), None for none."""
+    is one id or several (any of them ends a response), None for none.
+
+    Args:
+        responses: (B, R) int64 tensor of generated token ids.
+        eos_token_id: one end id, several, or None.
+
+    Returns:
+        (B, R) bool tensor.
+    """
     ends = end_ids(eos_token_id)
     if not ends:
         return torch.ones_like(responses, dtype=torch.bool)
@@ -108,7 +152,14 @@ def response_mask(responses: torch.Tensor, eos_token_id: int | Sequence[int] | N
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """The device of ``model``'s first parameter (a quantized model keeps its embeddings as parameters)."""
+    """The device of ``model``'s first parameter (a quantized model keeps its embeddings as parameters).
+
+    Args:
+        model: a model with at least one parameter.
+
+    Returns:
+        The device.
+    """
     return next(model.parameters()).device
 
 
@@ -126,7 +177,24 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], params: Samplin
     ``log_probs``: also return log_softmax(logits / temperature) of each sampled token, read from
     generation's own logits (the numbers a forward pass over the sequences gives, up to float
     rounding), so the caller needs no second pass. ``greedy``: the most likely token at each step
-    instead (evaluation; ``params`` then give only ``max_new_tokens``)."""
+    instead (evaluation; ``params`` then give only ``max_new_tokens``).
+
+    Args:
+        model: a ``transformers`` causal LM (or a peft model over one).
+        prompts: B lists of token ids, each non-empty.
+        params: the sampling settings (temperature, top_k, top_p, max_new_tokens).
+        pad_token_id: the id written at padded positions.
+        eos_token_id: one end id, several, or None.
+        log_probs: also return the sampler's log-probs of the response tokens.
+        greedy: decode greedily instead of sampling.
+
+    Returns:
+        The ``Rollout``: (B, P+R) int64 sequences and attention mask, (B, R) bool action mask and,
+        with ``log_probs``, (B, R) float32 log-probs; R <= ``params.max_new_tokens``.
+
+    Raises:
+        ValueError: if ``prompts`` is empty or a prompt has no token.
+    """
     from transformers import LogitsProcessorList
 
     device = model_device(model)
@@ -155,7 +223,11 @@ class SampledLogProbs:
     (``log_probs_from_logits`` of the logits / temperature): it sees the raw logits (it is the first
     processor once ``_only_these_settings`` holds, and temperature, top-k and top-p come after
     every caller's processor), and the sampled token is the last of the next step's ``input_ids``.
-    Holds one (B, V) row of logits at a time, not every step's."""
+    Holds one (B, V) row of logits at a time, not every step's.
+
+    Args:
+        temperature: the sampling temperature the logits are divided by.
+    """
 
     def __init__(self, temperature: float):
         self.temperature = temperature
@@ -173,7 +245,14 @@ class SampledLogProbs:
             self._last = None
 
     def result(self, sequences: torch.Tensor) -> torch.Tensor:
-        """(B, R) log-probs of the last R tokens of ``sequences``, R = the number of steps sampled."""
+        """(B, R) log-probs of the last R tokens of ``sequences``, R = the number of steps sampled.
+
+        Args:
+            sequences: (B, P+R) int64 tensor, the output of ``generate``.
+
+        Returns:
+            (B, R) float32 tensor.
+        """
         self._keep(sequences[:, -1])
         return torch.stack(self._steps, dim=1)
 

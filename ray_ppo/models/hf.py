@@ -1,7 +1,7 @@
 """Factories over Hugging Face ``transformers`` Auto classes.
 
 Shapes: B = batch, T = sequence length (left-padded prompt + right-padded response),
-R = number of response tokens ("actions").
+R = number of response tokens ("actions"), V = vocabulary size.
 """
 
 from __future__ import annotations
@@ -27,7 +27,17 @@ RewardFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``; a clear error on unknown names."""
+    """``"bfloat16"`` -> ``torch.bfloat16``; a clear error on unknown names.
+
+    Args:
+        name: a dtype name of ``DTYPES``, e.g. "float32".
+
+    Returns:
+        The torch dtype.
+
+    Raises:
+        ValueError: if ``name`` is not in ``DTYPES``.
+    """
     try:
         return DTYPES[name]
     except KeyError:
@@ -36,7 +46,17 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def dtype_kwargs(dtype: str) -> dict:
     """``from_pretrained`` keyword for the weights' dtype: ``dtype`` since transformers 4.56,
-    ``torch_dtype`` before (ColossalAI pins transformers 4.51.3)."""
+    ``torch_dtype`` before (ColossalAI pins transformers 4.51.3).
+
+    Args:
+        dtype: a dtype name of ``DTYPES``.
+
+    Returns:
+        A one-key dict of keyword arguments for ``from_pretrained``.
+
+    Raises:
+        ValueError: if ``dtype`` is not in ``DTYPES``.
+    """
     import transformers
 
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
@@ -44,7 +64,14 @@ def dtype_kwargs(dtype: str) -> dict:
 
 
 def load_tokenizer(path: str):
-    """Tokenizer for generation: left padding, and a pad token (the EOS token if it has none)."""
+    """Tokenizer for generation: left padding, and a pad token (the EOS token if it has none).
+
+    Args:
+        path: a checkpoint directory, hub name or tiny-model name (``resolve_pretrained``).
+
+    Returns:
+        The ``transformers`` tokenizer.
+    """
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_pretrained(path))
@@ -55,7 +82,15 @@ def load_tokenizer(path: str):
 
 
 def load_actor(path: str, dtype: str = "float32") -> nn.Module:
-    """Causal LM for the actor (policy) or the reference model."""
+    """Causal LM for the actor (policy) or the reference model.
+
+    Args:
+        path: a checkpoint directory, hub name or tiny-model name (``resolve_pretrained``).
+        dtype: the weights' dtype name (``DTYPES``).
+
+    Returns:
+        The ``AutoModelForCausalLM`` model.
+    """
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
@@ -68,6 +103,12 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     PPO's ratio compares the policy that sampled (no dropout) with the policy being updated; a
     dropout mask in the update alone would bias it. LoRA adapters applied afterwards keep their
     own ``model.lora.dropout``.
+
+    Args:
+        model: the model to change.
+
+    Returns:
+        ``model`` itself.
     """
     for module in model.modules():
         if isinstance(module, nn.Dropout):
@@ -76,14 +117,28 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding: 0 at the first real token of each row."""
+    """Positions that skip left padding: 0 at the first real token of each row.
+
+    Args:
+        attention_mask: (B, T) 0/1 int or bool tensor, 1 on real tokens.
+
+    Returns:
+        (B, T) int64 positions (0 on the left padding too).
+    """
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def keeps_logits(model: nn.Module) -> bool:
     """Whether ``model`` computes logits for its last positions only when told ``logits_to_keep``
     (transformers' causal LMs since 4.50), looking through peft's base model and the ``.module``
-    of DDP and ColossalAI wrappers, which pass the keyword on."""
+    of DDP and ColossalAI wrappers, which pass the keyword on.
+
+    Args:
+        model: the model, possibly wrapped.
+
+    Returns:
+        Whether its forward takes ``logits_to_keep``.
+    """
     inner = model
     while True:
         if hasattr(inner, "get_base_model"):
@@ -102,7 +157,18 @@ def _forward_takes(cls: type, name: str) -> bool:
 def action_logits(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int,
                   temperature: float = 1.0) -> torch.Tensor:
     """Logits (B, R, V) that predict the last ``num_actions`` tokens of ``sequences``, divided by
-    the sampling temperature so they describe the distribution the tokens were sampled from."""
+    the sampling temperature so they describe the distribution the tokens were sampled from.
+
+    Args:
+        model: a causal LM.
+        sequences: (B, T) int64 token ids, left-padded prompt then right-padded response.
+        attention_mask: (B, T) 0/1 int tensor, 1 on real tokens.
+        num_actions: R, the number of response tokens at the end of each row.
+        temperature: the sampling temperature the logits are divided by.
+
+    Returns:
+        (B, R, V) float32 tensor; row t predicts response token t.
+    """
     keep = {"logits_to_keep": num_actions + 1} if keeps_logits(model) else {}  # no vocabulary-wide logits for the prompt
     out = model(input_ids=sequences, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask), use_cache=False, **keep)
@@ -112,7 +178,18 @@ def action_logits(model: nn.Module, sequences: torch.Tensor, attention_mask: tor
 
 def action_log_probs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int,
                      temperature: float = 1.0) -> torch.Tensor:
-    """Log-probs (B, R) of the response tokens under ``model``."""
+    """Log-probs (B, R) of the response tokens under ``model``.
+
+    Args:
+        model: a causal LM.
+        sequences: (B, T) int64 token ids, left-padded prompt then right-padded response.
+        attention_mask: (B, T) 0/1 int tensor, 1 on real tokens.
+        num_actions: R, the number of response tokens at the end of each row.
+        temperature: the sampling temperature the logits are divided by.
+
+    Returns:
+        (B, R) float32 tensor of log-probs (also at padded response positions: mask them).
+    """
     from ray_ppo.algo import log_probs_from_logits
 
     logits = action_logits(model, sequences, attention_mask, num_actions, temperature)
@@ -124,6 +201,9 @@ class Critic(nn.Module):
 
     ``forward`` returns per-token values (B, T); the value of response token t is read at the
     position that predicts it, like the actor's logits (see ``action_values``).
+
+    Args:
+        backbone: a transformer without an LM head (``AutoModel``) whose config has ``hidden_size``.
     """
 
     def __init__(self, backbone: nn.Module):
@@ -139,13 +219,30 @@ class Critic(nn.Module):
         return self.backbone.config
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Per-token values.
+
+        Args:
+            input_ids: (B, T) int64 token ids.
+            attention_mask: (B, T) 0/1 int tensor, 1 on real tokens.
+
+        Returns:
+            (B, T) float32 tensor, the value read at every position.
+        """
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                                position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: str = "float32") -> "Critic":
-        """Backbone from any causal-LM or base checkpoint; value head from ``value_head.safetensors`` if present."""
+        """Backbone from any causal-LM or base checkpoint; value head from ``value_head.safetensors`` if present.
+
+        Args:
+            path: a checkpoint directory, hub name or tiny-model name (``resolve_pretrained``).
+            dtype: the weights' dtype name (``DTYPES``).
+
+        Returns:
+            The critic (a freshly initialised head where the checkpoint has none).
+        """
         from safetensors.torch import load_file
         from transformers import AutoModel
 
@@ -158,7 +255,11 @@ class Critic(nn.Module):
         return critic
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """Backbone with ``save_pretrained`` (safetensors) and the head in ``value_head.safetensors``."""
+        """Backbone with ``save_pretrained`` (safetensors) and the head in ``value_head.safetensors``.
+
+        Args:
+            directory: where to write the files.
+        """
         from safetensors.torch import save_file
 
         self.backbone.save_pretrained(directory)
@@ -166,12 +267,29 @@ class Critic(nn.Module):
 
 
 def action_values(critic: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int) -> torch.Tensor:
-    """Values (B, R), in float32, of the states in which each response token was chosen."""
+    """Values (B, R), in float32, of the states in which each response token was chosen.
+
+    Args:
+        critic: a value model whose ``forward(sequences, attention_mask)`` gives (B, T) values (``Critic``).
+        sequences: (B, T) int64 token ids, left-padded prompt then right-padded response.
+        attention_mask: (B, T) 0/1 int tensor, 1 on real tokens.
+        num_actions: R, the number of response tokens at the end of each row.
+
+    Returns:
+        (B, R) float32 tensor.
+    """
     return critic(sequences, attention_mask)[:, -num_actions - 1:-1].float()
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Index (B,) of the last attended token of each row (works for left and right padding)."""
+    """Index (B,) of the last attended token of each row (works for left and right padding).
+
+    Args:
+        attention_mask: (B, T) 0/1 int or bool tensor, 1 on real tokens.
+
+    Returns:
+        (B,) int64 column indices.
+    """
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     return (positions * attention_mask.long()).argmax(dim=1)
 
@@ -181,6 +299,12 @@ class RewardModel(nn.Module):
 
     The last token is found from the attention mask rather than from the pad id, because many
     tokenizers use EOS as pad and a generated EOS is a real token.
+
+    Args:
+        model: an ``AutoModelForSequenceClassification`` with one label.
+
+    Raises:
+        ValueError: if ``model`` has no ``score`` or ``classifier`` head.
     """
 
     def __init__(self, model: nn.Module):
@@ -193,6 +317,18 @@ class RewardModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: str = "float32") -> "RewardModel":
+        """Load a sequence-classification checkpoint as a reward model.
+
+        Args:
+            path: a checkpoint directory, hub name or tiny-model name (``resolve_pretrained``).
+            dtype: the weights' dtype name (``DTYPES``).
+
+        Returns:
+            The reward model.
+
+        Raises:
+            ValueError: if the checkpoint does not have exactly one label, or has no score head.
+        """
         from transformers import AutoModelForSequenceClassification
 
         quiet_transformers()
@@ -203,6 +339,15 @@ class RewardModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The score of each sequence, without gradients.
+
+        Args:
+            sequences: (B, T) int64 token ids, left-padded prompt then right-padded response.
+            attention_mask: (B, T) 0/1 int tensor, 1 on real tokens.
+
+        Returns:
+            (B,) float32 tensor of scores.
+        """
         hidden = self.model.base_model(input_ids=sequences, attention_mask=attention_mask,
                                        position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
         last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_token_index(attention_mask)]
@@ -210,7 +355,17 @@ class RewardModel(nn.Module):
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """Import a rule reward given as ``"package.module:function"``."""
+    """Import a rule reward given as ``"package.module:function"``.
+
+    Args:
+        spec: ``"package.module:function"``.
+
+    Returns:
+        The function (a ``RewardFn``).
+
+    Raises:
+        ValueError: if ``spec`` is malformed, cannot be imported, or names no callable.
+    """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"reward function {spec!r} must look like 'package.module:function'")

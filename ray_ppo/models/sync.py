@@ -73,12 +73,27 @@ def _pack(state: Mapping[str, torch.Tensor], names: list[str]) -> Bucket:
 
 
 def join_state(actor: Mapping[str, torch.Tensor], critic: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One push/checkpoint state dict: keys prefixed ``actor.`` and ``critic.``."""
+    """One push/checkpoint state dict: keys prefixed ``actor.`` and ``critic.``.
+
+    Args:
+        actor: the actor's state dict (name -> tensor).
+        critic: the critic's state dict (name -> tensor; empty without a critic).
+
+    Returns:
+        The joined dict; the tensors are the same objects.
+    """
     return {**{f"actor.{k}": v for k, v in actor.items()}, **{f"critic.{k}": v for k, v in critic.items()}}
 
 
 def split_state(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Inverse of ``join_state``: the actor's and the critic's tensors, prefixes removed."""
+    """Inverse of ``join_state``: the actor's and the critic's tensors, prefixes removed.
+
+    Args:
+        state: a joined state dict (``join_state``).
+
+    Returns:
+        Tuple ``(actor, critic)`` of state dicts; keys with neither prefix are dropped.
+    """
     actor = {k.removeprefix("actor."): v for k, v in state.items() if k.startswith("actor.")}
     critic = {k.removeprefix("critic."): v for k, v in state.items() if k.startswith("critic.")}
     return actor, critic
@@ -86,32 +101,70 @@ def split_state(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
 
 def tied_aliases(model: torch.nn.Module) -> set[str]:
     """State-dict names that are second names of a tied tensor (GPT-2's ``lm_head.weight`` is
-    ``transformer.wte.weight``): pushing them would send the same bytes twice."""
+    ``transformer.wte.weight``): pushing them would send the same bytes twice.
+
+    Args:
+        model: the model.
+
+    Returns:
+        The alias names.
+    """
     canonical = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
     return set(model.state_dict()) - canonical
 
 
 def push_aliases(actor: torch.nn.Module, critic: torch.nn.Module | None) -> set[str]:
     """The ``join_state`` names of both models' tied aliases: what a full push leaves out (no critic
-    for the critic-free estimators)."""
+    for the critic-free estimators).
+
+    Args:
+        actor: the actor.
+        critic: the critic, or None.
+
+    Returns:
+        The prefixed alias names (``actor.<name>``, ``critic.<name>``).
+    """
     critic_aliases = tied_aliases(critic) if critic is not None else set()
     return set(join_state(dict.fromkeys(tied_aliases(actor)), dict.fromkeys(critic_aliases)))
 
 
 def push_size(state: Mapping[str, torch.Tensor], bucket_mb: float) -> tuple[int, int]:
-    """(number of buckets, bytes) that ``make_buckets`` will yield, without packing anything."""
+    """(number of buckets, bytes) that ``make_buckets`` will yield, without packing anything.
+
+    Args:
+        state: the state dict to push (name -> tensor).
+        bucket_mb: the bucket size in MiB.
+
+    Returns:
+        Tuple ``(num_buckets, nbytes)``.
+    """
     plan = _plan(state, max(1, int(bucket_mb * 2**20)))
     return len(plan), sum(state[n].numel() * state[n].element_size() for names in plan for n in names)
 
 
 def make_buckets(state: Mapping[str, torch.Tensor], bucket_mb: float) -> Iterable[Bucket]:
-    """Yield the buckets of ``state`` one at a time (so a caller can ``ray.put`` and free each)."""
+    """Yield the buckets of ``state`` one at a time (so a caller can ``ray.put`` and free each).
+
+    Args:
+        state: the state dict to push (name -> tensor, any dtype and device).
+        bucket_mb: the bucket size in MiB (a bigger tensor gets a bucket alone).
+
+    Yields:
+        ``(metas, arrays)`` buckets: one ``TensorMeta`` and one flat uint8 array per tensor, in ``state``'s order.
+    """
     for names in _plan(state, max(1, int(bucket_mb * 2**20))):
         yield _pack(state, names)
 
 
 def unpack_bucket(bucket: Bucket) -> dict[str, torch.Tensor]:
-    """Tensors viewing the bucket's arrays (no copy; read-only if the arrays are)."""
+    """Tensors viewing the bucket's arrays (no copy; read-only if the arrays are).
+
+    Args:
+        bucket: ``(metas, arrays)`` as ``make_buckets`` yields it.
+
+    Returns:
+        Name -> CPU tensor with the dtype and shape of its ``TensorMeta``.
+    """
     metas, arrays = bucket
     out = {}
     with warnings.catch_warnings():  # Ray hands out read-only buffers; we never write to them
@@ -155,12 +208,22 @@ class StagedPush:
     seen: set[int] = field(default_factory=set)
 
     def add(self, index: int, bucket: Bucket) -> None:
+        """Stage the tensors of bucket ``index`` of the push.
+
+        Args:
+            index: the bucket's index in the push, 0 to ``num_chunks`` - 1.
+            bucket: ``(metas, arrays)`` as ``make_buckets`` yields it.
+        """
         self.stage(unpack_bucket(bucket))
         self.seen.add(index)
 
     def stage(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Hold ``tensors`` for the swap: copies shaped like their targets (if any), or with
-        ``share`` the pushed views themselves where the target's dtype and device match."""
+        ``share`` the pushed views themselves where the target's dtype and device match.
+
+        Args:
+            tensors: name -> pushed tensor.
+        """
         targets = self.targets or {}
         for name, tensor in tensors.items():
             like = targets.get(name)
@@ -174,13 +237,27 @@ class StagedPush:
             self.tensors[name] = tensor
 
     def complete(self, version: int) -> bool:
-        """Every bucket of push ``version`` arrived."""
+        """Every bucket of push ``version`` arrived.
+
+        Args:
+            version: the push's policy version.
+
+        Returns:
+            True if this is push ``version`` and all ``num_chunks`` buckets were added.
+        """
         return version == self.version and len(self.seen) == self.num_chunks
 
 
 def tied_groups(model: torch.nn.Module) -> list[list[str]]:
     """Names sharing one parameter, canonical name first (the one ``named_parameters`` keeps):
-    e.g. ``[["transformer.wte.weight", "lm_head.weight"]]`` for GPT-2."""
+    e.g. ``[["transformer.wte.weight", "lm_head.weight"]]`` for GPT-2.
+
+    Args:
+        model: the model.
+
+    Returns:
+        One list of names per tied parameter (untied ones are left out).
+    """
     by_tensor: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         by_tensor.setdefault(id(param), []).append(name)
@@ -200,6 +277,7 @@ class PreparedSwap:
     load hook): ``load_state_dict(assign=True)`` and re-tying, in ``apply``, instead of ``binds``."""
 
     def apply(self) -> None:
+        """Rebind the model's parameters and buffers to the prepared tensors."""
         if self.load is not None:
             model, state, groups = self.load
             model.load_state_dict(state, strict=False, assign=True)
@@ -215,7 +293,18 @@ def prepare_swap(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> P
 
     Keys are not checked here (unknown names are ignored): callers check them before swapping.
     Shapes are, for every name before anything is bound, so a bad push leaves the model whole.
-    Raises ValueError naming the first tensor whose shape differs from the model's."""
+    Raises ValueError naming the first tensor whose shape differs from the model's.
+
+    Args:
+        model: the model to receive the tensors.
+        state: name -> tensor, names as in ``model.state_dict()``.
+
+    Returns:
+        The ``PreparedSwap``; nothing changes in ``model`` until its ``apply``.
+
+    Raises:
+        ValueError: if a tensor's shape differs from the model's tensor of that name.
+    """
     current = model.state_dict(keep_vars=True)
     for name, tensor in state.items():
         if name in current and tensor.shape != current[name].shape:
@@ -242,7 +331,15 @@ def prepare_swap(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> P
 
 def assign_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """Swap ``state``'s tensors in as the model's parameters and buffers at once: ``prepare_swap``
-    then ``apply``."""
+    then ``apply``.
+
+    Args:
+        model: the model to receive the tensors.
+        state: name -> tensor, names as in ``model.state_dict()``.
+
+    Raises:
+        ValueError: if a tensor's shape differs from the model's tensor of that name (nothing is swapped).
+    """
     prepare_swap(model, state).apply()
 
 
@@ -264,7 +361,15 @@ def _retie(model: torch.nn.Module, groups: list[list[str]]) -> None:
 
 def replaced_tensors(before: dict[str, torch.Tensor], pushed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors a swap of ``pushed`` took out of the models: no model uses them any more. Tied
-    names (one tensor under two names) are left out, so no buffer is handed out twice."""
+    names (one tensor under two names) are left out, so no buffer is handed out twice.
+
+    Args:
+        before: name -> tensor, the models' state before the swap.
+        pushed: name -> tensor, what the swap put in.
+
+    Returns:
+        Name -> the tensor of ``before`` that ``pushed`` replaced (empty tensors left out).
+    """
     counts: dict[int, int] = {}
     for tensor in before.values():
         counts[tensor.data_ptr()] = counts.get(tensor.data_ptr(), 0) + 1
@@ -273,25 +378,57 @@ def replaced_tensors(before: dict[str, torch.Tensor], pushed: dict[str, torch.Te
 
 
 def bucket_nbytes(bucket: Bucket) -> int:
+    """The bytes of a bucket's arrays.
+
+    Args:
+        bucket: ``(metas, arrays)`` as ``make_buckets`` yields it.
+
+    Returns:
+        The total number of bytes.
+    """
     return sum(int(a.nbytes) for a in bucket[1])
 
 
 def cast_floating(state: Mapping[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
     """``state`` with its floating-point tensors in ``dtype`` (a name: "bfloat16"), as a receiver of
-    that dtype holds them after a push (``copy_`` rounds as ``to`` does); the others as they are."""
+    that dtype holds them after a push (``copy_`` rounds as ``to`` does); the others as they are.
+
+    Args:
+        state: name -> tensor.
+        dtype: a torch dtype name without the "torch." prefix.
+
+    Returns:
+        Name -> tensor, same shapes and devices.
+    """
     target = getattr(torch, dtype)
     return {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
 
 
 def as_held(state: Mapping[str, torch.Tensor], actor_dtype: str, critic_dtype: str) -> dict[str, torch.Tensor]:
     """A joined push state (``join_state``) as a maker holds it: the actor's floating tensors in
-    ``actor_dtype`` (its engine's), the critic's in ``critic_dtype``."""
+    ``actor_dtype`` (its engine's), the critic's in ``critic_dtype``.
+
+    Args:
+        state: a joined state dict (``join_state``).
+        actor_dtype: the dtype name of the maker's actor.
+        critic_dtype: the dtype name of the maker's critic.
+
+    Returns:
+        The joined state dict, cast.
+    """
     actor, critic = split_state(state)
     return join_state(cast_floating(actor, actor_dtype), cast_floating(critic, critic_dtype))
 
 
 def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 over names, dtypes, shapes and bytes, in name order: equal iff the weights are bit-identical."""
+    """SHA-256 over names, dtypes, shapes and bytes, in name order: equal iff the weights are bit-identical.
+
+    Args:
+        state: name -> tensor (any device).
+
+    Returns:
+        The hex digest.
+    """
     h = hashlib.sha256()
     for name in sorted(state):
         t = state[name].detach().to("cpu").contiguous()

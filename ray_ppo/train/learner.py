@@ -8,6 +8,8 @@ weighting each token by an importance weight built from pi_old / pi_behaviour
 masked out of the policy loss. Critic-free estimators have no critic here.
 
 Plain class, no Ray: the synchronous local loop and the Ray Train loop both drive it.
+
+Shapes: B = rows of the step's ``ExperienceBatch``, P = its prompt width, R = its response width, M = rows of a minibatch.
 """
 
 from __future__ import annotations
@@ -47,12 +49,27 @@ a rank has none; ``drop_absent`` removes the key when no rank had such items).""
 
 
 def drop_absent(metrics: dict[str, float]) -> dict[str, float]:
-    """The metrics without the per-staleness statistics that no item of the step had (nan)."""
+    """The metrics without the per-staleness statistics that no item of the step had (nan).
+
+    Args:
+        metrics: name -> value, e.g. a step's metrics after the all-reduce.
+
+    Returns:
+        A new dict without the nan ``behaviour_kl_stale_<s>`` keys.
+    """
     return {k: v for k, v in metrics.items() if not (k.startswith(STALE_KL_PREFIX) and math.isnan(v))}
 
 
 def all_ranks_agree(flag: bool, device: torch.device) -> bool:
-    """True only if ``flag`` is true on every rank (a collective when a process group exists)."""
+    """True only if ``flag`` is true on every rank (a collective when a process group exists).
+
+    Args:
+        flag: this rank's value.
+        device: the device of the process group's tensors.
+
+    Returns:
+        The logical AND of ``flag`` over the ranks.
+    """
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
         return flag
     t = torch.tensor([1 if flag else 0], device=device)
@@ -62,7 +79,16 @@ def all_ranks_agree(flag: bool, device: torch.device) -> bool:
 
 def lr_lambda(schedule: str, warmup_steps: int, total_updates: int):
     """Multiplier of the base learning rate after ``n`` optimizer updates: linear warm-up, then
-    constant, linear decay to 0, or cosine decay to 0 (Loshchilov & Hutter 2017, SGDR)."""
+    constant, linear decay to 0, or cosine decay to 0 (Loshchilov & Hutter 2017, SGDR).
+
+    Args:
+        schedule: "linear", "cosine" or anything else for constant (``trainer.lr_schedule``).
+        warmup_steps: the number of warm-up updates.
+        total_updates: the number of optimizer updates of the run.
+
+    Returns:
+        A function of the update count ``n`` -> the float multiplier, for ``LambdaLR``.
+    """
     def factor(n: int) -> float:
         if n < warmup_steps:
             return (n + 1) / warmup_steps
@@ -78,13 +104,30 @@ def lr_lambda(schedule: str, warmup_steps: int, total_updates: int):
 class Proximal:
     """A step's proximal log-probs (B, R), the anchor of the clipped ratio. Rows ``pending`` (the
     first minibatch's) are filled from that minibatch's own update: its forward pass runs on the
-    weights of the step's start, so they equal a separate no-grad pass, which is saved."""
+    weights of the step's start, so they equal a separate no-grad pass, which is saved.
+
+    Args:
+        anchor: (B, R) float tensor of proximal log-probs (rows ``pending`` are filled later).
+        mask: (B, R) bool tensor, the batch's action mask.
+        pending: (M,) int64 row indices of the step's first minibatch, or None if every row is filled.
+    """
 
     def __init__(self, anchor: torch.Tensor, mask: torch.Tensor, pending: torch.Tensor | None = None):
         self.anchor, self.mask, self.pending = anchor, mask, pending
 
     def rows(self, idx: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
-        """The anchor of rows ``idx``, whose log-probs under the updating actor are ``log_probs``."""
+        """The anchor of rows ``idx``, whose log-probs under the updating actor are ``log_probs``.
+
+        Args:
+            idx: (M,) int64 row indices of the minibatch.
+            log_probs: (M, R) float tensor, the actor's log-probs of those rows (detached here).
+
+        Returns:
+            (M, R) float tensor, the proximal log-probs of those rows.
+
+        Raises:
+            RuntimeError: if rows are pending and ``idx`` is not the pending minibatch.
+        """
         if self.pending is not None:
             if not torch.equal(idx, self.pending):
                 raise RuntimeError("the proximal log-probs of the step's first minibatch must come from its own "
@@ -110,6 +153,13 @@ class PPOLearner:
     ``critic`` is None for the critic-free estimators (no critic optimizer, no value loss).
     ``kl_coef`` is the coefficient of the KL loss term (``kl_in="loss"``); the loop sets it from
     its KL controller before each step.
+
+    Args:
+        actor: the policy to train.
+        critic: the value model to train, or None for a critic-free estimator.
+        strategy: how the models are wrapped, stepped and synchronised.
+        cfg: the run's configuration.
+        seed: the seed of the minibatch shuffling.
     """
 
     def __init__(self, actor: nn.Module, critic: nn.Module | None, strategy: Strategy, cfg: Config, seed: int = 0):
@@ -141,7 +191,20 @@ class PPOLearner:
         computed its log-probs (the synchronous loop). The proximal policy of ``tis`` /
         ``decoupled`` is then the behaviour policy, so its extra forward pass is skipped (weights
         1, behaviour KL 0). Not for a detached maker's batch: its copy may differ (int8, an engine's
-        log-probs, LoRA dropout) even at staleness 0."""
+        log-probs, LoRA dropout) even at staleness 0.
+
+        Args:
+            batch: the step's experience: (B, P+R) sequences, (B, R) float32 per-token fields.
+            version: the trainer's policy version, or None to skip the statistics by staleness.
+            behaviour_is_policy: this actor sampled the batch and computed its log-probs, as it is now.
+
+        Returns:
+            Metric name -> float: the losses and statistics averaged over the updates, learning
+            rates, and the off-policy, overlong and non-finite-update statistics.
+
+        Raises:
+            FloatingPointError: after more than ``trainer.max_nonfinite_updates`` non-finite updates in a row.
+        """
         batch = batch.to(self.device)
         if self._whitens():
             batch.advantages = masked_whiten(batch.advantages, batch.action_mask)
@@ -332,7 +395,11 @@ class PPOLearner:
 
     def full_state_dict(self) -> dict:
         """Collective on every rank: full optimizer states (rank 0; ``{}`` elsewhere), schedulers and
-        the minibatch RNG — what a checkpoint needs besides the weights."""
+        the minibatch RNG — what a checkpoint needs besides the weights.
+
+        Returns:
+            Dict with ``actor``, ``actor_sched``, ``generator``, and with a critic ``critic``, ``critic_sched``.
+        """
         s = self.strategy
         state = {"actor": s.full_optimizer_state_dict(self.actor, self.actor_optim),
                  "actor_sched": self.actor_sched.state_dict(), "generator": self.generator.get_state()}
@@ -343,7 +410,14 @@ class PPOLearner:
 
     def load_state(self, state: dict) -> None:
         """Restore what ``ray_ppo.train.loop`` checkpoints: full optimizer states (strategy-aware),
-        schedulers and the minibatch RNG."""
+        schedulers and the minibatch RNG.
+
+        Args:
+            state: a dict that ``full_state_dict`` returned.
+
+        Raises:
+            ValueError: if the learner has a critic and ``state`` has no critic optimizer state.
+        """
         self.strategy.load_optimizer_state(self.actor, self.actor_optim, state["actor"])
         self.actor_sched.load_state_dict(state["actor_sched"])
         if self.critic is not None:
