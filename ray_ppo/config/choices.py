@@ -20,6 +20,8 @@ Transport = Literal["inline", "ref"]
 DataFormat = Literal["csv", "parquet", "json"]
 Quantization = Literal["int8"]
 Engine = Literal["hf", "vllm"]
+WeightUpdates = Literal["in_flight", "between_batches"]
+KvAtSwap = Literal["keep", "recompute"]
 Advantage = Literal["gae", "grpo", "rloo", "reinforce_pp"]
 OffPolicy = Literal["none", "tis", "decoupled", "seq_tis", "seq_mask", "icepop"]
 PolicyLoss = Literal["ppo", "gspo", "cispo"]
@@ -36,6 +38,8 @@ TRANSPORTS: tuple[str, ...] = get_args(Transport)
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 ENGINES: tuple[str, ...] = get_args(Engine)
+WEIGHT_UPDATES: tuple[str, ...] = get_args(WeightUpdates)
+KV_AT_SWAP: tuple[str, ...] = get_args(KvAtSwap)
 ADVANTAGES: tuple[str, ...] = get_args(Advantage)
 """Names of ``algo.advantage``; every one but ``gae`` trains without a critic."""
 OFF_POLICY: tuple[str, ...] = get_args(OffPolicy)

@@ -34,6 +34,7 @@ from ray_ppo.config.choices import (
     Engine,
     KlEstimator,
     KlIn,
+    KvAtSwap,
     LossAgg,
     LrSchedule,
     OffPolicy,
@@ -42,6 +43,7 @@ from ray_ppo.config.choices import (
     Routing,
     StrategyName,
     Transport,
+    WeightUpdates,
 )
 from ray_ppo.config.errors import ConfigError, ErrorRenderer, is_section, not_a_mapping, unwrap, walk
 from ray_ppo.config.rules import staleness_budget
@@ -231,6 +233,12 @@ class MakerConfig(SamplingParams):
     """Options of the vLLM engine."""
     samples_per_prompt: int = Field(1, gt=0)
     """Responses sampled per prompt (a group); a group stays together through routing, on one rank, in one step."""
+    max_running: int = Field(0, ge=0)
+    """Continuous batching (HF makers): up to this many sequences generate at once, and a sequence that ends frees its slot for the next prompt at once; 0 = batch by batch (every row of a batch runs until its longest ends)."""
+    weight_updates: WeightUpdates = "in_flight"
+    """With maker.max_running > 0, when a weight push swaps in: in_flight (between two decode steps; a running sequence goes on under the new weights) or between_batches (once no sequence runs)."""
+    kv_at_swap: KvAtSwap = "keep"
+    """With in-flight weight updates, the running sequences' key/value cache at a swap: keep (faster; the context before the swap stays encoded by the old weights) or recompute (exact: one prefill of every running context with the new weights)."""
 
     @model_validator(mode="after")
     def _quantization_on_cpu(self) -> MakerConfig:
@@ -244,6 +252,14 @@ class MakerConfig(SamplingParams):
             raise ConfigError(
                 f"maker.quantization={self.quantization!r} quantizes float32 weights, but maker.dtype={self.dtype!r}; "
                 f"set one of them to null")
+        if self.max_running and self.engine != "hf":
+            raise ConfigError(
+                f"maker.max_running={self.max_running} is continuous batching of the HF engine, but maker.engine="
+                f"{self.engine!r}; set maker.max_running=0, or maker.engine=hf")
+        if self.max_running and self.quantization:
+            raise ConfigError(
+                f"maker.max_running={self.max_running} generates with the float weights, but maker.quantization="
+                f"{self.quantization!r}; set one of them off (maker.max_running=0 or maker.quantization=null)")
         if self.engine == "vllm" and self.dtype is not None:
             raise ConfigError(
                 f"maker.dtype={self.dtype!r} sets an HF maker's weights, but maker.engine='vllm'; set the engine's "
@@ -667,6 +683,14 @@ class Config(_Section):
             raise ConfigError(
                 f"{key} shapes single completions cut at maker.max_new_tokens, but env.cls={self.env.cls!r} runs "
                 f"multi-turn episodes; set algo.overlong_buffer=0 and algo.overlong_filter=false")
+        return self
+
+    @model_validator(mode="after")
+    def _continuous_batching_of_single_completions(self) -> Config:
+        if self.maker.max_running and self.env.cls is not None:
+            raise ConfigError(
+                f"maker.max_running={self.maker.max_running} batches single completions continuously, but env.cls="
+                f"{self.env.cls!r} runs multi-turn episodes, which generate batch by batch; set maker.max_running=0")
         return self
 
     @model_validator(mode="after")

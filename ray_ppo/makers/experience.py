@@ -39,6 +39,7 @@ from ray_ppo.models import (
     model_device,
     stop_token_ids,
 )
+from ray_ppo.models.continuous import Finished, rollout_of
 
 
 class RewardError(ValueError):
@@ -189,6 +190,42 @@ class ExperienceMaker:
         self._counter += 1
         return items, stats
 
+    @torch.no_grad()
+    def experience_of(self, finished: Sequence[Finished], kl_coef: float | None = None,
+                      prompts: Sequence[str | list[dict]] | None = None) -> tuple[list[ExperienceItem], MakeStats]:
+        """Experience from sequences a ``ContinuousBatcher`` finished: whole groups, each group's
+        ``samples_per_prompt`` sequences next to each other. Scored, shaped and with advantages as
+        ``make_experience`` makes them, except that the behaviour log-probs are always the
+        sampler's own, token by token (weights may have changed during a sequence, so no forward
+        pass now could give them), and each item's ``policy_version`` is its oldest token's.
+
+        Args:
+            finished: the sequences, group by group.
+            kl_coef: the trainer's KL coefficient (None: ``ppo.kl_coef``).
+            prompts: each sequence's prompt as the data gave it (None: the decoded prompt ids).
+
+        Returns:
+            The items (one per sequence, in order, on the CPU) and the stats (``generate_s`` is 0:
+            the batcher's time is the caller's to count).
+        """
+        if len(finished) % self.group_size:
+            raise ValueError(f"{len(finished)} sequences do not make whole groups of {self.group_size}")
+        stats = MakeStats(num_samples=len(finished))
+        start = time.perf_counter()
+        rollout, versions = rollout_of(finished, self.tokenizer.pad_token_id)
+        rollout = self._on_device(rollout)
+        reward = self._score(rollout, None if prompts is None else list(prompts))
+        kl_coef = self.ppo.kl_coef if kl_coef is None else kl_coef
+        batch = self._to_batch(rollout, reward, versions.to(self.device), kl_coef, stats, sampled=True).to("cpu")
+        stats.score_s = time.perf_counter() - start
+        stats.num_tokens = int(rollout.action_mask.sum())
+        items = batch.split()
+        for i, item in enumerate(items):
+            item.uid = f"{self.name}-{self._counter}-{i}"
+            item.prompt = None if prompts is None else prompts[i]
+        self._counter += 1
+        return items, stats
+
     def _sample(self, prompt_ids: list, max_new_tokens: int | None = None) -> Rollout:
         """One response per prompt, with the engine or HF ``generate``, on the actor's device."""
         sampling = self.sampling if max_new_tokens is None else \
@@ -274,11 +311,12 @@ class ExperienceMaker:
         with model.disable_adapter():
             return action_log_probs(model, *args)
 
-    def _behaviour_log_probs(self, rollout: Rollout, stats: MakeStats) -> torch.Tensor:
+    def _behaviour_log_probs(self, rollout: Rollout, stats: MakeStats, sampled: bool = False) -> torch.Tensor:
         """(B, R) log-probs of the sampled tokens under the policy that sampled them: HF ``generate``'s
-        own with ``engine_logprobs``, else a forward pass of the actor (an engine's own are then
-        compared with it in ``stats.logprob_gap``, and used with ``engine_logprobs``)."""
-        if self.engine is None and self.engine_logprobs and rollout.log_probs is not None:
+        own with ``engine_logprobs`` (or ``sampled``: the only ones there are), else a forward pass of
+        the actor (an engine's own are then compared with it in ``stats.logprob_gap``, and used with
+        ``engine_logprobs``)."""
+        if sampled or self.engine is None and self.engine_logprobs and rollout.log_probs is not None:
             return rollout.log_probs
         log_probs = action_log_probs(self.actor, rollout.sequences, rollout.attention_mask, rollout.num_actions,
                                      self.sampling.temperature)
@@ -289,13 +327,13 @@ class ExperienceMaker:
                 log_probs = rollout.log_probs
         return log_probs
 
-    def _to_batch(self, rollout: Rollout, reward: torch.Tensor, policy_version: int, kl_coef: float,
+    def _to_batch(self, rollout: Rollout, reward: torch.Tensor, policy_version: int | torch.Tensor, kl_coef: float,
                   stats: MakeStats, token_scores: torch.Tensor | None = None,
-                  faulted: torch.Tensor | None = None) -> ExperienceBatch:
+                  faulted: torch.Tensor | None = None, sampled: bool = False) -> ExperienceBatch:
         mask = rollout.action_mask
         if faulted is not None and bool(faulted.any()):
             reward, token_scores = self._neutral(reward, token_scores, mask, faulted)
-        log_probs = self._behaviour_log_probs(rollout, stats)
+        log_probs = self._behaviour_log_probs(rollout, stats, sampled)
         ref_log_probs = self._ref_log_probs(rollout) if self.reference else log_probs  # no reference: no KL
         values = torch.zeros_like(log_probs) if self.critic is None else \
             action_values(self.critic, rollout.sequences, rollout.attention_mask, rollout.num_actions) * mask
@@ -316,7 +354,8 @@ class ExperienceMaker:
             sequences=rollout.sequences, attention_mask=rollout.attention_mask, action_mask=mask,
             action_log_probs=log_probs * mask, ref_log_probs=ref_log_probs * mask, values=values, rewards=rewards,
             advantages=advantages, returns=returns, reward=reward,
-            policy_version=torch.full((len(reward),), policy_version, dtype=torch.long, device=reward.device),
+            policy_version=policy_version if isinstance(policy_version, torch.Tensor) else
+            torch.full((len(reward),), policy_version, dtype=torch.long, device=reward.device),
             uids=[""] * len(reward), prompt_len=rollout.prompt_len, pad_token_id=self.tokenizer.pad_token_id,
             truncated=None if self.episodes is not None else self._truncated(rollout),
         )

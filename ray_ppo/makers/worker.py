@@ -93,6 +93,9 @@ class MakerWorker:
         self.no_eval = threading.Event()
         self.no_eval.set()
         self.outbox: queue.Queue = queue.Queue(maxsize=SEND_QUEUE_BATCHES)
+        self.batcher = None  # maker.max_running > 0: the ContinuousBatcher, built by run
+        self.spanning = 0  # sequences that a weight swap landed in (streaming makers)
+        self.swap_waiting = threading.Event()  # set while a between-batches push waits for the running sequences
         self.receiver = WeightReceiver(share=self.cfg.sync.zero_copy, fetch=fetch_objects)
         self.items_made = 0  # items made since this process started (the summary's ``made``)
         self.sent = 0
@@ -132,6 +135,10 @@ class MakerWorker:
         try:
             if self.cfg.maker.wait_for_weights:
                 self._wait_for_first_push()
+            if self.cfg.maker.max_running:
+                self._stream()
+                return {"made": self.items_made, "version": self.version, "spanning_swaps": self.spanning,
+                        "slot_utilisation": self.batcher.utilisation}
             asked = self.coordinator.next_prompts.remote(self.maker_id)
             while True:
                 if made_batch is not None and not ray.wait([asked], timeout=0)[0]:
@@ -160,6 +167,65 @@ class MakerWorker:
                 self._queue(made_batch)
             self.outbox.put(None)
         return {"made": self.items_made, "version": self.version}
+
+    def _stream(self) -> None:
+        """``maker.max_running`` > 0: continuous batching. Prompt batches are taken from the
+        coordinator while the batcher has fewer waiting sequences than slots (never blocking while
+        sequences run), each prompt's ``samples_per_prompt`` sequences are queued, the batcher steps
+        under the model lock (so a push swaps in between two steps: ``weights_end``), and the
+        groups that finished at a step are made into experience and sent at once. A batch's blank
+        prompts are reported with the next send (their ids carry no items)."""
+        from ray_ppo.models.continuous import ContinuousBatcher, Request
+
+        m = self.cfg.maker
+        self.batcher = batcher = ContinuousBatcher(
+            self.maker.actor, m, self.maker.tokenizer.pad_token_id, self.maker.stop_ids, max_running=m.max_running,
+            kv_at_swap=m.kv_at_swap, version=self.version)
+        groups: dict[tuple, list] = {}  # (batch number, prompt index) -> its finished sequences
+        unreported = _Unreported()
+        asked, number = self.coordinator.next_prompts.remote(self.maker_id), 0
+        while asked is not None or batcher.busy:
+            if asked is not None and len(batcher.waiting) < m.max_running:
+                start = time.perf_counter()
+                ready, _ = ray.wait([asked], timeout=0 if batcher.busy else None)
+                unreported.admission_s += time.perf_counter() - start
+                if ready:
+                    batch = ray.get(asked)
+                    asked = None if batch is None else self.coordinator.next_prompts.remote(self.maker_id)
+                    if batch is not None:
+                        number += 1
+                        self._open(batch, number, batcher, groups, unreported, Request)
+            if unreported.ready_to_send(batcher.busy):
+                self._queue(unreported.send(None, self))
+            if not batcher.busy:
+                continue
+            self.no_eval.wait()
+            with self.model_lock:
+                start = time.perf_counter()
+                done = batcher.step(admit=not self.swap_waiting.is_set())
+                unreported.generate_s += time.perf_counter() - start
+            whole = []
+            self.spanning += sum(1 for f in done if f.swaps)
+            for f in done:
+                group = groups[f.key[:2]]
+                group.append(f)
+                if len(group) == m.samples_per_prompt:
+                    whole.append(groups.pop(f.key[:2]))
+            if whole:
+                self._queue(unreported.send(whole, self))
+
+    def _open(self, batch, number: int, batcher, groups: dict, unreported: _Unreported, request) -> None:
+        """Queue a prompt batch's sequences in the batcher; its blank prompts wait for the next send."""
+        encoded = self.encoder.encode(batch.prompts)
+        kept = set(encoded.kept)
+        unreported.blank_ids += [pid for i, pid in enumerate(batch.ids) if i not in kept]
+        unreported.blank += encoded.blank
+        unreported.truncated += encoded.truncated
+        for k, (index, ids) in enumerate(zip(encoded.kept, encoded.ids, strict=True)):
+            groups[(number, k)] = []
+            prompt_id = batch.ids[index] if batch.ids else None
+            batcher.submit(request((number, k, s, prompt_id, encoded.prompts[k]), ids)
+                           for s in range(self.cfg.maker.samples_per_prompt))
 
     def _wait_for_first_push(self) -> None:
         self._wait_for_push(lambda: self.pushes_loaded > 0, f"maker_{self.maker_id}: no weight push arrived within "
@@ -266,10 +332,15 @@ class MakerWorker:
         swaps = [prepare_swap(self.float_policy, policy_state)]
         if self.maker.critic is not None:
             swaps.append(prepare_swap(self.maker.critic, critic_state))
-        with self.model_lock:  # generation is paused from here (a batch being made finishes first)
+        if self.batcher is not None and self.cfg.maker.weight_updates == "between_batches":
+            self._wait_until_no_sequence_runs()
+        with self.model_lock:  # generation is paused from here (a batch, or a decode step, being made finishes first)
             start = time.perf_counter()
             for swap in swaps:
                 swap.apply()
+            if self.batcher is not None:  # in flight: the running sequences go on under the new weights
+                self.batcher.swap(lambda: None, version)
+                self.swap_waiting.clear()
             if self.cfg.maker.quantization:
                 self.maker.actor = quantize_for_generation(self.float_policy, self.cfg.maker.quantization)
             if self.engine is not None:  # after the HF copy swapped in the push, load it into the engine
@@ -282,6 +353,13 @@ class MakerWorker:
         self.pause_s += paused
         self._unreported_pause_s += paused
         return True
+
+    def _wait_until_no_sequence_runs(self, poll_s: float = 0.01) -> None:
+        """maker.weight_updates=between_batches: stop admitting sequences and wait until the running
+        ones have finished (the swap then comes between them and the next)."""
+        self.swap_waiting.set()
+        while self.batcher.rows:
+            time.sleep(poll_s)
 
     # -- eval -----------------------------------------------------------------------------------
     @ray.method(concurrency_group="eval")
@@ -317,6 +395,42 @@ class MakerWorker:
     def _critic_state(self) -> dict[str, torch.Tensor]:
         """The critic's state dict; empty for critic-free estimators (``algo.advantage`` != gae)."""
         return self.maker.critic.state_dict() if self.maker.critic is not None else {}
+
+
+class _Unreported:
+    """What a streaming maker has not yet reported to the coordinator: blank prompts and the time
+    generating and waiting since its last send."""
+
+    def __init__(self):
+        self.blank_ids: list[int] = []
+        self.blank = self.truncated = 0
+        self.generate_s = self.admission_s = 0.0
+
+    def ready_to_send(self, busy: bool) -> bool:
+        """Blank prompts go at once when no sequence runs (none would carry them soon)."""
+        return bool(self.blank_ids or self.blank) and not busy
+
+    def send(self, groups: list[list] | None, worker: MakerWorker) -> tuple[list, MakerStats]:
+        """The items of the finished ``groups`` (each ``samples_per_prompt`` sequences) and the stats
+        of the send, which carries every unreported blank prompt; then nothing is unreported."""
+        items, made, prompt_ids = [], None, []
+        if groups:
+            finished = [f for group in groups for f in sorted(group, key=lambda f: f.key[2])]
+            items, made = worker.maker.experience_of(finished, worker.kl_coef, [f.key[4] for f in finished])
+            for item, f in zip(items, finished, strict=True):
+                if f.key[3] is not None:
+                    item.prompt_id = int(f.key[3])
+            prompt_ids = [group[0].key[3] for group in groups if group[0].key[3] is not None]
+            worker.items_made += len(items)
+        ids = [*prompt_ids, *self.blank_ids]
+        pause_s, worker._unreported_pause_s = worker._unreported_pause_s, 0.0
+        idle_s, worker._unreported_idle_s = self.admission_s + worker._unreported_idle_s, 0.0
+        stats = MakerStats(num_prompts=len(groups or []) + self.blank, prompt_ids=tuple(ids), blank=self.blank,
+                           truncated=self.truncated, idle_s=idle_s, pause_s=pause_s, admission_s=self.admission_s,
+                           generate_s=self.generate_s + (made.score_s if made else 0.0),
+                           num_tokens=made.num_tokens if made else 0)
+        self.__init__()
+        return items, stats
 
 
 def tag_prompt_ids(items: list, prompt_ids: list[int]) -> None:

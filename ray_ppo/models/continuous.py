@@ -40,7 +40,7 @@ from torch import nn
 
 from ray_ppo.algo import log_probs_from_logits
 from ray_ppo.config import SamplingParams
-from ray_ppo.models.generation import left_pad, model_device
+from ray_ppo.models.generation import Rollout, left_pad, model_device
 
 KvAtSwap = Literal["keep", "recompute"]
 
@@ -151,14 +151,17 @@ class ContinuousBatcher:
         return self.slot_steps / (self.steps * self.max_running) if self.steps else 0.0
 
     @torch.no_grad()
-    def step(self) -> list[Finished]:
+    def step(self, admit: bool = True) -> list[Finished]:
         """Admit waiting requests into free slots (prefilling them), then one decode step of every
         running sequence; returns the sequences that ended (a stop id, or their cap), in any order.
+
+        Args:
+            admit: False admits nothing (the running sequences drain, e.g. before a weight swap).
 
         Returns:
             The ``Finished`` sequences of this step (possibly none).
         """
-        finished = self._admit()
+        finished = self._admit() if admit else []
         if self.rows:
             self._decode()
             finished += self._retire()
@@ -340,3 +343,30 @@ def _top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor
         remove[:, -1] = False  # keep at least the most likely token
         logits = logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
     return logits
+
+
+def rollout_of(finished: Sequence[Finished], pad_token_id: int) -> tuple[Rollout, torch.Tensor]:
+    """Finished sequences as one padded ``Rollout`` (prompts left-padded, responses right-padded,
+    the sampler's log-probs as ``log_probs``) and each sequence's oldest token version.
+
+    Args:
+        finished: the sequences, in the order the rollout's rows take.
+        pad_token_id: the id written at padded positions.
+
+    Returns:
+        The rollout (B = len(finished), on the CPU) and a (B,) int64 tensor of each row's oldest
+        token version (the policy version a staleness bound counts it at).
+    """
+    prompt_ids, prompt_mask = left_pad([f.prompt for f in finished], pad_token_id)
+    width = max(len(f.tokens) for f in finished)
+    responses = torch.full((len(finished), width), pad_token_id, dtype=torch.long)
+    action_mask = torch.zeros((len(finished), width), dtype=torch.bool)
+    log_probs = torch.zeros((len(finished), width), dtype=torch.float32)
+    for row, f in enumerate(finished):
+        n = len(f.tokens)
+        responses[row, :n] = torch.tensor(f.tokens, dtype=torch.long)
+        action_mask[row, :n] = True
+        log_probs[row, :n] = torch.tensor(f.log_probs, dtype=torch.float32)
+    rollout = Rollout(torch.cat([prompt_ids, responses], dim=1), torch.cat([prompt_mask, action_mask.long()], dim=1),
+                      action_mask, prompt_ids.shape[1], log_probs=log_probs)
+    return rollout, torch.tensor([min(f.versions) for f in finished], dtype=torch.long)

@@ -98,6 +98,32 @@ def test_fit_accounts_for_every_item(ray_session, tmp_path, strategy, num_makers
     assert coordinator_logs and not any("blocking ray.get inside async actor" in t for t in coordinator_logs)
 
 
+@pytest.mark.parametrize("weight_updates", ["in_flight", "between_batches"])
+def test_streaming_makers_account_for_every_item(ray_session, tmp_path, weight_updates):
+    """maker.max_running: a maker generates continuously and sends each prompt's group as it
+    finishes; blank and truncated prompts, exactly-once accounting, the staleness bound and the
+    final weights hold as with batch-by-batch makers."""
+    prompts = messy_prompts(tmp_path / "prompts.csv")
+    cfg = small_config(tmp_path, "maker.num_makers=1", f"data.path={prompts}", "data.prompt_column=text",
+                       "maker.max_running=6", "maker.samples_per_prompt=2", "algo.advantage=grpo",
+                       f"maker.weight_updates={weight_updates}", "maker.max_new_tokens=48")
+    trainer = PPOTrainer(cfg)
+    trainer.fit()
+    history = trainer.history
+    assert [m["step"] for m in history] == list(range(1, STEPS + 1))
+    assert max(m["staleness_max"] for m in history) <= MAX_STALENESS
+    assert history[-1]["weights_in_sync"] == 1.0
+    counters = trainer.final_status.counters
+    assert counters.consumed == STEPS * BATCH
+    assert counters.produced == counters.consumed + counters.in_flight + counters.discarded + counters.lost_in_transit
+    assert counters.blank_prompts > 0 and counters.truncated_prompts > 0
+    assert sum(s.get("made", 0) for s in trainer.maker_summaries) == counters.produced
+    spanning = sum(s.get("spanning_swaps", 0) for s in trainer.maker_summaries)
+    print(f"{weight_updates}: {spanning} sequences spanned a weight swap")
+    if weight_updates == "between_batches":  # swaps wait until no sequence runs
+        assert spanning == 0
+
+
 def test_output_dir_holds_the_checkpoint_and_each_row_counts_the_prompts_trained_by_its_step(ray_session, tmp_path):
     """``PPOTrainer(cfg, output_dir=DIR)``: Ray Train's storage is DIR/ray_train, so the result's
     checkpoint lies under DIR (not under ``logging.output_dir``). Step s's ``prompts_trained`` is

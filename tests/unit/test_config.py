@@ -83,7 +83,7 @@ def test_tree_names_and_defaults_are_the_public_contract():
                   "wait_for_weights": False, "max_restarts": 3, "node_resource": None,
                   "engine": "hf", "engine_logprobs": None,
                   "vllm": {"gpu_memory_utilization": 0.3, "kv_cache_gib": 1.0, "enforce_eager": True, "dtype": None},
-                  "samples_per_prompt": 1},
+                  "samples_per_prompt": 1, "max_running": 0, "weight_updates": "in_flight", "kv_at_swap": "keep"},
         "trainer": {"strategy": "ddp", "num_workers": 1, "use_gpu": False, "gpus_per_worker": 1.0,
                     "cpus_per_worker": 1.0, "node_resource": None,
                     "total_steps": 50, "time_budget_s": 0.0, "update_steps": 1, "train_batch_size": 32, "mini_batch_size": 16,

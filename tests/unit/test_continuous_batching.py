@@ -115,3 +115,43 @@ def test_bad_settings_are_refused_with_the_value(tokenizer):
         ContinuousBatcher(actor, CFG.maker, 0, [], max_running=1, kv_at_swap="drop")
     with pytest.raises(ValueError, match="empty prompt"):
         ContinuousBatcher(actor, CFG.maker, 0, [], max_running=1).submit([Request("x", [])])
+
+
+def test_finished_groups_become_experience_with_the_sampler_log_probs_and_the_oldest_version():
+    from ray_ppo.makers.build import build_experience_maker
+
+    cfg = resolve_config(Config().with_overrides({"maker.samples_per_prompt": 2, "algo.advantage": "grpo",
+                                                  "maker.max_new_tokens": 6}))
+    maker = build_experience_maker(cfg, name="m")
+    batcher = ContinuousBatcher(maker.actor, cfg.maker, maker.tokenizer.pad_token_id, maker.stop_ids, max_running=3)
+    ps = prompts(3, seed=5)
+    batcher.submit(Request((k, s), p) for k, p in enumerate(ps) for s in range(2))
+    finished = []
+    for step in range(100):
+        if step == 2:
+            batcher.swap(lambda: None, version=1)
+        finished += batcher.step()
+        if not batcher.busy:
+            break
+    finished.sort(key=lambda f: f.key)
+    items, stats = maker.experience_of(finished, kl_coef=0.0)
+    assert len(items) == 6 and stats.num_tokens == sum(len(f.tokens) for f in finished)
+    for item, f in zip(items, finished):
+        assert item.response_ids.tolist() == f.tokens and item.policy_version == min(f.versions)
+        torch.testing.assert_close(item.action_log_probs, torch.tensor(f.log_probs))
+    spanning = [f for f in finished if f.versions[0] == 0 and f.versions[-1] == 1]  # running at the swap
+    assert spanning and all(items[finished.index(f)].policy_version == 0 for f in spanning)
+    with pytest.raises(ValueError, match="whole groups of 2"):
+        maker.experience_of(finished[:3])
+
+
+@pytest.mark.parametrize("overrides,named", [
+    ({"maker.quantization": "int8"}, "maker.quantization='int8'"),
+    ({"env.cls": "ray_ppo.tasks.turns:TwoTurnEnv"}, "env.cls="),
+])
+def test_what_does_not_stream_yet_is_refused_in_one_line(overrides, named):
+    from ray_ppo.config import ConfigError
+
+    with pytest.raises(ConfigError, match=named) as refused:
+        Config().with_overrides({"maker.max_running": 8, **overrides})
+    assert "maker.max_running=0" in str(refused.value) and "\n" not in str(refused.value)
