@@ -15,8 +15,11 @@ Workloads:
               tokens. transformers' ``generate_batch`` runs here too (paged attention on CPU).
 
 Engines: ``sync`` runs the prompts in batches of ``--slots`` through ``ray_ppo.models.generate``;
-``continuous`` keeps ``--slots`` sequences in flight; ``hf_cb`` is transformers'
-``generate_batch`` with ``--slots`` as its batch budget. Rounds are interleaved (engine order
+``continuous`` keeps ``--slots`` sequences in flight, in order (``schedule="fifo"``);
+``longest_first`` does too, starting the longest expected answers first, with each prompt's length
+known from a previous epoch (``lognormal`` only: its lengths are fixed per prompt, so the epoch
+before gives them exactly, as ``maker.schedule=longest_first`` learns them); ``hf_cb`` is
+transformers' ``generate_batch`` with ``--slots`` as its batch budget. Rounds are interleaved (engine order
 rotates), the figure is the median over rounds with the min-max spread.
 """
 
@@ -34,7 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct", help="model.pretrained (tiny, a packaged model, a path)")
     ap.add_argument("--workload", choices=["lognormal", "arithmetic"], default="lognormal")
-    ap.add_argument("--engines", default="sync,continuous,hf_cb")
+    ap.add_argument("--engines", default="sync,continuous,longest_first,hf_cb")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--slots", type=int, default=16, help="batch size of sync; sequences in flight otherwise")
     ap.add_argument("--median", type=float, default=16, help="lognormal: median answer length")
@@ -60,6 +63,7 @@ def main() -> None:
     stops = stop_token_ids(tokenizer, actor)
     prompts, lengths = workload(args, tokenizer)
     engines = [e for e in args.engines.split(",") if e != "hf_cb" or args.workload == "arithmetic"]
+    engines = [e for e in engines if e != "longest_first" or args.workload == "lognormal"]
     runs = {e: [] for e in engines}
     for r in range(args.rounds):
         for e in engines[r % len(engines):] + engines[:r % len(engines)]:
@@ -152,16 +156,24 @@ def _forced_lengths(actor, batch, lengths, cfg, tokenizer):
         del actor.generate
 
 
-def run_continuous(actor, cfg, tokenizer, stops, prompts, lengths, args) -> int:
+def run_longest_first(actor, cfg, tokenizer, stops, prompts, lengths, args) -> int:
+    return run_continuous(actor, cfg, tokenizer, stops, prompts, lengths, args, schedule="longest_first")
+
+
+def run_continuous(actor, cfg, tokenizer, stops, prompts, lengths, args, schedule="fifo") -> int:
     from ray_ppo.models.continuous import ContinuousBatcher, Request
 
-    if lengths is None:
+    if schedule == "longest_first":
+        batcher = ContinuousBatcher(actor, cfg.maker, tokenizer.pad_token_id, [], max_running=args.slots,
+                                    schedule=schedule)
+        out = batcher.run(Request(i, p, n, expected_len=n) for i, (p, n) in enumerate(zip(prompts, lengths)))
+    elif lengths is None:
         batcher = ContinuousBatcher(actor, cfg.maker, tokenizer.pad_token_id, stops, max_running=args.slots)
         out = batcher.run(Request(i, p) for i, p in enumerate(prompts))
     else:  # no end token: each request stops at its length, as the forced rows of sync do
         batcher = ContinuousBatcher(actor, cfg.maker, tokenizer.pad_token_id, [], max_running=args.slots)
         out = batcher.run(Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, lengths)))
-    print(f"  continuous: {batcher.steps} decode steps, slot utilisation {batcher.utilisation:.2f}")
+    print(f"  {schedule}: {batcher.steps} decode steps, slot utilisation {batcher.utilisation:.2f}")
     return sum(len(f.tokens) for f in out)
 
 
@@ -181,7 +193,7 @@ def run_hf_cb(actor, cfg, tokenizer, stops, prompts, lengths, args) -> int:
     return sum(len(o.generated_tokens) for o in out.values())
 
 
-ENGINES = {"sync": run_sync, "continuous": run_continuous, "hf_cb": run_hf_cb}
+ENGINES = {"sync": run_sync, "continuous": run_continuous, "longest_first": run_longest_first, "hf_cb": run_hf_cb}
 
 if __name__ == "__main__":
     main()

@@ -22,6 +22,7 @@ Quantization = Literal["int8"]
 Engine = Literal["hf", "vllm"]
 WeightUpdates = Literal["in_flight", "between_batches"]
 KvAtSwap = Literal["keep", "recompute"]
+Schedule = Literal["fifo", "longest_first"]
 Advantage = Literal["gae", "grpo", "rloo", "reinforce_pp"]
 OffPolicy = Literal["none", "tis", "decoupled", "seq_tis", "seq_mask", "icepop"]
 PolicyLoss = Literal["ppo", "gspo", "cispo"]
@@ -40,6 +41,7 @@ QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 ENGINES: tuple[str, ...] = get_args(Engine)
 WEIGHT_UPDATES: tuple[str, ...] = get_args(WeightUpdates)
 KV_AT_SWAP: tuple[str, ...] = get_args(KvAtSwap)
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
 ADVANTAGES: tuple[str, ...] = get_args(Advantage)
 """Names of ``algo.advantage``; every one but ``gae`` trains without a critic."""
 OFF_POLICY: tuple[str, ...] = get_args(OffPolicy)

@@ -41,6 +41,7 @@ from ray_ppo.config.choices import (
     PolicyLoss,
     Quantization,
     Routing,
+    Schedule,
     StrategyName,
     Transport,
     WeightUpdates,
@@ -239,6 +240,8 @@ class MakerConfig(SamplingParams):
     """With maker.max_running > 0, when a weight push swaps in: in_flight (between two decode steps; a running sequence goes on under the new weights) or between_batches (once no sequence runs)."""
     kv_at_swap: KvAtSwap = "keep"
     """With in-flight weight updates, the running sequences' key/value cache at a swap: keep (faster; the context before the swap stays encoded by the old weights) or recompute (exact: one prefill of every running context with the new weights)."""
+    schedule: Schedule = "fifo"
+    """With maker.max_running > 0, which waiting sequence starts next: fifo (in the order prompts came) or longest_first (the prompts whose earlier answers were longest; a prompt not yet answered ranks as the mean), so an epoch does not end on one long answer."""
 
     @model_validator(mode="after")
     def _quantization_on_cpu(self) -> MakerConfig:

@@ -95,6 +95,8 @@ class MakerWorker:
         self.outbox: queue.Queue = queue.Queue(maxsize=SEND_QUEUE_BATCHES)
         self.batcher = None  # maker.max_running > 0: the ContinuousBatcher, built by run
         self.spanning = 0  # sequences that a weight swap landed in (streaming makers)
+        self.answer_lengths: dict[int, float] = {}  # prompt id -> mean answer length (maker.schedule)
+        self._answers: dict[int, int] = {}  # prompt id -> answers counted in it
         self.swap_waiting = threading.Event()  # set while a between-batches push waits for the running sequences
         self.receiver = WeightReceiver(share=self.cfg.sync.zero_copy, fetch=fetch_objects)
         self.items_made = 0  # items made since this process started (the summary's ``made``)
@@ -180,7 +182,7 @@ class MakerWorker:
         m = self.cfg.maker
         self.batcher = batcher = ContinuousBatcher(
             self.maker.actor, m, self.maker.tokenizer.pad_token_id, self.maker.stop_ids, max_running=m.max_running,
-            kv_at_swap=m.kv_at_swap, version=self.version)
+            kv_at_swap=m.kv_at_swap, version=self.version, schedule=m.schedule)
         groups: dict[tuple, list] = {}  # (batch number, prompt index) -> its finished sequences
         unreported = _Unreported()
         asked, number = self.coordinator.next_prompts.remote(self.maker_id), 0
@@ -207,6 +209,7 @@ class MakerWorker:
             whole = []
             self.spanning += sum(1 for f in done if f.swaps)
             for f in done:
+                self._learn_length(f.key[3], len(f.tokens))
                 group = groups[f.key[:2]]
                 group.append(f)
                 if len(group) == m.samples_per_prompt:
@@ -224,8 +227,18 @@ class MakerWorker:
         for k, (index, ids) in enumerate(zip(encoded.kept, encoded.ids, strict=True)):
             groups[(number, k)] = []
             prompt_id = batch.ids[index] if batch.ids else None
-            batcher.submit(request((number, k, s, prompt_id, encoded.prompts[k]), ids)
+            expected = self.answer_lengths.get(prompt_id)
+            batcher.submit(request((number, k, s, prompt_id, encoded.prompts[k]), ids, expected_len=expected)
                            for s in range(self.cfg.maker.samples_per_prompt))
+
+    def _learn_length(self, prompt_id: int | None, length: int) -> None:
+        """Keep a running estimate of ``prompt_id``'s answer length (``maker.schedule=longest_first``):
+        the mean of its answers so far, each sample counted."""
+        if prompt_id is None:
+            return
+        mean, n = self.answer_lengths.get(prompt_id, 0.0), self._answers.get(prompt_id, 0)
+        self.answer_lengths[prompt_id] = (mean * n + length) / (n + 1)
+        self._answers[prompt_id] = n + 1
 
     def _wait_for_first_push(self) -> None:
         self._wait_for_push(lambda: self.pushes_loaded > 0, f"maker_{self.maker_id}: no weight push arrived within "

@@ -24,6 +24,10 @@ ones encoded) or recomputed with the new weights (``"recompute"``: exact, one pr
 running context). Either way the tokens sampled before the swap keep the old version and their
 log-probs under the old weights (the behaviour policy of each token).
 
+Waiting requests are admitted in order (``schedule="fifo"``), or those expected to answer longest
+first (``"longest_first"``, by ``Request.expected_len``), so that the tail of a stream is not one
+long answer running alone in an otherwise empty batch.
+
 Sampling is ``ray_ppo.models.generation.generate``'s: softmax(logits / temperature), cut by top-k and
 top-p; each token's log-prob is log_softmax(logits / temperature) of the uncut logits, as
 ``SampledLogProbs`` records it. Dimensions: S = running sequences, L = cache length, V = vocabulary.
@@ -43,16 +47,20 @@ from ray_ppo.config import SamplingParams
 from ray_ppo.models.generation import Rollout, left_pad, model_device
 
 KvAtSwap = Literal["keep", "recompute"]
+Schedule = Literal["fifo", "longest_first"]
 
 
 @dataclass
 class Request:
     """One sequence to generate: ``prompt`` token ids; ``key`` is the caller's, handed back with
-    the result; ``max_new_tokens`` caps this sequence (None: the sampling settings' cap)."""
+    the result; ``max_new_tokens`` caps this sequence (None: the sampling settings' cap);
+    ``expected_len``: how long its answer is expected to be, for ``schedule="longest_first"``
+    (None: unknown, ranked as the mean of the known ones)."""
 
     key: Any
     prompt: Sequence[int]
     max_new_tokens: int | None = None
+    expected_len: float | None = None
 
 
 @dataclass
@@ -115,11 +123,14 @@ class ContinuousBatcher:
 
     def __init__(self, model: nn.Module, params: SamplingParams, pad_token_id: int, stop_ids: Iterable[int],
                  max_running: int, kv_at_swap: KvAtSwap = "keep", greedy: bool = False, version: int = 0,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, schedule: Schedule = "fifo"):
         if max_running < 1:
             raise ValueError(f"max_running={max_running}: at least one sequence must be able to run")
         if kv_at_swap not in ("keep", "recompute"):
             raise ValueError(f"kv_at_swap={kv_at_swap!r}: use 'keep' or 'recompute'")
+        if schedule not in ("fifo", "longest_first"):
+            raise ValueError(f"schedule={schedule!r}: use 'fifo' or 'longest_first'")
+        self.schedule = schedule
         self.model, self.params, self.pad_token_id = model, params, pad_token_id
         self.stop_ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
         self.max_running, self.kv_at_swap, self.greedy = max_running, kv_at_swap, greedy
@@ -180,7 +191,7 @@ class ContinuousBatcher:
             raise RuntimeError("run() needs an idle batcher; drive a shared one with submit() and step()")
         requests = list(requests)
         tag = object()  # marks this call's requests among any others queued
-        self.submit(Request((tag, i), r.prompt, r.max_new_tokens) for i, r in enumerate(requests))
+        self.submit(Request((tag, i), r.prompt, r.max_new_tokens, r.expected_len) for i, r in enumerate(requests))
         done: dict[int, Finished] = {}
         while len(done) < len(requests):
             for f in self.step():
@@ -215,6 +226,8 @@ class ContinuousBatcher:
     def _admit(self) -> list[Finished]:
         """Prefill the waiting requests that fit into the free slots; join their cache to the batch."""
         free = self.max_running - len(self.rows)
+        if self.schedule == "longest_first" and free > 0 and self.waiting:
+            self._longest_first()
         admitted = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
         if not admitted:
             return []
@@ -224,6 +237,15 @@ class ContinuousBatcher:
         self.rows += rows
         self._sample(rows, logits)
         return self._retire()  # a sequence may end on its first token
+
+    def _longest_first(self) -> None:
+        """Order the waiting requests by expected answer length, longest first (a stable sort: equal
+        ones keep their order); an unknown length ranks as the mean of the known ones."""
+        known = [r.expected_len for r in self.waiting if r.expected_len is not None]
+        if not known:
+            return
+        mean = sum(known) / len(known)
+        self.waiting = deque(sorted(self.waiting, key=lambda r: -(mean if r.expected_len is None else r.expected_len)))
 
     def _prefill(self, contexts: list[list[int]]):
         """One forward pass over left-padded ``contexts``: (last logits (n, V), cache, mask (n, L))."""

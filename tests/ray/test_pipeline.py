@@ -98,15 +98,16 @@ def test_fit_accounts_for_every_item(ray_session, tmp_path, strategy, num_makers
     assert coordinator_logs and not any("blocking ray.get inside async actor" in t for t in coordinator_logs)
 
 
-@pytest.mark.parametrize("weight_updates", ["in_flight", "between_batches"])
-def test_streaming_makers_account_for_every_item(ray_session, tmp_path, weight_updates):
+@pytest.mark.parametrize("weight_updates,schedule", [("in_flight", "fifo"), ("between_batches", "longest_first")])
+def test_streaming_makers_account_for_every_item(ray_session, tmp_path, weight_updates, schedule):
     """maker.max_running: a maker generates continuously and sends each prompt's group as it
     finishes; blank and truncated prompts, exactly-once accounting, the staleness bound and the
     final weights hold as with batch-by-batch makers."""
     prompts = messy_prompts(tmp_path / "prompts.csv")
     cfg = small_config(tmp_path, "maker.num_makers=1", f"data.path={prompts}", "data.prompt_column=text",
                        "maker.max_running=6", "maker.samples_per_prompt=2", "algo.advantage=grpo",
-                       f"maker.weight_updates={weight_updates}", "maker.max_new_tokens=48")
+                       f"maker.weight_updates={weight_updates}", "maker.max_new_tokens=48",
+                       f"maker.schedule={schedule}")
     trainer = PPOTrainer(cfg)
     trainer.fit()
     history = trainer.history

@@ -83,6 +83,17 @@ def test_a_long_answer_does_not_hold_the_other_slot():
     assert batcher.steps == 11 and batcher.slot_steps == 11 + 5 and batcher.utilisation == 16 / 22
 
 
+@pytest.mark.parametrize("schedule,steps", [("fifo", 11), ("longest_first", 9)])
+def test_longest_first_starts_the_long_answer_before_the_short_ones(schedule, steps):
+    """Four 2-token answers queued before one of 10, two slots. In order, the long one starts after
+    the short ones (2 + 9 decode steps); longest first, it starts at once and the short ones pass
+    beside it (9 steps)."""
+    batcher = ContinuousBatcher(perturbed_actor(3), CFG.maker, pad_token_id=0, stop_ids=[], max_running=2,
+                                schedule=schedule)
+    out = batcher.run([Request(i, [5, 6], 2, expected_len=2) for i in range(4)] + [Request("long", [3], 10, 10)])
+    assert [len(f.tokens) for f in out] == [2, 2, 2, 2, 10] and batcher.steps == steps
+
+
 @pytest.mark.parametrize("kv_at_swap", ["keep", "recompute"])
 def test_a_swap_between_steps_is_recorded_per_token(kv_at_swap, tokenizer):
     old, new = perturbed_actor(4), perturbed_actor(5)
@@ -113,6 +124,8 @@ def test_bad_settings_are_refused_with_the_value(tokenizer):
         ContinuousBatcher(actor, CFG.maker, 0, [], max_running=0)
     with pytest.raises(ValueError, match="kv_at_swap='drop'"):
         ContinuousBatcher(actor, CFG.maker, 0, [], max_running=1, kv_at_swap="drop")
+    with pytest.raises(ValueError, match="schedule='sjf'"):
+        ContinuousBatcher(actor, CFG.maker, 0, [], max_running=1, schedule="sjf")
     with pytest.raises(ValueError, match="empty prompt"):
         ContinuousBatcher(actor, CFG.maker, 0, [], max_running=1).submit([Request("x", [])])
 
