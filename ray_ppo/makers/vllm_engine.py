@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ray_ppo.config import VLLM_INSTALL_HINT, Config
-from ray_ppo.models.generation import Rollout, SamplingParams, end_ids, left_pad
+from ray_ppo.models.generation import Rollout, SamplingParams, end_ids, rollout_of_responses
 
 
 def logprobs_mode_for(temperature: float) -> str:
@@ -128,20 +128,10 @@ class VllmEngine:
             detokenize=False)
         outputs = self._on_thread(self.llm.generate, [{"prompt_token_ids": list(p)} for p in prompts], sampling,
                                   use_tqdm=False)
-        responses = [out.outputs[0] for out in outputs]
-        input_ids, prompt_mask = left_pad(prompts, pad_token_id)
-        width = max(len(r.token_ids) for r in responses)
-        tokens = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-        log_probs = torch.zeros((len(prompts), width), dtype=torch.float32)
-        action_mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-        for row, response in enumerate(responses):
-            ids = list(response.token_ids)
-            tokens[row, :len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-            log_probs[row, :len(ids)] = torch.tensor([response.logprobs[t][tok].logprob for t, tok in enumerate(ids)])
-            action_mask[row, :len(ids)] = True  # a response ends at its first end token or at max_new_tokens
-        sequences = torch.cat([input_ids, tokens], dim=1)
-        attention_mask = torch.cat([prompt_mask, action_mask.long()], dim=1)
-        return Rollout(sequences, attention_mask, action_mask, input_ids.shape[1], log_probs=log_probs)
+        responses = [out.outputs[0] for out in outputs]  # each ends at its first end token or at max_new_tokens
+        ids = [list(r.token_ids) for r in responses]
+        sampled = [[r.logprobs[t][tok].logprob for t, tok in enumerate(row)] for r, row in zip(responses, ids)]
+        return rollout_of_responses(prompts, ids, sampled, pad_token_id)
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         """Load a complete actor state (Hugging Face names) and tag the engine with ``version``;

@@ -44,7 +44,7 @@ from torch import nn
 
 from ray_ppo.algo import log_probs_from_logits
 from ray_ppo.config import SamplingParams
-from ray_ppo.models.generation import Rollout, left_pad, model_device
+from ray_ppo.models.generation import Rollout, left_pad, model_device, rollout_of_responses
 
 KvAtSwap = Literal["keep", "recompute"]
 Schedule = Literal["fifo", "longest_first"]
@@ -379,16 +379,6 @@ def rollout_of(finished: Sequence[Finished], pad_token_id: int) -> tuple[Rollout
         The rollout (B = len(finished), on the CPU) and a (B,) int64 tensor of each row's oldest
         token version (the policy version a staleness bound counts it at).
     """
-    prompt_ids, prompt_mask = left_pad([f.prompt for f in finished], pad_token_id)
-    width = max(len(f.tokens) for f in finished)
-    responses = torch.full((len(finished), width), pad_token_id, dtype=torch.long)
-    action_mask = torch.zeros((len(finished), width), dtype=torch.bool)
-    log_probs = torch.zeros((len(finished), width), dtype=torch.float32)
-    for row, f in enumerate(finished):
-        n = len(f.tokens)
-        responses[row, :n] = torch.tensor(f.tokens, dtype=torch.long)
-        action_mask[row, :n] = True
-        log_probs[row, :n] = torch.tensor(f.log_probs, dtype=torch.float32)
-    rollout = Rollout(torch.cat([prompt_ids, responses], dim=1), torch.cat([prompt_mask, action_mask.long()], dim=1),
-                      action_mask, prompt_ids.shape[1], log_probs=log_probs)
+    rollout = rollout_of_responses([f.prompt for f in finished], [f.tokens for f in finished],
+                                   [f.log_probs for f in finished], pad_token_id)
     return rollout, torch.tensor([min(f.versions) for f in finished], dtype=torch.long)

@@ -98,6 +98,33 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch
     return input_ids, attention_mask
 
 
+def rollout_of_responses(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                         log_probs: Sequence[Sequence[float]], pad_token_id: int) -> Rollout:
+    """A ``Rollout`` (on the CPU) of responses sampled elsewhere (an engine, a continuous batcher):
+    prompts left-padded, responses right-padded, each response's tokens all in the action mask.
+
+    Args:
+        prompts: B lists of token ids, each non-empty.
+        responses: B lists of sampled token ids, each ending at its end token or its cap.
+        log_probs: B lists of the sampler's log-prob of each response token.
+        pad_token_id: the id written at padded positions.
+
+    Returns:
+        The rollout: (B, P+R) sequences and attention mask, (B, R) action mask and float32 log-probs.
+    """
+    input_ids, prompt_mask = left_pad(prompts, pad_token_id)
+    width = max(len(r) for r in responses)
+    tokens = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    sampled = torch.zeros((len(prompts), width), dtype=torch.float32)
+    action_mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for row, (ids, lps) in enumerate(zip(responses, log_probs, strict=True)):
+        tokens[row, :len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
+        sampled[row, :len(ids)] = torch.as_tensor(list(lps), dtype=torch.float32)
+        action_mask[row, :len(ids)] = True
+    return Rollout(torch.cat([input_ids, tokens], dim=1), torch.cat([prompt_mask, action_mask.long()], dim=1),
+                   action_mask, input_ids.shape[1], log_probs=sampled)
+
+
 def stop_token_ids(tokenizer, model: nn.Module | None = None) -> tuple[int, ...]:
     """The token ids that end a response: the tokenizer's EOS, every end id of ``model``'s
     generation config (a checkpoint's generation_config.json may list several: Llama-3-Instruct's
