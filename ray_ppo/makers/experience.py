@@ -182,13 +182,7 @@ class ExperienceMaker:
         batch = self._to_batch(rollout, reward, policy_version, kl_coef, stats, token_scores, faulted).to("cpu")
         stats.score_s = time.perf_counter() - start
         stats.num_tokens = int(rollout.action_mask.sum())
-        items = batch.split()
-        for i, item in enumerate(items):
-            item.uid = f"{self.name}-{self._counter}-{i}"
-            item.prompt = None if given is None else given[i]
-            item.episode = None if counts is None else counts[i]
-        self._counter += 1
-        return items, stats
+        return self._items(batch, given, counts), stats
 
     @torch.no_grad()
     def experience_of(self, finished: Sequence[Finished], kl_coef: float | None = None,
@@ -219,12 +213,17 @@ class ExperienceMaker:
         batch = self._to_batch(rollout, reward, versions.to(self.device), kl_coef, stats, sampled=True).to("cpu")
         stats.score_s = time.perf_counter() - start
         stats.num_tokens = int(rollout.action_mask.sum())
+        return self._items(batch, prompts), stats
+
+    def _items(self, batch: ExperienceBatch, prompts: Sequence | None, counts: list | None = None) -> list[ExperienceItem]:
+        """``batch`` as items, each with a uid unique to this maker, its prompt and its episode's counts."""
         items = batch.split()
         for i, item in enumerate(items):
             item.uid = f"{self.name}-{self._counter}-{i}"
             item.prompt = None if prompts is None else prompts[i]
+            item.episode = None if counts is None else counts[i]
         self._counter += 1
-        return items, stats
+        return items
 
     def _sample(self, prompt_ids: list, max_new_tokens: int | None = None) -> Rollout:
         """One response per prompt, with the engine or HF ``generate``, on the actor's device."""
