@@ -209,7 +209,8 @@ class MakerWorker:
             whole = []
             self.spanning += sum(1 for f in done if f.swaps)
             for f in done:
-                self._learn_length(f.key[3], len(f.tokens))
+                if m.schedule == "longest_first":  # fifo reads no estimate: keep none
+                    self._learn_length(f.key[3], len(f.tokens))
                 group = groups[f.key[:2]]
                 group.append(f)
                 if len(group) == m.samples_per_prompt:
