@@ -180,7 +180,9 @@ class MakerWorker:
         from ray_ppo.models.continuous import ContinuousBatcher, Request
 
         m = self.cfg.maker
-        self.batcher = batcher = ContinuousBatcher(
+        # A maker may bring its own batcher class (benchmarks simulate one: ray_ppo.makers.testing).
+        batcher_class = getattr(self.maker, "batcher_class", ContinuousBatcher)
+        self.batcher = batcher = batcher_class(
             self.maker.actor, m, self.maker.tokenizer.pad_token_id, self.maker.stop_ids, max_running=m.max_running,
             kv_at_swap=m.kv_at_swap, version=self.version, schedule=m.schedule)
         groups: dict[tuple, list] = {}  # (batch number, prompt index) -> its finished sequences

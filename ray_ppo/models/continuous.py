@@ -142,6 +142,7 @@ class ContinuousBatcher:
         self._cache_arg = _cache_argument(model)
         self.steps = 0
         self.slot_steps = 0  # sum over decode steps of the rows running: max_running * steps when always full
+        self.kv_kept = self.kv_recomputed = 0  # running sequences whose cache a swap kept / recomputed
 
     # -- the caller's side ------------------------------------------------------------------------
     def submit(self, requests: Iterable[Request]) -> None:
@@ -215,6 +216,10 @@ class ContinuousBatcher:
         self.version = version
         for row in self.rows:
             row.swaps += 1
+        if self.kv_at_swap == "keep":
+            self.kv_kept += len(self.rows)
+        else:
+            self.kv_recomputed += len(self.rows)
         if self.rows and self.kv_at_swap == "recompute":
             self.cache, self.mask = self._prefill([row.context() for row in self.rows])[1:]
 
