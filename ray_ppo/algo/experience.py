@@ -67,6 +67,11 @@ class ExperienceItem:
     truncated: bool = False
     """The response was cut at ``maker.max_new_tokens`` without an end token (a single completion
     only: False for a multi-turn episode)."""
+    version_runs: tuple[tuple[int, int], ...] | None = None
+    """The policy versions that sampled the response's tokens, as runs ``((version, tokens), ...)``
+    in token order: a streaming maker swaps weights in while a sequence runs
+    (``maker.weight_updates=in_flight``), so its tokens may span versions, the oldest being
+    ``policy_version``. None: every token was sampled at ``policy_version``."""
 
     @classmethod
     def filled(cls, prompt_ids: torch.Tensor, response_ids: torch.Tensor,
@@ -303,5 +308,6 @@ def unpack(packed: PackedItems, start: int = 0, stop: int | None = None) -> list
                                   prompt_id=-1 if packed.prompt_id is None else int(packed.prompt_id[i]),
                                   action_mask=masks[r0:r1] if masks is not None and packed.has_mask[i] else None,
                                   episode=None if packed.episodes is None else packed.episodes[i],
-                                  truncated=packed.truncated is not None and bool(packed.truncated[i])))
+                                  truncated=packed.truncated is not None and bool(packed.truncated[i]),
+                                  version_runs=None if packed.version_runs is None else packed.version_runs[i]))
     return out

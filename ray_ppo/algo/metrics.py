@@ -27,13 +27,38 @@ def experience_metrics(items: list[ExperienceItem], version: int, reference: boo
     staleness = torch.tensor([version - it.policy_version for it in items], dtype=torch.float32)
     metrics = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(items) > 1 else 0.0,
                **({"kl": float(kl.mean())} if reference else {}), "response_length": float(lengths.mean()),
-               "staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max())}
+               "staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max()),
+               **token_lag(items, version)}
     episodes = [it.episode for it in items if it.episode is not None]
     for key in sorted({key for counts in episodes for key, value in counts.items() if not isinstance(value, str)}):
         metrics[f"env/{key}"] = sum(counts.get(key, 0.0) for counts in episodes) / len(episodes)
     if episodes:
         metrics["fault_count"] = float(sum(counts["fault"] for counts in episodes))
     return metrics
+
+
+def token_lag(items: list[ExperienceItem], version: int) -> dict[str, float]:
+    """The policy lag of the tokens trained: ``version`` minus the version that sampled each response
+    token (``ExperienceItem.version_runs``; ``policy_version`` for every token of an item without
+    them), its mean over the tokens and its max, and the mean number of weight swaps a response
+    spans (its version runs less one; 0 unless a streaming maker swapped weights in mid-sequence).
+
+    Args:
+        items: the step's items.
+        version: the trainer's policy version.
+
+    Returns:
+        ``token_lag_mean``, ``token_lag_max`` and ``swaps_per_sequence``.
+    """
+    tokens = lag_sum = swaps = 0
+    lag_max = float("-inf")
+    for it in items:
+        runs = it.version_runs or ((it.policy_version, it.response_length),)
+        for v, n in runs:
+            tokens, lag_sum, lag_max = tokens + n, lag_sum + n * (version - v), max(lag_max, version - v)
+        swaps += len(runs) - 1
+    return {"token_lag_mean": lag_sum / max(tokens, 1), "token_lag_max": float(lag_max),
+            "swaps_per_sequence": swaps / len(items)}
 
 
 def _actions(values: torch.Tensor, item: ExperienceItem) -> torch.Tensor:

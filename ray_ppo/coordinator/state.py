@@ -259,7 +259,9 @@ class MakerBook:
         s = self.states[maker_id]
         self._update(maker_id, generate_s=s.generate_s + stats.generate_s, idle_s=s.idle_s + stats.idle_s,
                      admission_s=s.admission_s + stats.admission_s, pause_s=s.pause_s + stats.pause_s,
-                     tokens=s.tokens + stats.num_tokens)
+                     tokens=s.tokens + stats.num_tokens, running=stats.running,
+                     slot_steps=s.slot_steps + stats.slot_steps, slot_capacity=s.slot_capacity + stats.slot_capacity,
+                     kv_kept=s.kv_kept + stats.kv_kept, kv_recomputed=s.kv_recomputed + stats.kv_recomputed)
         if stats.logprob_gap is not None:
             self.logprob_gaps.append(tuple(stats.logprob_gap))
 
@@ -272,7 +274,7 @@ class MakerBook:
 
     def restarted(self, maker_id: int) -> None:
         """A new process: back to the initial weights until it loads the latest push."""
-        self._update(maker_id, version=0, restarts=self.states[maker_id].restarts + 1)
+        self._update(maker_id, version=0, running=0, restarts=self.states[maker_id].restarts + 1)
 
     def failure(self) -> RuntimeError | None:
         """The first failed maker's error: a ``RuntimeError`` whose message is the run's one-line

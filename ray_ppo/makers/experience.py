@@ -191,7 +191,8 @@ class ExperienceMaker:
         ``samples_per_prompt`` sequences next to each other. Scored, shaped and with advantages as
         ``make_experience`` makes them, except that the behaviour log-probs are always the
         sampler's own, token by token (weights may have changed during a sequence, so no forward
-        pass now could give them), and each item's ``policy_version`` is its oldest token's.
+        pass now could give them), and each item's ``policy_version`` is its oldest token's (its
+        ``version_runs`` give every token's, where they differ).
 
         Args:
             finished: the sequences, group by group.
@@ -213,7 +214,11 @@ class ExperienceMaker:
         batch = self._to_batch(rollout, reward, versions.to(self.device), kl_coef, stats, sampled=True).to("cpu")
         stats.score_s = time.perf_counter() - start
         stats.num_tokens = int(rollout.action_mask.sum())
-        return self._items(batch, prompts), stats
+        items = self._items(batch, prompts)
+        for item, f in zip(items, finished, strict=True):
+            runs = f.version_runs
+            item.version_runs = tuple(runs) if len(runs) > 1 else None  # one run: policy_version says it all
+        return items, stats
 
     def _items(self, batch: ExperienceBatch, prompts: Sequence | None, counts: list | None = None) -> list[ExperienceItem]:
         """``batch`` as items, each with a uid unique to this maker, its prompt and its episode's counts."""

@@ -414,13 +414,14 @@ class MakerWorker:
 
 
 class _Unreported:
-    """What a streaming maker has not yet reported to the coordinator: blank prompts and the time
-    generating and waiting since its last send."""
+    """What a streaming maker has not yet reported to the coordinator: blank prompts, the time
+    generating and waiting, and its batcher's slot and cache counts since its last send."""
 
-    def __init__(self):
+    def __init__(self, counted: tuple[int, int, int, int] = (0, 0, 0, 0)):
         self.blank_ids: list[int] = []
         self.blank = self.truncated = 0
         self.generate_s = self.admission_s = 0.0
+        self.counted = counted  # the batcher's (slot capacity, slot steps, kv kept, kv recomputed) at the last send
 
     def ready_to_send(self, busy: bool) -> bool:
         """Blank prompts go at once when no sequence runs (none would carry them soon)."""
@@ -439,13 +440,18 @@ class _Unreported:
             prompt_ids = [group[0].key[3] for group in groups if group[0].key[3] is not None]
             worker.items_made += len(items)
         ids = [*prompt_ids, *self.blank_ids]
+        batcher = worker.batcher
+        counted = (batcher.steps * batcher.max_running, batcher.slot_steps, batcher.kv_kept, batcher.kv_recomputed)
+        capacity, slot_steps, kv_kept, kv_recomputed = (now - before for now, before in zip(counted, self.counted))
         pause_s, worker._unreported_pause_s = worker._unreported_pause_s, 0.0
         idle_s, worker._unreported_idle_s = self.admission_s + worker._unreported_idle_s, 0.0
         stats = MakerStats(num_prompts=len(groups or []) + self.blank, prompt_ids=tuple(ids), blank=self.blank,
                            truncated=self.truncated, idle_s=idle_s, pause_s=pause_s, admission_s=self.admission_s,
                            generate_s=self.generate_s + (made.score_s if made else 0.0),
-                           num_tokens=made.num_tokens if made else 0)
-        self.__init__()
+                           num_tokens=made.num_tokens if made else 0, running=len(batcher.rows),
+                           slot_steps=slot_steps, slot_capacity=capacity, kv_kept=kv_kept,
+                           kv_recomputed=kv_recomputed)
+        self.__init__(counted)
         return items, stats
 
 

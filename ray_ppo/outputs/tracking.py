@@ -17,6 +17,13 @@ from ray_ppo.outputs.samples import SamplesFile, split_samples
 LIVE_KEYS = (("reward_mean", "reward", "{:.3f}"), ("kl", "kl", "{:.4f}"), ("policy_version", "v", "{:.0f}"),
              ("staleness_mean", "stale", "{:.2f}"), ("samples_per_s", "samples/s", "{:.1f}"))
 
+STREAM_KEYS = (("maker_sequences_running", "running", "{:.0f}"), ("maker_slot_utilisation", "slots", "{:.2f}"),
+               ("token_lag_mean", "lag", "{:.2f}"), ("token_lag_max", "max", "{:.0f}"),
+               ("swaps_per_sequence", "swaps/seq", "{:.2f}"), ("kv_kept", "kv kept", "{:.0f}"),
+               ("kv_recomputed", "kv recomputed", "{:.0f}"))
+"""Streaming makers' figures (``maker.max_running`` > 0): on the live line when a row has
+``maker_sequences_running``, after LIVE_KEYS, as ``running 12, slots 0.93, lag 0.41, max 2, ...``."""
+
 PROGRESS_KEYS = ("reward_mean", "kl", "samples_per_s")
 """The LIVE_KEYS shown in the postfix of the progress bar."""
 
@@ -28,6 +35,14 @@ COUNT_KEYS = (("prompts_blank", "blank"), ("prompts_truncated", "truncated"), ("
 def counts_text(metrics: dict) -> str:
     """``blank 3, discarded 16``: the non-zero COUNT_KEYS of a row ("" if all are zero or absent)."""
     return ", ".join(f"{label} {int(metrics[key])}" for key, label in COUNT_KEYS if metrics.get(key))
+
+
+def stream_text(metrics: dict) -> str:
+    """``running 12, slots 0.93, lag 0.41, ...``: a streaming run's STREAM_KEYS in a row ("" for
+    a run whose makers work batch by batch)."""
+    if "maker_sequences_running" not in metrics:
+        return ""
+    return ", ".join(f"{label} {fmt.format(metrics[key])}" for key, label, fmt in STREAM_KEYS if key in metrics)
 
 
 def counts_summary(rows: list[dict]) -> str:
@@ -210,6 +225,7 @@ class LiveLine:
     def __call__(self, metrics: dict) -> None:
         parts = [f"step {int(metrics['step'])}/{self.total_steps}"]
         parts += [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in LIVE_KEYS if key in metrics]
+        parts += [stream] if (stream := stream_text(metrics)) else []
         parts += [counts] if (counts := counts_text(metrics)) else []
         print(" | ".join(parts), file=self.stream, flush=True)
         for report in split_evals(metrics)[1]:

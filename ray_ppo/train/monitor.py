@@ -18,9 +18,10 @@ VERIFY_TIMEOUT_S = 60.0
 class MakerMonitor:
     """Generation throughput and maker idle ratio since the previous step, from the coordinator's totals."""
 
-    def __init__(self, coordinator: CoordinatorClient, engine_gaps: bool = False):
+    def __init__(self, coordinator: CoordinatorClient, engine_gaps: bool = False, streaming: bool = False):
         self.coordinator = coordinator
-        self.last = {"tokens": 0.0, "generate_s": 0.0, "idle_s": 0.0}
+        self.last = {"tokens": 0.0, "generate_s": 0.0, "idle_s": 0.0, "slot_steps": 0.0, "slot_capacity": 0.0}
+        self.streaming = streaming  # maker.max_running > 0: report the makers' slots and caches
         self.gaps_seen = 0
         self.engine_gaps = engine_gaps  # vLLM makers: relay their log-prob gap (engine_logprob_gap_*)
         self.evals_seen = 0
@@ -45,7 +46,18 @@ class MakerMonitor:
                 "prompts_requeued": float(counters.prompts_requeued),
                 "prompts_served": float(counters.prompts_served), "prompts_blank": float(counters.blank_prompts),
                 "prompts_truncated": float(counters.truncated_prompts), "prompts_lost": float(counters.lost),
-                **(self._logprob_gap() if self.engine_gaps else {})}
+                **(self._logprob_gap() if self.engine_gaps else {}),
+                **(self._streaming(makers, delta) if self.streaming else {})}
+
+    @staticmethod
+    def _streaming(makers, delta: dict[str, float]) -> dict[str, float]:
+        """Streaming makers: sequences running at their last sends, the share of decode-step slots
+        that held one since the previous step (absent if no maker reported a step since), and the
+        caches weight swaps kept or recomputed so far."""
+        slots = {"maker_slot_utilisation": delta["slot_steps"] / delta["slot_capacity"]} if delta["slot_capacity"] else {}
+        return {"maker_sequences_running": float(sum(m.running for m in makers)), **slots,
+                "kv_kept": float(sum(m.kv_kept for m in makers)),
+                "kv_recomputed": float(sum(m.kv_recomputed for m in makers))}
 
     def evals(self, wait: bool = False) -> list:
         """The ``EvalReport``s finished since the previous call; ``wait``: once every evaluation

@@ -66,6 +66,16 @@ class MakerStats:
     """Seconds generation was paused for weight swaps since the previous batch."""
     logprob_gap: tuple[float, float, int] | None = None
     """With an inference engine: (sum, max, tokens) of |engine - HF| log-probs of the sampled tokens."""
+    running: int = 0
+    """Streaming makers (``maker.max_running``): the sequences running at the send."""
+    slot_steps: int = 0
+    """Streaming makers: decode steps times the sequences each ran, since the previous send."""
+    slot_capacity: int = 0
+    """Streaming makers: decode steps times ``maker.max_running``, since the previous send."""
+    kv_kept: int = 0
+    """Streaming makers: running sequences whose cache a weight swap kept (``maker.kv_at_swap``), since the previous send."""
+    kv_recomputed: int = 0
+    """Streaming makers: running sequences whose cache a weight swap recomputed, since the previous send."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,6 +212,16 @@ class MakerStatus:
     pause_s: float = 0.0
     """Generation paused for weight swaps."""
     tokens: int = 0
+    running: int = 0
+    """Streaming makers: the sequences running at its last send."""
+    slot_steps: int = 0
+    """Streaming makers: decode steps times the sequences each ran."""
+    slot_capacity: int = 0
+    """Streaming makers: decode steps times ``maker.max_running`` (``slot_steps / slot_capacity``: slot utilisation)."""
+    kv_kept: int = 0
+    """Streaming makers: running sequences whose cache a weight swap kept."""
+    kv_recomputed: int = 0
+    """Streaming makers: running sequences whose cache a weight swap recomputed."""
     reserved: int = 0
     """Prompts handed out whose items have not come back."""
     restarts: int = 0

@@ -55,6 +55,8 @@ class PackedItems:
     """Each item's episode counts (``ExperienceItem.episode``); None when no item has them."""
     truncated: object = None
     """(N,) bool NumPy array, ``ExperienceItem.truncated``; None when no item is truncated."""
+    version_runs: list | None = None
+    """Each item's ``ExperienceItem.version_runs``; None when no item has them."""
 
     def __len__(self) -> int:
         return len(self.uids)
@@ -80,6 +82,7 @@ class PackedItems:
                                           else np.ones(it.response_ids.numel(), dtype=bool) for it in items])
         episodes = [it.episode for it in items]
         truncated = np.array([it.truncated for it in items], dtype=bool)
+        runs = [it.version_runs for it in items]
         arrays = {name: flat(name, np.int64) for name in INT_FIELDS}
         arrays.update({name: flat(name, np.float32) for name in PER_TOKEN_FIELDS})
         return cls(arrays=arrays, prompt_offsets=offsets("prompt_ids"), response_offsets=offsets("response_ids"),
@@ -89,4 +92,5 @@ class PackedItems:
                    prompt_id=np.array([it.prompt_id for it in items], dtype=np.int64),
                    action_mask=action_mask, has_mask=has_mask if action_mask is not None else None,
                    episodes=episodes if any(e is not None for e in episodes) else None,
-                   truncated=truncated if truncated.any() else None)
+                   truncated=truncated if truncated.any() else None,
+                   version_runs=runs if any(r is not None for r in runs) else None)

@@ -121,8 +121,13 @@ def test_streaming_makers_account_for_every_item(ray_session, tmp_path, weight_u
     assert sum(s.get("made", 0) for s in trainer.maker_summaries) == counters.produced
     spanning = sum(s.get("spanning_swaps", 0) for s in trainer.maker_summaries)
     print(f"{weight_updates}: {spanning} sequences spanned a weight swap")
+    # item 6's figures, in every row: a token is never older than its item's oldest token
+    for m in history:
+        assert m["token_lag_mean"] <= m["token_lag_max"] <= m["staleness_max"]
+        assert 0 <= m["maker_sequences_running"] <= 6 and m["kv_recomputed"] == 0  # kv_at_swap=keep
+    assert any(0 < m.get("maker_slot_utilisation", 0) <= 1 for m in history)
     if weight_updates == "between_batches":  # swaps wait until no sequence runs
-        assert spanning == 0
+        assert spanning == 0 and all(m["swaps_per_sequence"] == 0 and m["kv_kept"] == 0 for m in history)
 
 
 def test_output_dir_holds_the_checkpoint_and_each_row_counts_the_prompts_trained_by_its_step(ray_session, tmp_path):

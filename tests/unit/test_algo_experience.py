@@ -168,6 +168,13 @@ def test_packed_items_survive_pickling_with_read_only_buffers(items):
     assert_items_equal(unpacked[1], items[1])
 
 
+def test_packed_items_carry_version_runs_where_an_item_has_them(items):
+    items[2].version_runs = ((5, 1), (6, 1))
+    got = unpack(PackedItems.pack(items))
+    assert [it.version_runs for it in got] == [None, None, ((5, 1), (6, 1))]
+    assert PackedItems.pack(items[:2]).version_runs is None  # nothing carried when no item has runs
+
+
 def test_packed_items_of_no_items():
     packed = PackedItems.pack([])
     assert len(packed) == 0 and unpack(packed) == []

@@ -104,6 +104,7 @@ def test_a_swap_between_steps_is_recorded_per_token(kv_at_swap, tokenizer):
     for _ in range(3):
         assert batcher.step() == []
     batcher.swap(lambda: model.load_state_dict(new.state_dict()), version=4)
+    assert (batcher.kv_kept, batcher.kv_recomputed) == ((2, 0) if kv_at_swap == "keep" else (0, 2))
     done = []
     while batcher.busy:
         done += batcher.step()
@@ -154,6 +155,8 @@ def test_finished_groups_become_experience_with_the_sampler_log_probs_and_the_ol
         torch.testing.assert_close(item.action_log_probs, torch.tensor(f.log_probs))
     spanning = [f for f in finished if f.versions[0] == 0 and f.versions[-1] == 1]  # running at the swap
     assert spanning and all(items[finished.index(f)].policy_version == 0 for f in spanning)
+    for item, f in zip(items, finished):  # runs where the versions differ, else policy_version says it all
+        assert item.version_runs == (tuple(f.version_runs) if f in spanning else None)
     with pytest.raises(ValueError, match="whole groups of 2"):
         maker.experience_of(finished[:3])
 
@@ -168,3 +171,16 @@ def test_what_does_not_stream_yet_is_refused_in_one_line(overrides, named):
     with pytest.raises(ConfigError, match=named) as refused:
         Config().with_overrides({"maker.max_running": 8, **overrides})
     assert "maker.max_running=0" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_lag_of_trained_tokens_counts_each_token_at_its_own_version():
+    from ray_ppo.algo import ExperienceItem
+    from ray_ppo.algo.metrics import experience_metrics
+
+    spanning = ExperienceItem.filled(torch.tensor([1]), torch.full((4,), 5), reward=0.0, policy_version=3,
+                                     version_runs=((3, 1), (4, 1), (5, 2)))
+    whole = ExperienceItem.filled(torch.tensor([1]), torch.full((2,), 5), reward=0.0, policy_version=5)
+    metrics = experience_metrics([spanning, whole], version=5)
+    # lags 2, 1, 0, 0 and 0, 0 over six tokens; the oldest token bounds the item's staleness
+    assert metrics["token_lag_mean"] == pytest.approx(3 / 6) and metrics["token_lag_max"] == 2.0
+    assert metrics["swaps_per_sequence"] == 1.0 and metrics["staleness_max"] == 2.0

@@ -176,6 +176,16 @@ def test_maker_book_sums_stats_and_reports_the_first_failure():
     assert book.versions() == {0: 0, 1: 0} and book.states[1].restarts == 1
 
 
+def test_maker_book_sums_a_streaming_makers_slots_and_caches_and_keeps_its_latest_running():
+    book = MakerBook(num_makers=1)
+    book.record(0, MakerStats(running=5, slot_steps=30, slot_capacity=40, kv_kept=3))
+    book.record(0, MakerStats(running=2, slot_steps=10, slot_capacity=20, kv_kept=1, kv_recomputed=2))
+    s = book.states[0]
+    assert (s.running, s.slot_steps, s.slot_capacity, s.kv_kept, s.kv_recomputed) == (2, 40, 60, 4, 2)
+    book.restarted(0)  # what ran died with the process
+    assert book.states[0].running == 0 and book.states[0].slot_steps == 40
+
+
 # -- PushRelay ----------------------------------------------------------------------------------
 
 

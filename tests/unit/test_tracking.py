@@ -127,6 +127,20 @@ def test_progress_plain_prints_the_live_line(tmp_path):
     assert lines[0] == "step 1/3 | reward 0.095 | kl 0.0010 | v 1 | samples/s 101.0"
 
 
+def test_the_live_line_shows_a_streaming_runs_slots_lag_and_caches():
+    row = {**fake_rows(1)[0], "maker_sequences_running": 12.0, "maker_slot_utilisation": 0.934,
+           "token_lag_mean": 0.41, "token_lag_max": 2.0, "swaps_per_sequence": 0.25, "kv_kept": 40.0,
+           "kv_recomputed": 0.0}
+    out = io.StringIO()
+    LiveLine(3, stream=out)(row)
+    assert out.getvalue().rstrip().endswith(
+        "| running 12, slots 0.93, lag 0.41, max 2, swaps/seq 0.25, kv kept 40, kv recomputed 0")
+    batch_row = {**fake_rows(1)[0], "token_lag_mean": 0.5, "token_lag_max": 1.0}  # makers batch by batch
+    out = io.StringIO()
+    LiveLine(3, stream=out)(batch_row)
+    assert "lag" not in out.getvalue()
+
+
 def test_progress_defaults_to_plain_lines_when_not_a_terminal(capsys):
     progress = Progress(5)  # stdout is pytest's capture: not a TTY
     progress({"step": 2, "reward_mean": 0.25, "kl": 0.001, "policy_version": 2})
