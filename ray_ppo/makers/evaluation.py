@@ -250,6 +250,7 @@ class Evaluation:
         self.encoder = PromptEncoder(tokenizer, cfg.data.max_prompt_len, cfg.data.chat_template)
         self.reward_fn = load_reward_fn(reward_fn)
         self.batch_size = cfg.maker.batch_size
+        self.max_running = cfg.maker.max_running  # > 0: the HF model answers through a ContinuousBatcher
         self.sampling = cfg.maker.model_copy(update={"max_new_tokens": max_new_tokens or cfg.maker.max_new_tokens})
         from ray_ppo.makers.build import build_episode_runner
 
@@ -268,8 +269,10 @@ class Evaluation:
 
         ends = stop_token_ids(self.tokenizer, actor)
         rows: list[tuple[Prompt, str, float]] = []
-        for start in range(0, len(self.prompts), self.batch_size):
-            encoded = self.encoder.encode(self.prompts[start:start + self.batch_size])
+        # Streaming makers answer every prompt in one stream, its slots refilled as answers end.
+        size = len(self.prompts) if self._streams(engine) and self.episodes is None else self.batch_size
+        for start in range(0, len(self.prompts), size):
+            encoded = self.encoder.encode(self.prompts[start:start + size])
             ids = [i for i in encoded.ids for _ in range(self.k)]
             batch_prompts = [p for p in encoded.prompts for _ in range(self.k)]
             if self.episodes is not None:
@@ -294,7 +297,16 @@ class Evaluation:
         pad = self.tokenizer.pad_token_id
         if engine is not None:
             return engine.generate(prompt_ids, sampling, pad, ends, greedy=self.greedy)
+        if self._streams(engine):  # the engine path the maker's experience takes
+            from ray_ppo.models.continuous import ContinuousBatcher, Request, rollout_of
+
+            batcher = ContinuousBatcher(actor, sampling, pad, ends, max_running=self.max_running, greedy=self.greedy)
+            return rollout_of(batcher.run(Request(i, list(ids)) for i, ids in enumerate(prompt_ids)), pad)[0]
         return generate(actor, prompt_ids, sampling, pad, ends, greedy=self.greedy)
+
+    def _streams(self, engine) -> bool:
+        """Whether the HF model answers through a ``ContinuousBatcher`` (``maker.max_running`` > 0)."""
+        return engine is None and self.max_running > 0
 
     @torch.no_grad()
     def _episodes(self, prompt_ids, prompts, actor, engine, ends) -> tuple[list[str], list[float]]:

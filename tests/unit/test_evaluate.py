@@ -143,3 +143,20 @@ def test_eval_resolves_its_model_once(tiny_path, monkeypatch, capsys):
     monkeypatch.setattr(evaluate_module, "resolve_model", lambda model: calls.append(model) or real(model))
     assert main(["eval", "tiny", "--config", TINY, "--data", PROMPTS, "--num-prompts", "2"]) == 0
     assert calls == ["tiny"]
+
+
+def test_a_streaming_makers_evaluation_answers_through_its_batcher_as_batch_generation_does(tiny_path, monkeypatch):
+    """maker.max_running > 0: evaluation takes the engine path experience takes (one stream of
+    every prompt), and greedy answers are those of batch-by-batch generation."""
+    from ray_ppo.models import continuous
+
+    streamed = []
+    run = continuous.ContinuousBatcher.run
+    monkeypatch.setattr(continuous.ContinuousBatcher, "run",
+                        lambda self, requests: streamed.append(self.max_running) or run(self, requests))
+    cfg = load_config(TINY)
+    batch = evaluate(cfg, "tiny", PROMPTS, num_prompts=12)
+    assert streamed == []
+    stream = evaluate(cfg.with_overrides({"maker.max_running": 4}), "tiny", PROMPTS, num_prompts=12)
+    assert streamed == [4]  # the 12 prompts in one stream of 4 slots, whatever maker.batch_size is
+    assert (stream.accuracy, stream.reward_mean, stream.samples) == (batch.accuracy, batch.reward_mean, batch.samples)
