@@ -191,8 +191,9 @@ class ExperienceMaker:
         ``samples_per_prompt`` sequences next to each other. Scored, shaped and with advantages as
         ``make_experience`` makes them, except that the behaviour log-probs are always the
         sampler's own, token by token (weights may have changed during a sequence, so no forward
-        pass now could give them), and each item's ``policy_version`` is its oldest token's (its
-        ``version_runs`` give every token's, where they differ).
+        pass now could give them), and each item's ``policy_version`` is the oldest token's of its
+        group (a group travels in one chunk, of one version; the item's ``version_runs`` give
+        every token's own, where they differ from it).
 
         Args:
             finished: the sequences, group by group.
@@ -208,6 +209,8 @@ class ExperienceMaker:
         stats = MakeStats(num_samples=len(finished))
         start = time.perf_counter()
         rollout, versions = rollout_of(finished, self.tokenizer.pad_token_id)
+        # A group travels, and is counted for staleness, as one: at its oldest sequence's version.
+        versions = versions.view(-1, self.group_size).min(dim=1).values.repeat_interleave(self.group_size)
         rollout = self._on_device(rollout)
         reward = self._score(rollout, None if prompts is None else list(prompts))
         kl_coef = self.ppo.kl_coef if kl_coef is None else kl_coef

@@ -159,16 +159,21 @@ class MakerWorker:
                 if batch is None:
                     break
                 made_batch = self._make(batch.prompts, batch.ids, encoded, waited_s)
-        except Exception as e:  # reported in one line, with the full traceback for RUN_DIR/error.log
-            where = traceback.extract_tb(e.__traceback__)[-1]
-            summary = f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})"
-            ray.get(self.coordinator.maker_failed.remote(self.maker_id, summary, "".join(traceback.format_exception(e))))
+        except Exception as e:
+            self._report_failure(e)
             raise
         finally:
             if made_batch is not None:
                 self._queue(made_batch)
             self.outbox.put(None)
         return {"made": self.items_made, "version": self.version}
+
+    def _report_failure(self, e: Exception) -> None:
+        """Tell the coordinator this maker failed with ``e``: in one line, with the full traceback
+        for RUN_DIR/error.log (the coordinator's next pull ends the run with it)."""
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        summary = f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})"
+        ray.get(self.coordinator.maker_failed.remote(self.maker_id, summary, "".join(traceback.format_exception(e))))
 
     def _stream(self) -> None:
         """``maker.max_running`` > 0: continuous batching. Prompt batches are taken from the
@@ -200,7 +205,8 @@ class MakerWorker:
                         number += 1
                         self._open(batch, number, batcher, groups, unreported, Request)
             if unreported.ready_to_send(batcher.busy):
-                self._queue(unreported.send(None, self))
+                for made in unreported.send(None, self):
+                    self._queue(made)
             if not batcher.busy:
                 continue
             self.no_eval.wait()
@@ -218,7 +224,8 @@ class MakerWorker:
                 if len(group) == m.samples_per_prompt:
                     whole.append(groups.pop(f.key[:2]))
             if whole:
-                self._queue(unreported.send(whole, self))
+                for made in unreported.send(whole, self):
+                    self._queue(made)
 
     def _open(self, batch, number: int, batcher, groups: dict, unreported: _Unreported, request) -> None:
         """Queue a prompt batch's sequences in the batcher; its blank prompts wait for the next send."""
@@ -293,13 +300,17 @@ class MakerWorker:
         A batch travels packed, inside the call or by ref (``topology.transport``,
         ``ray_ppo.wire.transport``)."""
         unsent = 0
-        while (entry := self.outbox.get()) is not None:
-            items, stats = entry
-            chunk = ExperienceChunk.of(items, self.cfg.topology.transport, group_size=self.cfg.maker.samples_per_prompt,
-                                       put=put_object)
-            accepted = ray.get(self.coordinator.send.remote(self.maker_id, chunk, stats))
-            self.sent += accepted
-            unsent += len(items) - accepted
+        try:
+            while (entry := self.outbox.get()) is not None:
+                items, stats = entry
+                chunk = ExperienceChunk.of(items, self.cfg.topology.transport,
+                                           group_size=self.cfg.maker.samples_per_prompt, put=put_object)
+                accepted = ray.get(self.coordinator.send.remote(self.maker_id, chunk, stats))
+                self.sent += accepted
+                unsent += len(items) - accepted
+        except Exception as e:  # else generation would block on a full outbox and the run wait for nothing
+            self._report_failure(e)
+            raise
         return {"sent": self.sent, "unsent": unsent}
 
     # -- model_io -------------------------------------------------------------------------------
@@ -427,32 +438,42 @@ class _Unreported:
         """Blank prompts go at once when no sequence runs (none would carry them soon)."""
         return bool(self.blank_ids or self.blank) and not busy
 
-    def send(self, groups: list[list] | None, worker: MakerWorker) -> tuple[list, MakerStats]:
-        """The items of the finished ``groups`` (each ``samples_per_prompt`` sequences) and the stats
-        of the send, which carries every unreported blank prompt; then nothing is unreported."""
-        items, made, prompt_ids = [], None, []
+    def send(self, groups: list[list] | None, worker: MakerWorker) -> list[tuple[list, MakerStats]]:
+        """The items of the finished ``groups`` (each ``samples_per_prompt`` sequences) with the stats
+        of the send, which carry every unreported blank prompt; then nothing is unreported. A
+        chunk holds one policy version, so groups of different versions (their oldest sequence's)
+        go as one send each, the blank prompts and the times with the first."""
+        items, made = [], None
         if groups:
             finished = [f for group in groups for f in sorted(group, key=lambda f: f.key[2])]
             items, made = worker.maker.experience_of(finished, worker.kl_coef, [f.key[4] for f in finished])
             for item, f in zip(items, finished, strict=True):
                 if f.key[3] is not None:
                     item.prompt_id = int(f.key[3])
-            prompt_ids = [group[0].key[3] for group in groups if group[0].key[3] is not None]
             worker.items_made += len(items)
-        ids = [*prompt_ids, *self.blank_ids]
+        by_version: dict[int, list] = {}
+        for item in items:
+            by_version.setdefault(item.policy_version, []).append(item)
         batcher = worker.batcher
         counted = (batcher.steps * batcher.max_running, batcher.slot_steps, batcher.kv_kept, batcher.kv_recomputed)
         capacity, slot_steps, kv_kept, kv_recomputed = (now - before for now, before in zip(counted, self.counted))
         pause_s, worker._unreported_pause_s = worker._unreported_pause_s, 0.0
         idle_s, worker._unreported_idle_s = self.admission_s + worker._unreported_idle_s, 0.0
-        stats = MakerStats(num_prompts=len(groups or []) + self.blank, prompt_ids=tuple(ids), blank=self.blank,
-                           truncated=self.truncated, idle_s=idle_s, pause_s=pause_s, admission_s=self.admission_s,
-                           generate_s=self.generate_s + (made.score_s if made else 0.0),
-                           num_tokens=made.num_tokens if made else 0, running=len(batcher.rows),
-                           slot_steps=slot_steps, slot_capacity=capacity, kv_kept=kv_kept,
-                           kv_recomputed=kv_recomputed)
+        sends = []
+        for part in list(by_version.values()) or [[]]:
+            group_ids = [it.prompt_id for it in part[::worker.cfg.maker.samples_per_prompt] if it.prompt_id >= 0]
+            first = not sends
+            stats = MakerStats(
+                num_prompts=len(part) // worker.cfg.maker.samples_per_prompt + (self.blank if first else 0),
+                prompt_ids=tuple(group_ids + (self.blank_ids if first else [])), blank=self.blank if first else 0,
+                truncated=self.truncated if first else 0, num_tokens=sum(it.num_actions for it in part),
+                **(dict(idle_s=idle_s, pause_s=pause_s, admission_s=self.admission_s,
+                        generate_s=self.generate_s + (made.score_s if made else 0.0), running=len(batcher.rows),
+                        slot_steps=slot_steps, slot_capacity=capacity, kv_kept=kv_kept, kv_recomputed=kv_recomputed)
+                   if first else dict(running=len(batcher.rows))))
+            sends.append((part, stats))
         self.__init__(counted)
-        return items, stats
+        return sends
 
 
 def tag_prompt_ids(items: list, prompt_ids: list[int]) -> None:

@@ -150,8 +150,9 @@ def test_finished_groups_become_experience_with_the_sampler_log_probs_and_the_ol
     finished.sort(key=lambda f: f.key)
     items, stats = maker.experience_of(finished, kl_coef=0.0)
     assert len(items) == 6 and stats.num_tokens == sum(len(f.tokens) for f in finished)
-    for item, f in zip(items, finished):
-        assert item.response_ids.tolist() == f.tokens and item.policy_version == min(f.versions)
+    for i, (item, f) in enumerate(zip(items, finished)):  # a group is as old as its oldest sequence
+        group = finished[i - i % 2:i - i % 2 + 2]
+        assert item.response_ids.tolist() == f.tokens and item.policy_version == min(min(g.versions) for g in group)
         torch.testing.assert_close(item.action_log_probs, torch.tensor(f.log_probs))
     spanning = [f for f in finished if f.versions[0] == 0 and f.versions[-1] == 1]  # running at the swap
     assert spanning and all(items[finished.index(f)].policy_version == 0 for f in spanning)
@@ -184,3 +185,38 @@ def test_the_lag_of_trained_tokens_counts_each_token_at_its_own_version():
     # lags 2, 1, 0, 0 and 0, 0 over six tokens; the oldest token bounds the item's staleness
     assert metrics["token_lag_mean"] == pytest.approx(3 / 6) and metrics["token_lag_max"] == 2.0
     assert metrics["swaps_per_sequence"] == 1.0 and metrics["staleness_max"] == 2.0
+
+
+def test_a_send_of_groups_at_different_versions_goes_as_one_chunk_per_version():
+    """A chunk holds one policy version: groups that finish at the same step but started under
+    different weights go as separate sends, each listing its own prompts; the blank prompts and
+    the times go with the first."""
+    from types import SimpleNamespace
+
+    from ray_ppo.makers.build import build_experience_maker
+    from ray_ppo.makers.worker import _Unreported
+    from ray_ppo.wire.transport import ExperienceChunk
+
+    cfg = resolve_config(Config().with_overrides({"maker.samples_per_prompt": 2, "algo.advantage": "grpo",
+                                                  "maker.max_new_tokens": 6}))
+    maker = build_experience_maker(cfg, name="m")
+    batcher = ContinuousBatcher(maker.actor, cfg.maker, maker.tokenizer.pad_token_id, [], max_running=2)
+    batcher.submit([Request((1, 0, s, 10, "p10"), [3, 4]) for s in range(2)])
+    batcher.step()
+    batcher.swap(lambda: None, version=1)  # group 10 started at v0; group 11 starts at v1
+    batcher.submit([Request((1, 1, s, 11, "p11"), [5]) for s in range(2)])
+    finished = []
+    while batcher.busy:
+        finished += batcher.step()
+    groups = [[f for f in finished if f.key[1] == k] for k in (0, 1)]
+    worker = SimpleNamespace(maker=maker, kl_coef=0.0, items_made=0, batcher=batcher, cfg=cfg,
+                             _unreported_pause_s=0.0, _unreported_idle_s=0.0)
+    unreported = _Unreported()
+    unreported.blank_ids, unreported.blank, unreported.generate_s = [12], 1, 2.5
+    sends = unreported.send(groups, worker)
+    assert [(sorted({it.policy_version for it in items}), stats.prompt_ids) for items, stats in sends] == [
+        ([0], (10, 12)), ([1], (11,))]
+    assert [(s.num_prompts, s.blank, s.generate_s > 0) for _, s in sends] == [(2, 1, True), (1, 0, False)]
+    assert sum(s.num_tokens for _, s in sends) == sum(len(f.tokens) for f in finished)
+    for items, _ in sends:  # each is a chunk the sender can pack
+        assert ExperienceChunk.of(items, "inline", group_size=2).count == 2
