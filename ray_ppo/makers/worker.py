@@ -185,8 +185,11 @@ class MakerWorker:
         from ray_ppo.models.continuous import ContinuousBatcher, Request
 
         m = self.cfg.maker
-        # A maker may bring its own batcher class (benchmarks simulate one: ray_ppo.makers.testing).
+        # A maker may bring its own batcher class (benchmarks simulate one: ray_ppo.makers.testing);
+        # a vLLM engine streams through its own (VllmEngine.continuous_batcher, same interface).
         batcher_class = getattr(self.maker, "batcher_class", ContinuousBatcher)
+        if self.engine is not None:
+            batcher_class = self.engine.continuous_batcher
         self.batcher = batcher = batcher_class(
             self.maker.actor, m, self.maker.tokenizer.pad_token_id, self.maker.stop_ids, max_running=m.max_running,
             kv_at_swap=m.kv_at_swap, version=self.version, schedule=m.schedule)
