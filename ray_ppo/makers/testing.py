@@ -163,21 +163,14 @@ class SimulatedBatcher:
     counts the running sequences' caches as kept or recomputed (``kv_at_swap``; neither costs
     time here). ``log`` (a ``DeviceLog``) gets each step's counts.
 
-    ``one_version_per_step``: a step returns only the ended sequences of one oldest version (the
-    oldest), the others at the next steps (their slots freed when they ended; no wait while only
-    they remain). A streaming worker sends each step's sequences as one chunk, and a chunk holds
-    items of one policy version (``ray_ppo.wire.transport.ExperienceChunk``): sequences admitted
-    before and after a swap that end at one step would make the sender raise.
-
     The worker builds it as ``ContinuousBatcher``: a maker's ``batcher_class`` is this class with
-    ``step_s``, ``draw``, ``log`` and ``one_version_per_step`` bound (``SimulatedDeviceMaker.batcher_class``).
+    ``step_s``, ``draw`` and ``log`` bound (``SimulatedDeviceMaker.batcher_class``).
     """
 
     def __init__(self, model, params, pad_token_id: int, stop_ids: Iterable[int], max_running: int,
                  kv_at_swap: str = "keep", greedy: bool = False, version: int = 0, generator=None,
                  schedule: str = "fifo", *, step_s: float, draw: Callable[[], int] | None = None,
-                 log: DeviceLog | None = None, sleep: Callable[[float], None] = time.sleep,
-                 one_version_per_step: bool = False):
+                 log: DeviceLog | None = None, sleep: Callable[[float], None] = time.sleep):
         if max_running < 1:
             raise ValueError(f"max_running={max_running}: at least one sequence must be able to run")
         if kv_at_swap not in ("keep", "recompute"):
@@ -194,7 +187,6 @@ class SimulatedBatcher:
         self.waiting: deque[Request] = deque()
         self.lengths: dict[int, int] = {}  # id(request) -> its drawn length, while it waits
         self.rows: list[_SimRow] = []
-        self.one_version_per_step, self.held = one_version_per_step, []  # held: ended, not yet returned
         self.steps = self.slot_steps = self.kv_kept = self.kv_recomputed = 0
 
     def submit(self, requests: Iterable[Request]) -> None:
@@ -207,7 +199,7 @@ class SimulatedBatcher:
 
     @property
     def busy(self) -> bool:
-        return bool(self.rows or self.waiting or self.held)
+        return bool(self.rows or self.waiting)
 
     @property
     def utilisation(self) -> float:
@@ -220,7 +212,7 @@ class SimulatedBatcher:
         if admit:
             self._admit()
         if not self.rows:
-            return self._hand_over([])
+            return []
         start = time.perf_counter()
         self.sleep(self.step_s)
         slept = time.perf_counter() - start
@@ -234,16 +226,7 @@ class SimulatedBatcher:
         finished = [self._finished(row) for row in ended]
         self.log.add(sequences=len(finished), tokens=sum(len(f.tokens) for f in finished), steps=1,
                      slot_steps=len(self.rows) + len(ended), slept_s=slept)
-        return self._hand_over(finished)
-
-    def _hand_over(self, finished: list[Finished]) -> list[Finished]:
-        """What ``step`` returns of the sequences held and ``finished`` (``one_version_per_step``)."""
-        finished, self.held = self.held + finished, []
-        if not self.one_version_per_step or not finished:
-            return finished
-        oldest = min(min(f.versions) for f in finished)
-        self.held = [f for f in finished if min(f.versions) != oldest]
-        return [f for f in finished if min(f.versions) == oldest]
+        return finished
 
     def run(self, requests: Iterable[Request]) -> list[Finished]:
         """Generate ``requests`` to the end on an idle batcher; their results in order."""
@@ -330,8 +313,7 @@ class SimulatedDeviceMaker(WaitingExperienceMaker):
     @property
     def batcher_class(self):
         """What the streaming worker builds its batcher with (``MakerWorker._stream``)."""
-        return functools.partial(SimulatedBatcher, step_s=self.step_s, draw=self.draw_length, log=self.log,
-                                 one_version_per_step=True)  # the worker sends a step's sequences as one chunk
+        return functools.partial(SimulatedBatcher, step_s=self.step_s, draw=self.draw_length, log=self.log)
 
     def make_experience(self, prompt_ids: list[list[int]], policy_version: int, kl_coef: float | None = None,
                         prompts: Sequence | None = None):

@@ -79,24 +79,6 @@ def test_each_sequence_finishes_once_with_its_drawn_length():
     assert b.slot_steps == sum(len(f.tokens) for f in seen)
 
 
-def test_one_version_per_step_holds_the_newer_sequences_back_a_step():
-    """Sequences admitted before and after a swap that end at one step come back one oldest
-    version per step (a streaming worker sends a step's sequences as one chunk of one version)."""
-    b = batcher([3, 1, 2, 2], max_running=3, one_version_per_step=True)
-    b.submit(requests(4))
-    assert [f.key for f in b.step()] == [1]  # keys 0, 2 run on; key 3 takes key 1's slot next step
-    b.swap(lambda: None, version=1)
-    out = [[(f.key, min(f.versions)) for f in b.step()] for _ in range(3)]
-    assert out == [[(2, 0)], [(0, 0)], [(3, 1)]]  # 0 and 3 end at one step, 3 comes back at the next
-    assert b.steps == 3 and not b.busy  # handed over without a decode step
-    c = batcher([2, 1, 1], max_running=2, one_version_per_step=True)
-    c.submit(requests(3))
-    assert [f.key for f in c.step()] == [1]
-    c.swap(lambda: None, version=1)
-    assert [f.key for f in c.step()] == [0] and c.steps == 2 and c.busy  # key 2 (version 1) is held
-    assert [f.key for f in c.step()] == [2] and c.steps == 2 and not c.busy  # handed over without a step
-
-
 def test_swaps_are_recorded_per_token():
     b = batcher([4, 2, 3], max_running=2)
     b.submit(requests(3))
