@@ -3,7 +3,7 @@
     python benchmarks/overlap_sim.py [--repeats 3] [--ratios 1:2,1:1,2:1,4:1] [--makers 1,2,4] [--ranks 1,2]
                                      [--train-s 0.4] [--steps 12] [--skip 4] [--staleness auto|N]
                                      [--prefetch on|off|on,off] [--lengths fixed|lognormal|fixed,lognormal]
-                                     [--makers-mode batch|stream|batch,stream] [--median 5] [--sigma 1.0] [--cap 64]
+                                     [--makers-mode batch,stream,stream_between] [--median 5] [--sigma 1.0] [--cap 64]
 
 Everything is the product's code path (``PPOTrainer.fit``: coordinator, maker actors with their
 prompt fetch, admission, send loop and weight swaps, the ``TorchTrainer`` worker group with its
@@ -24,7 +24,9 @@ maker modes of a cell in a round answer with the same lengths. Maker modes (``--
 ``batch`` (``maker.max_running=0``: a generation batch of 16 sequences runs on the device until its
 longest answer ends, the finished slots idle meanwhile) and ``stream`` (``maker.max_running=16``:
 the worker drives a ``SimulatedBatcher``, where an answer frees its slot at the step it ends and a
-waiting sequence takes it at the next). Both do the same token work per decode step: one token
+waiting sequence takes it at the next; weights swap in between two decode steps), and
+``stream_between`` (the same with ``maker.weight_updates=between_batches``: a push waits until no
+sequence runs). All do the same token work per decode step: one token
 for each running sequence, up to 16. With fixed lengths the batch mode is the benchmark as it was
 before lengths were drawn (a batch is one wait of 8 steps).
 
@@ -71,7 +73,8 @@ comma lists of ``--lengths`` and ``--makers-mode`` (the maker mode varying faste
 and stream rows sit next to each other); with both modes a second table shows them side by side.
 The staleness bound of ``--staleness auto`` is the same in both modes; a streaming maker's items
 may be older than a batch's (a long answer spans pushes, counted at its oldest token), which the
-``staleness`` column shows.
+``staleness`` column shows; ``token lag`` is the median over measured steps of ``token_lag_mean``,
+the trained tokens' own lag (a token sampled after a swap is fresher than its item).
 
 Where the time went, per measured step: trainer ``wait`` (pull: waiting for experience),
 ``train``, ``push`` (how long rank 0's step was held by the push: a
@@ -110,6 +113,8 @@ PROMPTS_PER_BATCH = 16   # maker.batch_size
 ITEMS_PER_RANK = 32      # trainer.train_batch_size
 RESPONSE_LEN = 8         # --lengths fixed
 SLOTS = PROMPTS_PER_BATCH  # sequences the simulated device decodes together (maker.max_running when streaming)
+MODES = {"batch": "in_flight", "stream": "in_flight", "stream_between": "between_batches"}
+"""``--makers-mode`` -> maker.weight_updates (batch-by-batch makers swap between batches whatever it says)."""
 
 
 class SimLearner(PPOLearner):
@@ -133,9 +138,10 @@ class SimLearnerFactory:
 
 
 def cell_config(out: str, makers: int, ranks: int, steps: int, staleness: int, prefetch: bool = True,
-                stream: bool = False, cap: int = RESPONSE_LEN):
+                stream: bool = False, cap: int = RESPONSE_LEN, weight_updates: str = "in_flight"):
     return tiny_config(out, {"maker.num_makers": makers, "maker.num_cpus": 0.25, "maker.batch_size": PROMPTS_PER_BATCH,
                              "maker.max_running": SLOTS if stream else 0, "maker.max_new_tokens": cap,
+                             "maker.weight_updates": weight_updates,
                              "trainer.num_workers": ranks, "trainer.train_batch_size": ITEMS_PER_RANK,
                              "trainer.mini_batch_size": ITEMS_PER_RANK, "trainer.total_steps": steps,
                              "ppo.max_staleness": staleness, "trainer.prefetch": prefetch,
@@ -167,7 +173,7 @@ def answer_lengths(kind: str, args) -> tuple[AnswerLengths, int]:
 
 def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, skip: int, staleness: int = 1,
              prefetch: bool = True, lengths: AnswerLengths = AnswerLengths(RESPONSE_LEN), cap: int = RESPONSE_LEN,
-             stream: bool = False, seed: int = 0) -> dict:
+             stream: bool = False, seed: int = 0, weight_updates: str = "in_flight") -> dict:
     """One detached run; returns measured T_gen, T_train, step time and the breakdown."""
     from ray_ppo.api import PPOTrainer
 
@@ -185,7 +191,7 @@ def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, 
     with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as logs:
         maker_factory = functools.partial(SimulatedDeviceMaker, step_s=step_s, lengths=lengths, slots=SLOTS,
                                           log_dir=logs, seed=seed)
-        trainer = PPOTrainer(cell_config(out, makers, ranks, steps, staleness, prefetch, stream, cap),
+        trainer = PPOTrainer(cell_config(out, makers, ranks, steps, staleness, prefetch, stream, cap, weight_updates),
                              experience_maker_factory=maker_factory, learner_factory=SimLearnerFactory(train_s),
                              metrics_callbacks=[snapshot])
         trainer.fit()
@@ -214,6 +220,7 @@ def run_cell(makers: int, ranks: int, ratio: float, train_s: float, steps: int, 
             "backpressure": sum(s["idle_s"] - s["admission_s"] for s in states) / wall,
             "pause": sum(s["pause_s"] for s in states) / wall,
             "staleness": median([m["staleness_mean"] for m in kept]), "max_staleness": staleness,
+            "token_lag": median([m["token_lag_mean"] for m in kept]),
             "in_sync": h[-1].get("weights_in_sync")}
 
 
@@ -230,7 +237,9 @@ def main():
     ap.add_argument("--prefetch", default="on", help="trainer.prefetch: on, off, or on,off (both, interleaved)")
     ap.add_argument("--lengths", default="fixed", help="answer lengths: fixed (8 tokens), lognormal, or fixed,lognormal")
     ap.add_argument("--makers-mode", default="batch",
-                    help="batch (maker.max_running=0), stream (maker.max_running=16), or batch,stream (interleaved)")
+                    help="batch (maker.max_running=0), stream (maker.max_running=16, weights swapped in flight), "
+                         "stream_between (the same, maker.weight_updates=between_batches); a comma list runs them "
+                         "interleaved")
     ap.add_argument("--median", type=float, default=5.0, help="--lengths lognormal: the median answer, tokens")
     ap.add_argument("--sigma", type=float, default=1.0, help="--lengths lognormal: standard deviation of the log length")
     ap.add_argument("--cap", type=int, default=64, help="--lengths lognormal: maker.max_new_tokens")
@@ -242,8 +251,8 @@ def main():
     for kind in kinds:
         answer_lengths(kind, args)  # refuses a bad one before anything starts
     modes = args.makers_mode.split(",")
-    if not set(modes) <= {"batch", "stream"}:
-        raise SystemExit(f"--makers-mode {args.makers_mode!r}: use batch, stream or batch,stream")
+    if not set(modes) <= set(MODES):
+        raise SystemExit(f"--makers-mode {args.makers_mode!r}: use a comma list of {', '.join(MODES)}")
     cells = [(ranks, makers, r, p, k, mode) for makers, r, ranks, p, k, mode in
              itertools.product(map(int, args.makers.split(",")), ratios, map(int, args.ranks.split(",")), variants,
                                kinds, modes)]
@@ -257,8 +266,8 @@ def main():
             ranks, makers, r, prefetch, kind, mode = cell
             lengths, cap = answer_lengths(kind, args)
             res = run_cell(makers, ranks, ratios[r], args.train_s, args.steps, args.skip,
-                           cell_staleness(args.staleness, makers, ranks), prefetch, lengths, cap, mode == "stream",
-                           seed=rep)
+                           cell_staleness(args.staleness, makers, ranks), prefetch, lengths, cap, mode != "batch",
+                           seed=rep, weight_updates=MODES[mode])
             runs[cell].append(res)
             print(f"RUN rep={rep} ranks={ranks} makers={makers} ratio={r} prefetch={prefetch} lengths={kind} "
                   f"mode={mode} {res}", file=sys.stderr, flush=True)
@@ -275,14 +284,14 @@ def print_table(cells, runs, ratios, args, rounds: int, elapsed_s: float) -> Non
         ideal_speedup = (m["t_gen"] + m["t_train"]) / ideal_step
         speedup = (m["t_gen"] + m["t_train"]) / m["step_s"]
         ratio_ideal = ideal_step / m["step_s"]
-        ratio_of[cell] = (ratio_ideal, m["utilisation"], m["step_s"])
+        ratio_of[cell] = (ratio_ideal, m["utilisation"], m["step_s"], m["token_lag"])
         rows.append([ranks, makers, r, "on" if prefetch else "off", kind, mode, int(m["max_staleness"]),
                      m["t_gen"], m["t_gen_measured"], m["t_train"], m["tokens_per_item"], m["decode_step_s"],
                      m["utilisation"], ideal_step, m["step_s"], m["median_step_s"],
                      ideal_speedup, speedup,
                      ratio_ideal, "met" if ratio_ideal >= 0.95 else "missed",
                      m["wait"], m["train"], m["push"], m["other"],
-                     m["gen_share"], m["admission"], m["backpressure"], m["pause"], m["staleness"],
+                     m["gen_share"], m["admission"], m["backpressure"], m["pause"], m["staleness"], m["token_lag"],
                      "yes" if all(x["in_sync"] == 1.0 for x in rs) else "NO"])
     lognormal = (f", lognormal answers of median {args.median:g} tokens, sigma {args.sigma:g}, cap {args.cap}"
                  if "lognormal" in args.lengths else "")
@@ -294,13 +303,14 @@ def print_table(cells, runs, ratios, args, rounds: int, elapsed_s: float) -> Non
                             "slot utilisation", "ideal step s", "step s (mean)", "step s (median)",
                  "ideal speedup", "speedup vs sync", "ratio / ideal", ">= 0.95", "trainer wait s", "train s",
                  "push s", "other s", "maker gen share", "maker admission share", "maker back-pressure share",
-                 "maker pause share", "staleness", "weights in sync"], rows, args=args, title=title)
+                 "maker pause share", "staleness", "token lag", "weights in sync"], rows, args=args, title=title)
     modes = list(dict.fromkeys(cell[-1] for cell in cells))
     if len(modes) > 1:  # the modes of each cell side by side
         pairs = list(dict.fromkeys(cell[:-1] for cell in cells))
-        print(f"\nMaker modes side by side (ratio / ideal, slot utilisation, step s): {', '.join(modes)}\n")
+        print(f"\nMaker modes side by side (ratio / ideal, slot utilisation, step s, token lag): {', '.join(modes)}\n")
         print(table(["ranks", "makers", "T_gen:T_train", "prefetch", "lengths",
-                     *[f"{what} ({mode})" for mode in modes for what in ("ratio / ideal", "slot utilisation", "step s")]],
+                     *[f"{what} ({mode})" for mode in modes
+                       for what in ("ratio / ideal", "slot utilisation", "step s", "token lag")]],
                     [[*pair[:3], "on" if pair[3] else "off", pair[4],
                       *[x for mode in modes for x in ratio_of[(*pair, mode)]]] for pair in pairs]), flush=True)
 
