@@ -255,10 +255,6 @@ class MakerConfig(SamplingParams):
             raise ConfigError(
                 f"maker.quantization={self.quantization!r} quantizes float32 weights, but maker.dtype={self.dtype!r}; "
                 f"set one of them to null")
-        if self.max_running and self.engine != "hf":
-            raise ConfigError(
-                f"maker.max_running={self.max_running} is continuous batching of the HF engine, but maker.engine="
-                f"{self.engine!r}; set maker.max_running=0, or maker.engine=hf")
         if self.max_running and self.quantization:
             raise ConfigError(
                 f"maker.max_running={self.max_running} generates with the float weights, but maker.quantization="

@@ -11,23 +11,29 @@ advantages) stays the HF code path. The engine runs in the maker's own process
     engine's weight version set. The maker calls it under its model lock, after its HF copy
     took the push, so no batch ever sees two versions.
   - ``read_back()``: the engine's parameters as the worker holds them, for the sync check.
+  - ``continuous_batcher(...)``: a streaming maker's (``maker.max_running`` > 0) ``VllmBatcher``,
+    which drives vLLM's own scheduler step by step; a push loads between two steps, running
+    requests kept.
 
 vLLM is imported only here, and only when a maker builds an engine.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from ray_ppo.config import VLLM_INSTALL_HINT, Config
+from ray_ppo.models.continuous import ContinuousBatcher, Finished, KvAtSwap, Request, Schedule, _Row
 from ray_ppo.models.generation import Rollout, SamplingParams, end_ids, rollout_of_responses
 
 
@@ -75,11 +81,14 @@ class VllmEngine:
 
     def __init__(self, model_path: str, dtype: str, seed: int, max_model_len: int,
                  gpu_memory_utilization: float = 0.3, kv_cache_gib: float = 1.0, enforce_eager: bool = True,
-                 on_gpu: bool = False, temperature: float = 1.0, logprobs_mode: str | None = None):
+                 on_gpu: bool = False, temperature: float = 1.0, logprobs_mode: str | None = None,
+                 streaming: bool = False):
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-engine")
         self._on_thread(self._start, model_path, dtype, seed, max_model_len, gpu_memory_utilization, kv_cache_gib,
-                        enforce_eager, on_gpu, temperature, logprobs_mode)
+                        enforce_eager, on_gpu, temperature, logprobs_mode, streaming)
         self.version = 0
+        self.batcher: VllmBatcher | None = None  # a streaming maker's: its requests may be running in the engine
+        self._ids = itertools.count()
 
     def _on_thread(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` on the engine's thread; its result (or its exception) here."""
@@ -87,9 +96,16 @@ class VllmEngine:
 
     def _start(self, model_path: str, dtype: str, seed: int, max_model_len: int, gpu_memory_utilization: float,
                kv_cache_gib: float, enforce_eager: bool, on_gpu: bool, temperature: float,
-               logprobs_mode: str | None) -> None:
+               logprobs_mode: str | None, streaming: bool) -> None:
         vllm = _import_vllm()
+        from vllm.sampling_params import RequestOutputKind
+
         kwargs = {}
+        if streaming:
+            # Async scheduling (a GPU default) runs the next step while the last one's tokens are
+            # read out: a weight load between two steps would land inside one, and tokens would
+            # be reported a step after they were sampled (under the wrong version).
+            kwargs["async_scheduling"] = False
         if on_gpu:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         else:
@@ -110,7 +126,26 @@ class VllmEngine:
                               use_tqdm=False)
         except Exception as e:
             raise EngineError(f"vLLM cannot run model {model_path!r} (dtype {dtype}): {_one_line(e)}") from None
-        self._sampling_cls = vllm.SamplingParams
+        self._sampling_cls, self._output_kind = vllm.SamplingParams, RequestOutputKind
+
+    def sampling(self, params: SamplingParams, ends: Sequence[int], greedy: bool = False, max_tokens: int | None = None,
+                 kind: str = "FINAL_ONLY"):
+        """vLLM's sampling settings for ``params``: the sampled token's log-prob with each token,
+        ending at a token of ``ends`` (kept) or after ``max_tokens`` (None: ``params.max_new_tokens``);
+        ``kind``: the ``RequestOutputKind`` (FINAL_ONLY: one output when the request ends; DELTA:
+        each step's new tokens, for a ``VllmBatcher``)."""
+        return self._sampling_cls(
+            n=1, max_tokens=max_tokens or params.max_new_tokens, temperature=0.0 if greedy else params.temperature,
+            top_k=params.top_k if params.top_k > 0 and not greedy else -1, top_p=1.0 if greedy else params.top_p,
+            logprobs=0, stop_token_ids=list(ends) or None, ignore_eos=not ends, detokenize=False,
+            output_kind=self._output_kind[kind])
+
+    def continuous_batcher(self, actor: nn.Module, params: SamplingParams, pad_token_id: int, stop_ids: Iterable[int],
+                           **kwargs) -> VllmBatcher:
+        """A streaming maker's batcher (``maker.max_running`` > 0), built as it builds a
+        ``ContinuousBatcher``; ``actor`` (the HF copy) is not used: the engine holds its own weights."""
+        self.batcher = VllmBatcher(self, params, stop_ids, **kwargs)
+        return self.batcher
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, pad_token_id: int,
@@ -119,19 +154,33 @@ class VllmEngine:
         ``log_probs``: vLLM's log-prob of each sampled token (0 on padding). A response ends at its
         first token in ``eos_token_id`` (one id or several), or at ``params.max_new_tokens``.
         ``greedy``: the most likely token at each step (vLLM's temperature 0)."""
-        ends = end_ids(eos_token_id)
-        sampling = self._sampling_cls(
-            n=1, max_tokens=params.max_new_tokens, temperature=0.0 if greedy else params.temperature,
-            top_k=params.top_k if params.top_k > 0 and not greedy else -1, top_p=1.0 if greedy else params.top_p,
-            logprobs=0,
-            stop_token_ids=ends or None, ignore_eos=not ends,
-            detokenize=False)
-        outputs = self._on_thread(self.llm.generate, [{"prompt_token_ids": list(p)} for p in prompts], sampling,
-                                  use_tqdm=False)
+        sampling = self.sampling(params, end_ids(eos_token_id), greedy)
+        outputs = self._on_thread(self._generate, prompts, sampling)
         responses = [out.outputs[0] for out in outputs]  # each ends at its first end token or at max_new_tokens
         ids = [list(r.token_ids) for r in responses]
         sampled = [[r.logprobs[t][tok].logprob for t, tok in enumerate(row)] for r, row in zip(responses, ids)]
         return rollout_of_responses(prompts, ids, sampled, pad_token_id)
+
+    def _generate(self, prompts: Sequence[Sequence[int]], sampling) -> list:
+        """On the engine's thread: step the engine until every prompt is answered; their final
+        outputs in order. ``LLM.generate`` would step until no request is left, a streaming
+        batcher's too, and swallow their outputs (an evaluation mid-stream): those go to it."""
+        engine = self.llm.llm_engine
+        ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        for request_id, prompt in zip(ids, prompts):  # salted with the version: no block older weights computed
+            engine.add_request(request_id, {"prompt_token_ids": list(prompt), "cache_salt": str(self.version)},
+                               sampling)
+        done = {}
+        while len(done) < len(ids):
+            others = []
+            for output in engine.step():
+                if output.request_id.startswith("generate-"):
+                    done[output.request_id] = output
+                else:
+                    others.append(output)
+            if others and self.batcher is not None:
+                self.batcher.absorb(others)
+        return [done[request_id] for request_id in ids]
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         """Load a complete actor state (Hugging Face names) and tag the engine with ``version``;
@@ -143,7 +192,10 @@ class VllmEngine:
 
     def _load(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        self.llm.reset_prefix_cache()
+        if not self.llm.llm_engine.has_unfinished_requests():
+            # A streaming batcher's running requests hold blocks, so a reset would fail; its requests
+            # carry the version they started under as their cache salt instead (VllmBatcher).
+            self.llm.reset_prefix_cache()
         self.llm.llm_engine.set_weight_version(str(version))
 
     def hf_state(self, expected: Mapping[str, torch.Tensor], transposed: set[str]) -> dict[str, torch.Tensor]:
@@ -169,6 +221,162 @@ class VllmEngine:
                 found = found[:tensor.shape[0]]  # vLLM pads the vocabulary rows to a multiple of 64
             out[name] = found
         return out
+
+
+class VllmBatcher:
+    """Continuous batching in vLLM's own scheduler, driven one engine step at a time, with the
+    interface of ``ray_ppo.models.continuous.ContinuousBatcher`` (``submit``, ``step``, ``swap``,
+    ``busy``, ``waiting``, ``rows`` and its slot and cache counts), for a streaming maker.
+
+    Responsibilities: keep at most ``max_running`` requests in the engine, admitting waiting ones
+    (``schedule``: fifo, or longest first as ``ContinuousBatcher`` ranks them) as requests end;
+    at each ``step``, one ``LLMEngine.step()``, each new token recorded with its sampled log-prob
+    and the version of the weights that sampled it; at a ``swap``, the running requests' cache
+    kept (``kv_at_swap="keep"``: vLLM keeps it across a weight load) or recomputed
+    (``"recompute"``: each running request aborted and re-added with its prompt and tokens so far
+    as its prompt, so the next step prefills that context with the new weights).
+
+    vLLM's scheduler batches a step: an admitted prompt is prefilled beside the running requests'
+    decode (in chunks, if long) and samples its first token in the step its prefill completes.
+    A request's prompt blocks are salted with the version it started under (``cache_salt``), so
+    no request reuses prefix-cache blocks that older weights computed (a prefix cache reset
+    fails while requests hold blocks). Every engine call runs on the engine's thread.
+
+    Args:
+        engine: the maker's engine (its weights change through ``VllmEngine.load``).
+        params: the sampling settings (temperature, top_k, top_p, max_new_tokens).
+        stop_ids: the ids that end a response; the stop token is kept.
+        max_running: how many requests the engine runs at most.
+        kv_at_swap: ``"keep"`` or ``"recompute"`` the running requests' cache at a weight swap.
+        greedy: the most likely token at each step instead of a sample.
+        version: the policy version of the weights the engine holds now.
+        schedule: ``"fifo"`` or ``"longest_first"`` (by ``Request.expected_len``).
+    """
+
+    def __init__(self, engine: VllmEngine, params: SamplingParams, stop_ids: Iterable[int], max_running: int,
+                 kv_at_swap: KvAtSwap = "keep", greedy: bool = False, version: int = 0, schedule: Schedule = "fifo"):
+        if max_running < 1:
+            raise ValueError(f"max_running={max_running}: at least one sequence must be able to run")
+        if kv_at_swap not in ("keep", "recompute") or schedule not in ("fifo", "longest_first"):
+            raise ValueError(f"kv_at_swap={kv_at_swap!r}, schedule={schedule!r}: use keep or recompute, "
+                             f"fifo or longest_first")
+        if engine.llm.llm_engine.vllm_config.scheduler_config.async_scheduling:
+            raise EngineError("a VllmBatcher steps the engine between weight loads, which async scheduling "
+                              "overlaps; build the engine with VllmEngine(..., streaming=True)")
+        self.engine, self.params, self.greedy = engine, params, greedy
+        self.stop_ids = sorted(set(stop_ids))
+        self.max_running, self.kv_at_swap, self.schedule, self.version = max_running, kv_at_swap, schedule, version
+        self.waiting: deque[Request] = deque()
+        self._running: dict[str, _Row] = {}  # request id in the engine -> its sequence
+        self._finished: list[Finished] = []  # ended, not yet returned by step
+        self._ids = itertools.count()
+        self.steps = 0
+        self.slot_steps = 0  # sum over steps of the requests running: max_running * steps when always full
+        self.kv_kept = self.kv_recomputed = 0  # running requests whose cache a swap kept / recomputed
+
+    def submit(self, requests: Iterable[Request]) -> None:
+        """Queue ``requests``; they are admitted as slots free."""
+        for request in requests:
+            if len(request.prompt) == 0:
+                raise ValueError(f"request {request.key!r} has an empty prompt: every prompt needs at least one token")
+            self.waiting.append(request)
+
+    @property
+    def rows(self) -> list[_Row]:
+        """The running sequences."""
+        return list(self._running.values())
+
+    @property
+    def busy(self) -> bool:
+        """Whether any sequence is running or waiting (or ended, not yet returned by ``step``)."""
+        return bool(self._running or self.waiting or self._finished)
+
+    @property
+    def utilisation(self) -> float:
+        """Of the steps' slots, the share that held a running request (1.0 when always full)."""
+        return self.slot_steps / (self.steps * self.max_running) if self.steps else 0.0
+
+    def step(self, admit: bool = True) -> list[Finished]:
+        """Admit waiting requests into free slots, then one engine step; returns the sequences that
+        ended (a stop id, their cap, or the engine's context length), in any order.
+
+        Args:
+            admit: False admits nothing (the running requests drain, e.g. before a weight swap).
+        """
+        added = self._admit() if admit else []
+        if not self._running:
+            finished, self._finished = self._finished, []
+            return finished
+        self.slot_steps += len(self._running)
+        self.absorb(self.engine._on_thread(self._add_and_step, added))
+        self.steps += 1
+        finished, self._finished = self._finished, []
+        return finished
+
+    def absorb(self, outputs: Sequence) -> None:
+        """Record the new tokens of an engine step's outputs for this batcher's requests (its own
+        steps', or those of a ``VllmEngine.generate`` beside it); the ended ones go out at the next ``step``."""
+        stop = set(self.stop_ids)
+        for output in outputs:
+            row = self._running.get(output.request_id)
+            if row is None:  # a request a recompute aborted
+                continue
+            completion = output.outputs[0]
+            new = list(completion.token_ids)
+            row.tokens += new
+            row.log_probs += [completion.logprobs[i][token].logprob for i, token in enumerate(new)]
+            row.versions += [self.version] * len(new)
+            if output.finished:
+                del self._running[output.request_id]
+                self._finished.append(Finished(row.request.key, list(row.request.prompt), row.tokens, row.log_probs,
+                                               row.versions, stopped=bool(row.tokens) and row.tokens[-1] in stop,
+                                               swaps=row.swaps))
+
+    def swap(self, apply: Callable[[], None], version: int) -> None:
+        """Between two steps: ``apply()``, then the tokens sampled from the next step on count as
+        ``version``'s. The engine's weights change through ``VllmEngine.load`` (before the next step).
+
+        Args:
+            apply: changes the weights (the worker's HF copy takes the push; the engine loads after).
+            version: the policy version of the new weights.
+        """
+        apply()
+        self.version = version
+        rows = self.rows
+        for row in rows:
+            row.swaps += 1
+        if self.kv_at_swap == "keep":
+            self.kv_kept += len(rows)
+            return
+        self.kv_recomputed += len(rows)
+        if rows:
+            self.engine._on_thread(self.engine.llm.llm_engine.abort_request, list(self._running))
+            self._running = {}
+            self.engine._on_thread(self._add_and_step, [self._entry(row, [*row.request.prompt, *row.tokens])
+                                                        for row in rows], step=False)
+
+    def _admit(self) -> list[tuple[str, dict, object]]:
+        """The waiting requests that fit into the free slots, as engine requests (now running)."""
+        free = self.max_running - len(self._running)
+        if self.schedule == "longest_first" and free > 0 and self.waiting:
+            ContinuousBatcher._longest_first(self)  # its ranking, on this batcher's waiting queue
+        admitted = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+        return [self._entry(_Row(r, r.max_new_tokens or self.params.max_new_tokens), list(r.prompt))
+                for r in admitted]
+
+    def _entry(self, row: _Row, context: list[int]) -> tuple[str, dict, object]:
+        """``row`` as a new engine request (registered as running) that continues from ``context``."""
+        request_id = str(next(self._ids))
+        self._running[request_id] = row
+        sampling = self.engine.sampling(self.params, self.stop_ids, self.greedy, row.cap - len(row.tokens), "DELTA")
+        return request_id, {"prompt_token_ids": context, "cache_salt": str(self.version)}, sampling
+
+    def _add_and_step(self, added: list[tuple[str, dict, object]], step: bool = True) -> list:
+        """On the engine's thread: add ``added``, then one engine step (its request outputs)."""
+        llm_engine = self.engine.llm.llm_engine
+        for request_id, prompt, sampling in added:
+            llm_engine.add_request(request_id, prompt, sampling)
+        return llm_engine.step() if step else []
 
 
 def _lookup(name: str, held: Mapping[str, torch.Tensor], packed: Mapping[str, list[str]],
@@ -248,8 +456,9 @@ def build_engine(cfg: Config, model_path: str, seed: int, on_gpu: bool) -> VllmE
     opts = cfg.maker.vllm
     return VllmEngine(model_path, cfg.engine_dtype, seed, max_model_len=cfg.max_context,
                       gpu_memory_utilization=opts.gpu_memory_utilization, kv_cache_gib=opts.kv_cache_gib,
-                      enforce_eager=opts.enforce_eager, on_gpu=on_gpu, temperature=cfg.maker.temperature)
+                      enforce_eager=opts.enforce_eager, on_gpu=on_gpu, temperature=cfg.maker.temperature,
+                      streaming=cfg.maker.max_running > 0)
 
 
-__all__ = ["EngineError", "VllmEngine", "build_engine", "engine_actor_state", "hf_weights", "transposed_weights"]
+__all__ = ["EngineError", "VllmBatcher", "VllmEngine", "build_engine", "engine_actor_state", "hf_weights", "transposed_weights"]
 

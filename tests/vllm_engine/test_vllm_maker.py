@@ -253,3 +253,100 @@ def test_an_unsupported_shape_is_one_line(tiny_path):
     with pytest.raises(EngineError) as error:
         VllmEngine(tiny_path, "float32", seed=0, max_model_len=32, gpu_memory_utilization=0.1, kv_cache_gib=1)
     assert "\n" not in str(error.value) and "head_dim=16" in str(error.value)
+
+
+def hf_greedy_tokens(actor, context, n, tokenizer) -> list[int]:
+    """HF's ``n`` greedy tokens after ``context``, no end token."""
+    from ray_ppo.models import SamplingParams, generate
+
+    if n == 0:
+        return []
+    out = generate(actor, [context], SamplingParams(max_new_tokens=n, top_k=1), tokenizer.pad_token_id, None)
+    return out.sequences[0, out.prompt_len:].tolist()
+
+
+def stream(batcher, requests, at_step=None, between=lambda: None) -> dict:
+    """Drive ``batcher`` over ``requests`` to the end, calling ``between()`` after step ``at_step``:
+    {key: Finished}; the running count after every step must stay within the slots."""
+    from ray_ppo.models.continuous import Request
+
+    batcher.submit(Request(key, prompt, max_new_tokens=cap) for key, prompt, cap in requests)
+    done = {}
+    while batcher.busy:
+        done.update((f.key, f) for f in batcher.step())
+        assert len(batcher.rows) <= batcher.max_running
+        if batcher.steps == at_step:
+            between()
+    return done
+
+
+@pytest.mark.parametrize("kv_at_swap", ["keep", "recompute"])
+def test_a_vllm_batcher_streams_through_an_in_flight_weight_load(worker, kv_at_swap):
+    """Six requests through two slots of the engine's batcher: a slot refills at the step after a
+    request ends (each request holds one for exactly its tokens: utilisation 26/28), and a push
+    loaded between steps 4 and 5, as ``MakerWorker.weights_end`` loads it, counts the tokens
+    sampled after it at the new version. Greedy, the tokens are HF's: on the old weights before
+    the load, on the new ones for the requests admitted after it and, with ``recompute`` (the
+    context re-encoded), for the rest of the requests running across it."""
+    import copy
+
+    from ray_ppo.makers.vllm_engine import hf_weights
+
+    engine, tokenizer, v0 = worker.engine, worker.maker.tokenizer, worker.version
+    caps = [6, 3, 5, 4, 6, 2]
+    new = copy.deepcopy(worker.float_policy)
+    perturb(new, 0.05, seed=11)
+    batcher = engine.continuous_batcher(worker.float_policy, worker.cfg.maker, tokenizer.pad_token_id, (),
+                                        max_running=2, kv_at_swap=kv_at_swap, version=v0)
+    at_swap = {}
+
+    def load():
+        at_swap.update((row.request.key, len(row.tokens)) for row in batcher.rows)
+        batcher.swap(lambda: None, v0 + 1)
+        engine.load(hf_weights(new).items(), v0 + 1)
+
+    start = time.perf_counter()
+    try:
+        done = stream(batcher, [(i, PROMPTS[i % 4], cap) for i, cap in enumerate(caps)], at_step=4, between=load)
+    finally:
+        engine.load(hf_weights(worker.float_policy).items(), v0)
+        engine.batcher = None
+    print(f"{kv_at_swap}: {batcher.steps} steps in {time.perf_counter() - start:.2f} s")
+    assert sorted(done) == list(range(6)) and sorted(at_swap) == [0, 2]  # request 1 ended, 2 started at step 4
+    assert batcher.slot_steps == sum(caps) and batcher.utilisation == sum(caps) / (2 * batcher.steps) > 0.9
+    assert (batcher.kv_kept, batcher.kv_recomputed) == ((2, 0) if kv_at_swap == "keep" else (0, 2))
+    for key, f in done.items():
+        prompt, before = PROMPTS[key % 4], at_swap.get(key, caps[key] if key < 2 else 0)
+        assert len(f.tokens) == len(f.log_probs) == caps[key] and not f.stopped
+        assert f.versions == [v0] * before + [v0 + 1] * (caps[key] - before) and f.swaps == int(key in at_swap)
+        assert all(lp <= 0 and lp > -float("inf") for lp in f.log_probs)
+        assert f.tokens[:before] == hf_greedy_tokens(worker.float_policy, prompt, caps[key], tokenizer)[:before]
+        if key not in at_swap or kv_at_swap == "recompute":
+            assert f.tokens[before:] == hf_greedy_tokens(new, prompt + f.tokens[:before], caps[key] - before,
+                                                         tokenizer)
+
+
+def test_an_evaluation_mid_stream_hands_the_batchers_tokens_back(worker):
+    """``VllmEngine.generate`` (a maker's evaluation) while a batcher's requests run in the engine:
+    it answers its own prompts only, as HF does, and the steps it takes advance the batcher's
+    requests, whose tokens reach the batcher: each ends whole and equal to HF's greedy tokens."""
+    from ray_ppo.models.generation import SamplingParams
+
+    engine, tokenizer = worker.engine, worker.maker.tokenizer
+    batcher = engine.continuous_batcher(worker.float_policy, worker.cfg.maker, tokenizer.pad_token_id, (),
+                                        max_running=2, version=worker.version)
+    answers = []
+
+    def evaluate():
+        answers.append(engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, top_k=1), tokenizer.pad_token_id,
+                                       tokenizer.eos_token_id))
+
+    try:
+        done = stream(batcher, [(i, PROMPTS[i], 7) for i in range(3)], at_step=2, between=evaluate)
+    finally:
+        engine.batcher = None
+    assert torch.equal(answers[0].sequences, hf_greedy(worker.float_policy, PROMPTS, tokenizer).sequences)
+    assert sorted(done) == [0, 1, 2]
+    for key, f in done.items():
+        assert f.tokens == hf_greedy_tokens(worker.float_policy, PROMPTS[key], 7, tokenizer)
+        assert len(f.log_probs) == len(f.versions) == 7
