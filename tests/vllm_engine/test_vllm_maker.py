@@ -350,3 +350,22 @@ def test_an_evaluation_mid_stream_hands_the_batchers_tokens_back(worker):
     for key, f in done.items():
         assert f.tokens == hf_greedy_tokens(worker.float_policy, PROMPTS[key], 7, tokenizer)
         assert len(f.log_probs) == len(f.versions) == 7
+
+
+def test_a_vllm_batcher_starts_the_longest_expected_answers_first(worker):
+    """schedule=longest_first ranks the waiting requests as ``ContinuousBatcher`` does (by
+    ``expected_len``, an unknown one as the mean of the known): with one slot they end in that order."""
+    from ray_ppo.models.continuous import Request
+
+    tokenizer = worker.maker.tokenizer
+    batcher = worker.engine.continuous_batcher(worker.float_policy, worker.cfg.maker, tokenizer.pad_token_id, (),
+                                               max_running=1, version=worker.version, schedule="longest_first")
+    batcher.submit(Request(key, PROMPTS[0], max_new_tokens=2, expected_len=expected)
+                   for key, expected in [("short", 1.0), ("unknown", None), ("long", 5.0)])
+    order = []
+    try:
+        while batcher.busy:
+            order += [f.key for f in batcher.step()]
+    finally:
+        worker.engine.batcher = None
+    assert order == ["long", "unknown", "short"]  # unknown ranks as the mean, 3

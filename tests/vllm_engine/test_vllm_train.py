@@ -35,3 +35,21 @@ def test_train_with_vllm_makers_learns_and_ends_in_sync(tmp_path):
     assert rows[-1]["weights_in_sync"] == 1.0
     gaps = [r for r in rows if "engine_logprob_gap_max" in r]
     assert gaps and max(r["engine_logprob_gap_max"] for r in gaps) < 1e-3
+
+
+@pytest.mark.timeout(1200)  # one vLLM engine on 2 cores: ~70 s beside other work
+def test_a_streaming_vllm_maker_trains_and_ends_in_sync(tmp_path):
+    """maker.max_running with maker.engine=vllm: one maker streams through its engine's batcher,
+    pushes load between two engine steps (their running requests re-prefilled: kv_at_swap=recompute),
+    and the run ends with the engine holding the trainer's weights."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ray_ppo.cli", "train", "--config", "configs/tiny_vllm.yaml", "--output", str(out),
+         "maker.engine=vllm", "maker.num_makers=1", "maker.max_running=8", "maker.kv_at_swap=recompute",
+         "trainer.total_steps=3", "trainer.ppo_epochs=1", "logging.progress=false"],
+        cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["weights_in_sync"] == 1.0
+    streamed = [r for r in rows if "maker_slot_utilisation" in r]
+    assert streamed and all(0 < r["maker_slot_utilisation"] <= 1 and r["kv_kept"] == 0 for r in streamed)
