@@ -235,7 +235,7 @@ class MakerConfig(SamplingParams):
     samples_per_prompt: int = Field(1, gt=0)
     """Responses sampled per prompt (a group); a group stays together through routing, on one rank, in one step."""
     max_running: int = Field(0, ge=0)
-    """Continuous batching (HF makers): up to this many sequences generate at once, and a sequence that ends frees its slot for the next prompt at once; 0 = batch by batch (every row of a batch runs until its longest ends)."""
+    """Continuous batching (HF or vLLM makers): up to this many sequences generate at once, and a sequence that ends frees its slot for the next prompt at once; 0 = batch by batch (every row of a batch runs until its longest ends)."""
     weight_updates: WeightUpdates = "in_flight"
     """With maker.max_running > 0, when a weight push swaps in: in_flight (between two decode steps; a running sequence goes on under the new weights) or between_batches (once no sequence runs)."""
     kv_at_swap: KvAtSwap = "keep"
