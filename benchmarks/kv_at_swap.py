@@ -47,8 +47,8 @@ def main() -> None:
         args.model, args.prompts, args.rounds = "tiny", 16, 1
 
     import torch
-
     from continuous_batching import workload
+
     from ray_ppo.config import Config
     from ray_ppo.models import load_tokenizer
     from ray_ppo.models.build import build_actor, resolve_config, tokenizer_path

@@ -39,7 +39,7 @@ from ray_ppo.config import Config
 from ray_ppo.data import prompt_text
 from ray_ppo.env import Turn
 from ray_ppo.makers.experience import MakeStats
-from ray_ppo.models.continuous import Finished, Request
+from ray_ppo.models.continuous import Finished, Request, longest_first
 from ray_ppo.tasks.turns import TwoTurnEnv
 
 
@@ -254,10 +254,8 @@ class SimulatedBatcher:
         free = self.max_running - len(self.rows)
         if free <= 0 or not self.waiting:
             return
-        known = [r.expected_len for r in self.waiting if r.expected_len is not None]
-        if self.schedule == "longest_first" and known:  # as ContinuousBatcher._longest_first
-            mean = sum(known) / len(known)
-            self.waiting = deque(sorted(self.waiting, key=lambda r: -(mean if r.expected_len is None else r.expected_len)))
+        if self.schedule == "longest_first":
+            self.waiting = longest_first(self.waiting)
         for _ in range(min(free, len(self.waiting))):
             request = self.waiting.popleft()
             cap = request.max_new_tokens or self.params.max_new_tokens

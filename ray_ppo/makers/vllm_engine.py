@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ray_ppo.config import VLLM_INSTALL_HINT, Config
-from ray_ppo.models.continuous import ContinuousBatcher, Finished, KvAtSwap, Request, Schedule, _Row
+from ray_ppo.models.continuous import Finished, KvAtSwap, Request, RunningSequence, Schedule, longest_first
 from ray_ppo.models.generation import Rollout, SamplingParams, end_ids, rollout_of_responses
 
 
@@ -267,7 +267,7 @@ class VllmBatcher:
         self.stop_ids = sorted(set(stop_ids))
         self.max_running, self.kv_at_swap, self.schedule, self.version = max_running, kv_at_swap, schedule, version
         self.waiting: deque[Request] = deque()
-        self._running: dict[str, _Row] = {}  # request id in the engine -> its sequence
+        self._running: dict[str, RunningSequence] = {}  # request id in the engine -> its sequence
         self._finished: list[Finished] = []  # ended, not yet returned by step
         self._ids = itertools.count()
         self.steps = 0
@@ -282,7 +282,7 @@ class VllmBatcher:
             self.waiting.append(request)
 
     @property
-    def rows(self) -> list[_Row]:
+    def rows(self) -> list[RunningSequence]:
         """The running sequences."""
         return list(self._running.values())
 
@@ -359,12 +359,12 @@ class VllmBatcher:
         """The waiting requests that fit into the free slots, as engine requests (now running)."""
         free = self.max_running - len(self._running)
         if self.schedule == "longest_first" and free > 0 and self.waiting:
-            ContinuousBatcher._longest_first(self)  # its ranking, on this batcher's waiting queue
+            self.waiting = longest_first(self.waiting)
         admitted = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
-        return [self._entry(_Row(r, r.max_new_tokens or self.params.max_new_tokens), list(r.prompt))
+        return [self._entry(RunningSequence(r, r.max_new_tokens or self.params.max_new_tokens), list(r.prompt))
                 for r in admitted]
 
-    def _entry(self, row: _Row, context: list[int]) -> tuple[str, dict, object]:
+    def _entry(self, row: RunningSequence, context: list[int]) -> tuple[str, dict, object]:
         """``row`` as a new engine request (registered as running) that continues from ``context``."""
         request_id = str(next(self._ids))
         self._running[request_id] = row

@@ -90,7 +90,7 @@ class Finished:
 
 
 @dataclass
-class _Row:
+class RunningSequence:
     """A running sequence: its request, what it generated, and the token sampled but not yet fed."""
 
     request: Request
@@ -136,7 +136,7 @@ class ContinuousBatcher:
         self.max_running, self.kv_at_swap, self.greedy = max_running, kv_at_swap, greedy
         self.version, self.generator = version, generator
         self.waiting: deque[Request] = deque()
-        self.rows: list[_Row] = []
+        self.rows: list[RunningSequence] = []
         self.cache = None  # the running rows' key/value cache, (S, heads, L, head_dim) per layer
         self.mask: torch.Tensor | None = None  # (S, L) 1 on each row's real tokens in the cache
         self._cache_arg = _cache_argument(model)
@@ -232,25 +232,17 @@ class ContinuousBatcher:
         """Prefill the waiting requests that fit into the free slots; join their cache to the batch."""
         free = self.max_running - len(self.rows)
         if self.schedule == "longest_first" and free > 0 and self.waiting:
-            self._longest_first()
+            self.waiting = longest_first(self.waiting)
         admitted = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
         if not admitted:
             return []
         logits, cache, mask = self._prefill([list(r.prompt) for r in admitted])
-        rows = [_Row(r, r.max_new_tokens or self.params.max_new_tokens) for r in admitted]
+        rows = [RunningSequence(r, r.max_new_tokens or self.params.max_new_tokens) for r in admitted]
         self._join(cache, mask)
         self.rows += rows
         self._sample(rows, logits)
         return self._retire()  # a sequence may end on its first token
 
-    def _longest_first(self) -> None:
-        """Order the waiting requests by expected answer length, longest first (a stable sort: equal
-        ones keep their order); an unknown length ranks as the mean of the known ones."""
-        known = [r.expected_len for r in self.waiting if r.expected_len is not None]
-        if not known:
-            return
-        mean = sum(known) / len(known)
-        self.waiting = deque(sorted(self.waiting, key=lambda r: -(mean if r.expected_len is None else r.expected_len)))
 
     def _prefill(self, contexts: list[list[int]]):
         """One forward pass over left-padded ``contexts``: (last logits (n, V), cache, mask (n, L))."""
@@ -285,7 +277,7 @@ class ContinuousBatcher:
         self.slot_steps += len(self.rows)
         self._sample(self.rows, out.logits[:, -1, :])
 
-    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
+    def _sample(self, rows: list[RunningSequence], logits: torch.Tensor) -> None:
         """Sample one token for each of ``rows`` (the last len(rows) rows of the batch) from ``logits`` (n, V)."""
         scaled = logits.float() / self.params.temperature
         if self.greedy:
@@ -339,6 +331,18 @@ def _cache_argument(model: nn.Module) -> str:
 def _positions(mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding (0 at each row's first real token)."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def longest_first(waiting: Iterable[Request]) -> deque[Request]:
+    """The waiting requests ordered by expected answer length, longest first (a stable sort: equal
+    ones keep their order); an unknown length ranks as the mean of the known ones (all unknown:
+    the order as given)."""
+    waiting = deque(waiting)
+    known = [r.expected_len for r in waiting if r.expected_len is not None]
+    if not known:
+        return waiting
+    mean = sum(known) / len(known)
+    return deque(sorted(waiting, key=lambda r: -(mean if r.expected_len is None else r.expected_len)))
 
 
 def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
