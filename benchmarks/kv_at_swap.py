@@ -119,13 +119,14 @@ def log_prob_gap(actor, cfg, finished, weights_a, weights_b) -> tuple[float, flo
 
     gaps = []
     exact = {}
-    for parity, weights in ((0, weights_a), (1, weights_b)):
-        actor.load_state_dict(weights)
-        for i, f in enumerate(finished):
-            if f.swaps:
-                sequence = torch.tensor([f.prompt + f.tokens])
-                exact[i, parity] = action_log_probs(actor, sequence, torch.ones_like(sequence), len(f.tokens),
-                                                    cfg.maker.temperature)[0]
+    with torch.no_grad():
+        for parity, weights in ((0, weights_a), (1, weights_b)):
+            actor.load_state_dict(weights)
+            for i, f in enumerate(finished):
+                if f.swaps:
+                    sequence = torch.tensor([f.prompt + f.tokens])
+                    exact[i, parity] = action_log_probs(actor, sequence, torch.ones_like(sequence), len(f.tokens),
+                                                        cfg.maker.temperature)[0]
     actor.load_state_dict(weights_a)
     for i, f in enumerate(finished):
         if not f.swaps:
