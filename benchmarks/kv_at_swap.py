@@ -86,8 +86,8 @@ def main() -> None:
         rows.append([setting, median(rates), min(rates), max(rates), median(rates) / base,
                      median([s for _, s, _ in rs]), statistics.fmean(g[0] for _, _, g in rs),
                      max(g[1] for _, _, g in rs), median([g[2] for _, _, g in rs])])
-    publish("kv_at_swap", ["kv_at_swap", "tokens/s (median)", "min", "max", "x recompute", "swaps",
-                           "|log-prob gap| mean", "max", "tokens after a swap"], rows, args=args,
+    publish("kv_at_swap", ["kv_at_swap", "tokens/s (median)", "tokens/s min", "tokens/s max", "x recompute", "swaps",
+                           "|log-prob gap| mean", "|log-prob gap| max", "tokens after a swap"], rows, args=args,
             title=f"{args.model} ({args.dtype}, {args.threads} threads), {args.prompts} prompts, {args.slots} slots, "
                   f"a push every {args.swap_every} decode steps (weights +-{args.step_size:g}), {args.rounds} rounds")
 
