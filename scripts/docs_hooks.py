@@ -5,8 +5,8 @@
   (``MARKERS``), so it lists every key, type, default, bound and docstring of the code being
   built and cannot drift; so is docs/design.md's table of the package's modules, from their
   docstrings.
-- benchmarks/README.md (with its figure), benchmarks/real-models.md and CHANGELOG.md join the site as pages of their own,
-  read from where they live in the repository.
+- benchmarks/README.md (with its figure), benchmarks/real-models.md, benchmarks/streaming.md and
+  CHANGELOG.md join the site as pages of their own, read from where they live in the repository.
 - Links keep working in both places: a page links to another file as the repository lays them out
   (docs/x.md to ``../benchmarks/README.md``, benchmarks/README.md to ``../docs/scaling.md``), and
   the build rewrites each such link to where the file lies in the site. Any other link is checked
@@ -28,6 +28,7 @@ MARKERS = {"configuration.md": "<!-- config-reference -->", "design.md": "<!-- m
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = "docs"
 OUTSIDE_DOCS = {"benchmarks/README.md": "benchmarks/README.md", "benchmarks/real-models.md": "benchmarks/real-models.md",
+                "benchmarks/streaming.md": "benchmarks/streaming.md",
                 "benchmarks/estimators.png": "benchmarks/estimators.png", "CHANGELOG.md": "changelog.md"}
 """Repository path of a file outside docs/ -> its path in the site."""
 REPO_PATH = {site: repo for repo, site in OUTSIDE_DOCS.items()}
