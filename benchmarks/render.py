@@ -27,7 +27,7 @@ from _common import RESULTS, ROOT, table
 
 README = ROOT / "benchmarks" / "README.md"
 PAGES = sorted((ROOT / "benchmarks").glob("*.md"))
-"""The pages with marked blocks: README.md and real-models.md."""
+"""The pages with marked blocks: README.md, real-models.md and streaming.md."""
 BLOCK = re.compile(r'(<!-- results: (?P<name>[\w.-]+)(?P<attrs>(?: \w+="[^"]*")*) -->\n)(?P<body>.*?)(<!-- /results -->)',
                    re.S)
 ATTR = re.compile(r'(\w+)="([^"]*)"')

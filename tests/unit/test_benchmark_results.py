@@ -56,7 +56,7 @@ def test_the_readme_shows_what_the_committed_results_hold():
         assert render.render(text)[1] == [], f"{page.name}: run python benchmarks/render.py"
         marked |= {m["name"] for m in render.BLOCK.finditer(text)}
     assert {"coordinator_scale", "weight_sync", "overlap_sim", "env_utilisation"} <= marked
-    assert {p.name for p in render.PAGES} == {"README.md", "real-models.md"}
+    assert {p.name for p in render.PAGES} == {"README.md", "real-models.md", "streaming.md"}
 
 
 def test_a_block_may_show_some_of_the_columns(tmp_path, monkeypatch):

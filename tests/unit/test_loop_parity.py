@@ -53,6 +53,7 @@ DETACHED_ONLY = {
     "sync.bucket_mb", "sync.lora_only", "maker.wait_for_weights",  # pushes to makers
     "maker.vllm.dtype",  # a vLLM engine's (maker.engine=vllm is refused)
     "logging.report_every",  # ray.train.report calls; every step's row is written in both loops
+    "maker.max_running",  # whether rank 0 reports the streaming makers' slots; the synchronous loop makes batches
 }
 
 INDIRECT = {"eval.due": {"eval.path", "eval.every"}, "ppo.uses_reference": {"ppo.kl_coef", "ppo.kl_target"},
