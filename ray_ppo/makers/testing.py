@@ -28,7 +28,6 @@ import math
 import os
 import random
 import time
-from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -39,7 +38,7 @@ from ray_ppo.config import Config
 from ray_ppo.data import prompt_text
 from ray_ppo.env import Turn
 from ray_ppo.makers.experience import MakeStats
-from ray_ppo.models.continuous import Finished, Request, longest_first
+from ray_ppo.models.continuous import Finished, Request, Slots, longest_first
 from ray_ppo.tasks.turns import TwoTurnEnv
 
 
@@ -151,7 +150,7 @@ class _SimRow:
     swaps: int = 0
 
 
-class SimulatedBatcher:
+class SimulatedBatcher(Slots):
     """``ray_ppo.models.continuous.ContinuousBatcher``'s interface and bookkeeping over a simulated
     device: ``step`` admits waiting requests into free slots (in order, or ``longest_first`` by
     ``Request.expected_len``), then, if any sequence runs, waits ``step_s`` seconds (``sleep``: the
@@ -171,40 +170,21 @@ class SimulatedBatcher:
                  kv_at_swap: str = "keep", greedy: bool = False, version: int = 0, generator=None,
                  schedule: str = "fifo", *, step_s: float, draw: Callable[[], int] | None = None,
                  log: DeviceLog | None = None, sleep: Callable[[float], None] = time.sleep):
-        if max_running < 1:
-            raise ValueError(f"max_running={max_running}: at least one sequence must be able to run")
-        if kv_at_swap not in ("keep", "recompute"):
-            raise ValueError(f"kv_at_swap={kv_at_swap!r}: use 'keep' or 'recompute'")
-        if schedule not in ("fifo", "longest_first"):
-            raise ValueError(f"schedule={schedule!r}: use 'fifo' or 'longest_first'")
+        super().__init__(max_running, kv_at_swap, schedule, version)
         if step_s < 0:
             raise ValueError(f"step_s={step_s}: a decode step cannot take negative time")
         self.model, self.params, self.pad_token_id = model, params, pad_token_id
         self.stop_ids = tuple(sorted(set(stop_ids)))
-        self.max_running, self.kv_at_swap, self.schedule, self.version = max_running, kv_at_swap, schedule, version
         self.step_s, self.sleep, self.log = step_s, sleep, log if log is not None else DeviceLog()
         self.draw = draw or (lambda: params.max_new_tokens)
-        self.waiting: deque[Request] = deque()
         self.lengths: dict[int, int] = {}  # id(request) -> its drawn length, while it waits
         self.rows: list[_SimRow] = []
-        self.steps = self.slot_steps = self.kv_kept = self.kv_recomputed = 0
 
     def submit(self, requests: Iterable[Request]) -> None:
         """Queue ``requests``, drawing each one's answer length now (in submission order)."""
         for request in requests:
-            if len(request.prompt) == 0:
-                raise ValueError(f"request {request.key!r} has an empty prompt: every prompt needs at least one token")
+            super().submit([request])
             self.lengths[id(request)] = self.draw()
-            self.waiting.append(request)
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.rows or self.waiting)
-
-    @property
-    def utilisation(self) -> float:
-        """Of the decode steps' slots, the share that held a running sequence (1.0 when always full)."""
-        return self.slot_steps / (self.steps * self.max_running) if self.steps else 0.0
 
     def step(self, admit: bool = True) -> list[Finished]:
         """Admit waiting requests into free slots (unless not ``admit``), then one decode step of
@@ -242,13 +222,7 @@ class SimulatedBatcher:
     def swap(self, apply: Callable[[], None], version: int) -> None:
         """Between two steps: ``apply()``, then the next tokens are sampled at ``version``."""
         apply()
-        self.version = version
-        for row in self.rows:
-            row.swaps += 1
-        if self.kv_at_swap == "keep":
-            self.kv_kept += len(self.rows)
-        else:
-            self.kv_recomputed += len(self.rows)
+        self._swapped(version)
 
     def _admit(self) -> None:
         free = self.max_running - len(self.rows)

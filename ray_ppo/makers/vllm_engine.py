@@ -25,7 +25,6 @@ import math
 import os
 import re
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -33,7 +32,7 @@ import torch
 from torch import nn
 
 from ray_ppo.config import VLLM_INSTALL_HINT, Config
-from ray_ppo.models.continuous import Finished, KvAtSwap, Request, RunningSequence, Schedule, longest_first
+from ray_ppo.models.continuous import Finished, KvAtSwap, RunningSequence, Schedule, Slots, longest_first
 from ray_ppo.models.generation import Rollout, SamplingParams, end_ids, rollout_of_responses
 
 
@@ -223,7 +222,7 @@ class VllmEngine:
         return out
 
 
-class VllmBatcher:
+class VllmBatcher(Slots):
     """Continuous batching in vLLM's own scheduler, driven one engine step at a time, with the
     interface of ``ray_ppo.models.continuous.ContinuousBatcher`` (``submit``, ``step``, ``swap``,
     ``busy``, ``waiting``, ``rows`` and its slot and cache counts), for a streaming maker.
@@ -255,31 +254,15 @@ class VllmBatcher:
 
     def __init__(self, engine: VllmEngine, params: SamplingParams, stop_ids: Iterable[int], max_running: int,
                  kv_at_swap: KvAtSwap = "keep", greedy: bool = False, version: int = 0, schedule: Schedule = "fifo"):
-        if max_running < 1:
-            raise ValueError(f"max_running={max_running}: at least one sequence must be able to run")
-        if kv_at_swap not in ("keep", "recompute") or schedule not in ("fifo", "longest_first"):
-            raise ValueError(f"kv_at_swap={kv_at_swap!r}, schedule={schedule!r}: use keep or recompute, "
-                             f"fifo or longest_first")
+        super().__init__(max_running, kv_at_swap, schedule, version)
         if engine.llm.llm_engine.vllm_config.scheduler_config.async_scheduling:
             raise EngineError("a VllmBatcher steps the engine between weight loads, which async scheduling "
                               "overlaps; build the engine with VllmEngine(..., streaming=True)")
         self.engine, self.params, self.greedy = engine, params, greedy
         self.stop_ids = sorted(set(stop_ids))
-        self.max_running, self.kv_at_swap, self.schedule, self.version = max_running, kv_at_swap, schedule, version
-        self.waiting: deque[Request] = deque()
         self._running: dict[str, RunningSequence] = {}  # request id in the engine -> its sequence
         self._finished: list[Finished] = []  # ended, not yet returned by step
         self._ids = itertools.count()
-        self.steps = 0
-        self.slot_steps = 0  # sum over steps of the requests running: max_running * steps when always full
-        self.kv_kept = self.kv_recomputed = 0  # running requests whose cache a swap kept / recomputed
-
-    def submit(self, requests: Iterable[Request]) -> None:
-        """Queue ``requests``; they are admitted as slots free."""
-        for request in requests:
-            if len(request.prompt) == 0:
-                raise ValueError(f"request {request.key!r} has an empty prompt: every prompt needs at least one token")
-            self.waiting.append(request)
 
     @property
     def rows(self) -> list[RunningSequence]:
@@ -290,11 +273,6 @@ class VllmBatcher:
     def busy(self) -> bool:
         """Whether any sequence is running or waiting (or ended, not yet returned by ``step``)."""
         return bool(self._running or self.waiting or self._finished)
-
-    @property
-    def utilisation(self) -> float:
-        """Of the steps' slots, the share that held a running request (1.0 when always full)."""
-        return self.slot_steps / (self.steps * self.max_running) if self.steps else 0.0
 
     def step(self, admit: bool = True) -> list[Finished]:
         """Admit waiting requests into free slots, then one engine step; returns the sequences that
@@ -341,15 +319,8 @@ class VllmBatcher:
             version: the policy version of the new weights.
         """
         apply()
-        self.version = version
-        rows = self.rows
-        for row in rows:
-            row.swaps += 1
-        if self.kv_at_swap == "keep":
-            self.kv_kept += len(rows)
-            return
-        self.kv_recomputed += len(rows)
-        if rows:
+        rows = self._swapped(version)
+        if rows and self.kv_at_swap == "recompute":
             self.engine._on_thread(self.engine.llm.llm_engine.abort_request, list(self._running))
             self._running = {}
             self.engine._on_thread(self._add_and_step, [self._entry(row, [*row.request.prompt, *row.tokens])

@@ -105,7 +105,58 @@ class RunningSequence:
         return [*self.request.prompt, *self.tokens[:-1]]
 
 
-class ContinuousBatcher:
+class Slots:
+    """What every batcher of ``ContinuousBatcher``'s interface keeps alike (``VllmBatcher`` and the
+    simulated device's too): its settings, checked; the waiting queue; the slot and cache counts;
+    and what a weight swap does to the running sequences' records. A subclass keeps its running
+    sequences as ``rows``."""
+
+    def __init__(self, max_running: int, kv_at_swap: KvAtSwap, schedule: Schedule, version: int):
+        if max_running < 1:
+            raise ValueError(f"max_running={max_running}: at least one sequence must be able to run")
+        if kv_at_swap not in ("keep", "recompute"):
+            raise ValueError(f"kv_at_swap={kv_at_swap!r}: use 'keep' or 'recompute'")
+        if schedule not in ("fifo", "longest_first"):
+            raise ValueError(f"schedule={schedule!r}: use 'fifo' or 'longest_first'")
+        self.max_running, self.kv_at_swap, self.schedule, self.version = max_running, kv_at_swap, schedule, version
+        self.waiting: deque[Request] = deque()
+        self.steps = 0
+        self.slot_steps = 0  # sum over decode steps of the rows running: max_running * steps when always full
+        self.kv_kept = self.kv_recomputed = 0  # running sequences whose cache a swap kept / recomputed
+
+    def submit(self, requests: Iterable[Request]) -> None:
+        """Queue ``requests``; they are admitted in order as slots free."""
+        for request in requests:
+            if len(request.prompt) == 0:
+                raise ValueError(f"request {request.key!r} has an empty prompt: every prompt needs at least one token")
+            self.waiting.append(request)
+
+    @property
+    def busy(self) -> bool:
+        """Whether any sequence is running or waiting."""
+        return bool(self.rows or self.waiting)
+
+    @property
+    def utilisation(self) -> float:
+        """Of the decode steps' slots, the share that held a running sequence (1.0 when always full)."""
+        return self.slot_steps / (self.steps * self.max_running) if self.steps else 0.0
+
+    def _swapped(self, version: int) -> list:
+        """After the weights changed to ``version``: the next tokens record it, each running sequence
+        counts the swap, and its cache counts as kept or recomputed (``kv_at_swap``); the running
+        sequences."""
+        self.version = version
+        rows = self.rows
+        for row in rows:
+            row.swaps += 1
+        if self.kv_at_swap == "keep":
+            self.kv_kept += len(rows)
+        else:
+            self.kv_recomputed += len(rows)
+        return rows
+
+
+class ContinuousBatcher(Slots):
     """Generates ``Request``s with up to ``max_running`` in flight (see the module docstring).
 
     Args:
@@ -124,44 +175,16 @@ class ContinuousBatcher:
     def __init__(self, model: nn.Module, params: SamplingParams, pad_token_id: int, stop_ids: Iterable[int],
                  max_running: int, kv_at_swap: KvAtSwap = "keep", greedy: bool = False, version: int = 0,
                  generator: torch.Generator | None = None, schedule: Schedule = "fifo"):
-        if max_running < 1:
-            raise ValueError(f"max_running={max_running}: at least one sequence must be able to run")
-        if kv_at_swap not in ("keep", "recompute"):
-            raise ValueError(f"kv_at_swap={kv_at_swap!r}: use 'keep' or 'recompute'")
-        if schedule not in ("fifo", "longest_first"):
-            raise ValueError(f"schedule={schedule!r}: use 'fifo' or 'longest_first'")
-        self.schedule = schedule
+        super().__init__(max_running, kv_at_swap, schedule, version)
         self.model, self.params, self.pad_token_id = model, params, pad_token_id
         self.stop_ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
-        self.max_running, self.kv_at_swap, self.greedy = max_running, kv_at_swap, greedy
-        self.version, self.generator = version, generator
-        self.waiting: deque[Request] = deque()
+        self.greedy, self.generator = greedy, generator
         self.rows: list[RunningSequence] = []
         self.cache = None  # the running rows' key/value cache, (S, heads, L, head_dim) per layer
         self.mask: torch.Tensor | None = None  # (S, L) 1 on each row's real tokens in the cache
         self._cache_arg = _cache_argument(model)
-        self.steps = 0
-        self.slot_steps = 0  # sum over decode steps of the rows running: max_running * steps when always full
-        self.kv_kept = self.kv_recomputed = 0  # running sequences whose cache a swap kept / recomputed
 
     # -- the caller's side ------------------------------------------------------------------------
-    def submit(self, requests: Iterable[Request]) -> None:
-        """Queue ``requests``; they are admitted in order as slots free."""
-        for request in requests:
-            if len(request.prompt) == 0:
-                raise ValueError(f"request {request.key!r} has an empty prompt: every prompt needs at least one token")
-            self.waiting.append(request)
-
-    @property
-    def busy(self) -> bool:
-        """Whether any sequence is running or waiting."""
-        return bool(self.rows or self.waiting)
-
-    @property
-    def utilisation(self) -> float:
-        """Of the decode steps' slots, the share that held a running sequence (1.0 when always full)."""
-        return self.slot_steps / (self.steps * self.max_running) if self.steps else 0.0
-
     @torch.no_grad()
     def step(self, admit: bool = True) -> list[Finished]:
         """Admit waiting requests into free slots (prefilling them), then one decode step of every
@@ -213,14 +236,7 @@ class ContinuousBatcher:
             version: the policy version of the new weights.
         """
         apply()
-        self.version = version
-        for row in self.rows:
-            row.swaps += 1
-        if self.kv_at_swap == "keep":
-            self.kv_kept += len(self.rows)
-        else:
-            self.kv_recomputed += len(self.rows)
-        if self.rows and self.kv_at_swap == "recompute":
+        if self._swapped(version) and self.kv_at_swap == "recompute":
             self.cache, self.mask = self._prefill([row.context() for row in self.rows])[1:]
 
     # -- inside ---------------------------------------------------------------------------------
