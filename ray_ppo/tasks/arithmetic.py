@@ -25,7 +25,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ray_ppo.data import Prompt
 
@@ -111,9 +111,16 @@ def extract_answer(response: str) -> int | None:
 def reward(prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]:
     """Rule reward (the ``model.reward_fn`` signature): 1.0 where the response's answer equals the
     question's, else 0.0 (also for a prompt that holds no question)."""
+    return score(prompts, responses, parse_problem)
+
+
+def score(prompts: Sequence[Prompt], responses: Sequence[str], parse: Callable[[Prompt], object | None]) -> list[float]:
+    """1.0 where a response's answer (``extract_answer``) equals the ``answer`` of the problem that
+    ``parse`` reads from its prompt, else 0.0 (also where ``parse`` finds none): the reward of a
+    task of this shape."""
     scores = []
     for prompt, response in zip(prompts, responses, strict=True):
-        problem = parse_problem(prompt)
+        problem = parse(prompt)
         scores.append(float(problem is not None and extract_answer(response) == problem.answer))
     return scores
 
@@ -122,12 +129,18 @@ def write_problem_files(directory: str | Path, level: int = 2, num_train: int = 
                         seed: int = 0) -> tuple[Path, Path]:
     """Write ``arithmetic_l{level}_train.jsonl`` and ``_eval.jsonl`` to ``directory``: one row a
     question, with ``prompt`` (the chat messages) and ``answer``."""
+    return write_splits(directory, f"arithmetic_l{level}", make_problems("train", level, num_train, seed),
+                        make_problems("eval", level, num_eval, seed))
+
+
+def write_splits(directory: str | Path, stem: str, train: Sequence, evaluation: Sequence) -> tuple[Path, Path]:
+    """Write ``{stem}_train.jsonl`` and ``{stem}_eval.jsonl`` to ``directory``: one row a problem
+    (anything with ``messages()`` and ``answer``), with ``prompt`` (the chat messages) and ``answer``."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
-    for split, num in (("train", num_train), ("eval", num_eval)):
-        path = directory / f"arithmetic_l{level}_{split}.jsonl"
-        rows = [{"prompt": p.messages(), "answer": str(p.answer)} for p in make_problems(split, level, num, seed)]
-        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for split, problems in (("train", train), ("eval", evaluation)):
+        path = directory / f"{stem}_{split}.jsonl"
+        path.write_text("".join(json.dumps({"prompt": p.messages(), "answer": str(p.answer)}) + "\n" for p in problems))
         paths.append(path)
     return paths[0], paths[1]

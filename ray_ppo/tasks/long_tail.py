@@ -25,7 +25,6 @@ Use: ``write_problem_files(DIR)``, then train or benchmark with
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from typing import Sequence
 
 from ray_ppo.data import Prompt
 from ray_ppo.tasks import arithmetic
-from ray_ppo.tasks.arithmetic import OPS, Problem, extract_answer, split_of
+from ray_ppo.tasks.arithmetic import OPS, Problem, split_of
 
 SHORT_LEVEL = 2
 """The arithmetic level of the short questions: two-digit sums and differences."""
@@ -121,24 +120,12 @@ def parse_problem(prompt: Prompt) -> Problem | Worked | None:
 def reward(prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]:
     """Rule reward (the ``model.reward_fn`` signature): 1.0 where the response's answer equals the
     question's, else 0.0 (also for a prompt that holds no question)."""
-    scores = []
-    for prompt, response in zip(prompts, responses, strict=True):
-        problem = parse_problem(prompt)
-        scores.append(float(problem is not None and extract_answer(response) == problem.answer))
-    return scores
+    return arithmetic.score(prompts, responses, parse_problem)
 
 
 def write_problem_files(directory: str | Path, num_train: int = 2048, num_eval: int = 200, seed: int = 0,
                         long_share: float = 0.5) -> tuple[Path, Path]:
     """Write ``long_tail_train.jsonl`` and ``long_tail_eval.jsonl`` to ``directory``, as the arithmetic
     task writes its files: one row a question, with ``prompt`` (the chat messages) and ``answer``."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for split, num in (("train", num_train), ("eval", num_eval)):
-        path = directory / f"long_tail_{split}.jsonl"
-        rows = [{"prompt": p.messages(), "answer": str(p.answer)}
-                for p in make_problems(split, num, seed, long_share)]
-        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        paths.append(path)
-    return paths[0], paths[1]
+    return arithmetic.write_splits(directory, "long_tail", make_problems("train", num_train, seed, long_share),
+                                   make_problems("eval", num_eval, seed, long_share))
