@@ -375,8 +375,13 @@ class _MakerLoops:
                 self.coordinator.maker_failed.remote(maker_id, f"maker_{maker_id} died and was not restarted "
                                                                f"(maker.max_restarts={self.max_restarts}): "
                                                                f"{str(e).splitlines()[0]}")
-            except ray.exceptions.RayTaskError:
-                pass  # the maker reported its own exception to the coordinator
+            except ray.exceptions.RayTaskError as e:
+                # The maker reports its own exception first, and the coordinator keeps a maker's
+                # first failure; this one is for an error raised before the loop's own handler ran.
+                first_line = (str(e.cause).splitlines() or [""])[0]
+                self.coordinator.maker_failed.remote(
+                    maker_id, f"maker_{maker_id}'s {e.function_name} raised {type(e.cause).__name__}: {first_line}",
+                    e.traceback_str)
             else:
                 self.finished.append(ref)
 

@@ -269,6 +269,10 @@ class MakerBook:
         self._update(maker_id, version=max(self.states[maker_id].version, version))
 
     def fail(self, maker_id: int, error: str, origin_traceback: str = "") -> None:
+        """Record a maker's failure; its first is kept (a maker reports its own exception, and the
+        driver reports the same loop's end after it, with less to say)."""
+        if self.states[maker_id].failed:
+            return
         self._update(maker_id, failed=error)
         self.tracebacks[maker_id] = origin_traceback
 

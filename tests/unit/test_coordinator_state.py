@@ -172,6 +172,8 @@ def test_maker_book_sums_stats_and_reports_the_first_failure():
     assert book.all_at(2)  # a failed maker is not waited for
     failure = book.failure()
     assert isinstance(failure, RuntimeError) and str(failure) == "maker_0 failed (1/2 makers failed): ValueError: boom"
+    book.fail(0, "maker_0's loop raised: ValueError: boom")  # the driver's report after the maker's own
+    assert str(book.failure()) == "maker_0 failed (1/2 makers failed): ValueError: boom"
     book.restarted(1)
     assert book.versions() == {0: 0, 1: 0} and book.states[1].restarts == 1
 
