@@ -68,7 +68,8 @@ def run_local(cfg: Config, prompts: Sequence[Prompt | None] | None = None,
     history, start = [], time.perf_counter()  # the time budget counts from here, as the detached loop's does
     for step in range(1, cfg.trainer.total_steps + 1):
         step_start = time.perf_counter()
-        items, generate_s = _collect(maker, encoder, batches, cfg.trainer.train_batch_size, step - 1, kl_ctl.value)
+        collect = _stream if cfg.maker.max_running else _collect
+        items, generate_s = collect(maker, encoder, batches, cfg.trainer.train_batch_size, step - 1, kl_ctl.value)
         train_start = time.perf_counter()
         learner.kl_coef = kl_ctl.value
         # The maker shares the learner's actor: it sampled with these very weights (no extra forward pass)
@@ -127,3 +128,46 @@ def _collect(maker, encoder: PromptEncoder, batches: Iterator[list], n: int, ver
     for model in models:
         model.train()
     return items[:n], time.perf_counter() - start
+
+
+def _stream(maker, encoder: PromptEncoder, batches: Iterator[list], n: int, version: int,
+            kl_coef: float) -> tuple[list[ExperienceItem], float]:
+    """``_collect`` through a ``ContinuousBatcher`` (``maker.max_running`` > 0), as a streaming maker
+    generates: the groups of ``n // samples_per_prompt`` prompts queue at once, a slot freed by a
+    short answer takes the next sequence, and each group is made into experience as it finishes.
+    Nothing runs across steps (the weights change in between), so every token is this version's."""
+    from ray_ppo.models.continuous import ContinuousBatcher, Request
+
+    m = maker.sampling
+    batcher = ContinuousBatcher(maker.actor, m, maker.tokenizer.pad_token_id, maker.stop_ids,
+                                max_running=m.max_running, kv_at_swap=m.kv_at_swap, version=version,
+                                schedule="fifo")  # no answer of a prompt is known before its first epoch ends
+    groups, made, items = n // m.samples_per_prompt, 0, []
+    start = time.perf_counter()
+    batches_without_prompts = 0
+    models = [model for model in (maker.actor, maker.critic) if model is not None]
+    for model in models:
+        model.eval()  # sample and score without LoRA dropout; the update trains with it
+    try:
+        while made < groups:
+            encoded = encoder.encode(next(batches)[:groups - made])
+            if not encoded.ids:
+                batches_without_prompts += 1
+                if batches_without_prompts > MAX_EMPTY_BATCHES:
+                    raise DataError(f"no usable prompt in {MAX_EMPTY_BATCHES} batches: every prompt is blank")
+                continue
+            batches_without_prompts = 0
+            for k, ids in enumerate(encoded.ids):
+                batcher.submit(Request((made + k, s, encoded.prompts[k]), ids) for s in range(m.samples_per_prompt))
+            made += len(encoded.ids)
+        finished: dict[int, list] = {}
+        while batcher.busy:
+            for f in batcher.step():
+                finished.setdefault(f.key[0], []).append(f)
+                if len(finished[f.key[0]]) == m.samples_per_prompt:
+                    group = sorted(finished.pop(f.key[0]), key=lambda f: f.key[1])
+                    items += maker.experience_of(group, kl_coef, [f.key[2] for f in group])[0]
+    finally:
+        for model in models:
+            model.train()
+    return items, time.perf_counter() - start

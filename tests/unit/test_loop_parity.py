@@ -53,7 +53,6 @@ DETACHED_ONLY = {
     "sync.bucket_mb", "sync.lora_only", "maker.wait_for_weights",  # pushes to makers
     "maker.vllm.dtype",  # a vLLM engine's (maker.engine=vllm is refused)
     "logging.report_every",  # ray.train.report calls; every step's row is written in both loops
-    "maker.max_running",  # whether rank 0 reports the streaming makers' slots; the synchronous loop makes batches
 }
 
 INDIRECT = {"eval.due": {"eval.path", "eval.every"}, "ppo.uses_reference": {"ppo.kl_coef", "ppo.kl_target"},
@@ -157,6 +156,29 @@ def _(run):
     def change(horizon):
         return abs(run({"trainer.total_steps": 1, "ppo.kl_target": 6.0, "ppo.kl_horizon": horizon})[0]["kl_coef"] - 0.05)
     assert change(100) > change(10000) > 0
+
+
+@shared("maker.max_running")
+def _(run):
+    from ray_ppo.models import continuous
+
+    running, step = [], continuous.ContinuousBatcher.step
+
+    def spy(self, *args, **kwargs):
+        done = step(self, *args, **kwargs)
+        running.append(len(self.rows) + len(done))
+        return done
+
+    continuous.ContinuousBatcher.step = spy
+    try:
+        batches = []
+        run({"maker.max_running": 3}, on_step=lambda learner, batch: batches.append(batch))
+        streamed, trained = len(running), [len(batch.sequences) for batch in batches]
+        run({"maker.max_running": 0})
+    finally:
+        continuous.ContinuousBatcher.step = step
+    assert streamed == len(running) and max(running) == 3  # batch by batch with 0: no batcher step
+    assert trained == [8, 8]  # whole steps of train_batch_size, as batch by batch
 
 
 @shared("model.dtype")
