@@ -3,7 +3,7 @@
     ray-ppo train --config configs/tiny.yaml [--output DIR] [--address ADDR] [key=value ...]
     ray-ppo tune --config configs/tiny.yaml --grid ppo.kl_coef=0.02,0.1 --grid ppo.eps_clip=0.1,0.2
     ray-ppo local --config configs/tiny.yaml [--output DIR] [key=value ...]
-    ray-ppo toy-data DIR [--task repeat|sum_mod10|arithmetic|calculator]
+    ray-ppo toy-data DIR [--task repeat|sum_mod10|arithmetic|calculator|long_tail]
     ray-ppo eval MODEL --data FILE [--config FILE] [--num-prompts N] [--samples K] [--output FILE.json]
     ray-ppo config [--config FILE] [key=value ...]
 
@@ -96,15 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
     toy.add_argument("--num-prompts", type=int, default=512, help="prompts (arithmetic: training questions)")
     toy.add_argument("--prompt-len", type=int, default=6)
     toy.add_argument("--seed", type=int, default=0)
-    toy.add_argument("--task", choices=("repeat", "sum_mod10", "arithmetic", "calculator"), default="repeat",
+    toy.add_argument("--task", choices=("repeat", "sum_mod10", "arithmetic", "calculator", "long_tail"), default="repeat",
                      help="repeat: the toy task (repeat the last digit), CSV and Parquet; sum_mod10: the sum of two "
                           "digits mod 10, CSV and Parquet; arithmetic: chat questions for an instruct model, "
                           "train and eval JSON Lines (ray_ppo.tasks.arithmetic); calculator: multiplications to "
-                          "answer with a calculator tool, train and eval JSON Lines (ray_ppo.tasks.calculator)")
+                          "answer with a calculator tool, train and eval JSON Lines (ray_ppo.tasks.calculator); long_tail: "
+                          "short arithmetic questions mixed with sums and products to work in steps (answers of a "
+                          "few to 200+ tokens), train and eval JSON Lines (ray_ppo.tasks.long_tail)")
     toy.add_argument("--level", type=int, choices=(1, 2, 3), default=2,
                      help="arithmetic: 1 one-digit sums, differences and products, 2 two-digit sums and differences, "
                           "3 two-digit times one-digit")
-    toy.add_argument("--num-eval", type=int, default=200, help="arithmetic, calculator: held-out questions")
+    toy.add_argument("--num-eval", type=int, default=200, help="arithmetic, calculator, long_tail: held-out questions")
     ev = sub.add_parser("eval", help="evaluate a model, checkpoint or run on a prompt file (no Ray)",
                         description="Generate for a prompt file's prompts and score them with the config's rule "
                                     "reward: accuracy, mean reward and a few samples (ray_ppo.makers.evaluation).")
@@ -467,12 +469,14 @@ def cmd_eval(args) -> int:
 
 
 def cmd_toy_data(args) -> int:
-    from ray_ppo.tasks import arithmetic, calculator, sum_mod10, toy
+    from ray_ppo.tasks import arithmetic, calculator, long_tail, sum_mod10, toy
 
     if args.task == "arithmetic":
         paths = arithmetic.write_problem_files(args.directory, args.level, args.num_prompts, args.num_eval, args.seed)
     elif args.task == "calculator":
         paths = calculator.write_problem_files(args.directory, args.num_prompts, args.num_eval, args.seed)
+    elif args.task == "long_tail":
+        paths = long_tail.write_problem_files(args.directory, args.num_prompts, args.num_eval, args.seed)
     elif args.task == "sum_mod10":
         paths = sum_mod10.write_prompt_files(args.directory, args.num_prompts, args.seed)
     else:

@@ -101,3 +101,13 @@ def test_the_files_hold_the_mix_and_read_back_as_the_trainer_reads_them(tmp_path
     assert reward([r["prompt"] for r in rows], [r["answer"] for r in rows]) == [1.0] * 12
     assert reward([r["prompt"] for r in rows], [str(int(r["answer"]) + 1) for r in rows]) == [0.0] * 12
     assert not {json.dumps(p) for p in prompts} & {json.dumps(r["prompt"]) for r in rows}
+
+
+def test_toy_data_writes_the_files_the_config_trains_on(tmp_path):
+    from ray_ppo.cli import main
+
+    assert main(["toy-data", str(tmp_path), "--task", "long_tail", "--num-prompts", "16", "--num-eval", "6"]) == 0
+    train, evals = tmp_path / "long_tail_train.jsonl", tmp_path / "long_tail_eval.jsonl"
+    assert train.read_text().splitlines() == [json.dumps({"prompt": p.messages(), "answer": str(p.answer)})
+                                              for p in make_problems("train", 16, seed=0)]
+    assert len(evals.read_text().splitlines()) == 6
