@@ -104,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "short arithmetic questions mixed with sums and products to work in steps (answers of a "
                           "few to 200+ tokens), train and eval JSON Lines (ray_ppo.tasks.long_tail)")
     toy.add_argument("--level", type=int, choices=(1, 2, 3), default=2,
-                     help="arithmetic: 1 one-digit sums, differences and products, 2 two-digit sums and differences, "
-                          "3 two-digit times one-digit")
+                     help="arithmetic (and long_tail's short questions): 1 one-digit sums, differences and products, "
+                          "2 two-digit sums and differences, 3 two-digit times one-digit")
     toy.add_argument("--num-eval", type=int, default=200, help="arithmetic, calculator, long_tail: held-out questions")
     ev = sub.add_parser("eval", help="evaluate a model, checkpoint or run on a prompt file (no Ray)",
                         description="Generate for a prompt file's prompts and score them with the config's rule "
@@ -476,7 +476,8 @@ def cmd_toy_data(args) -> int:
     elif args.task == "calculator":
         paths = calculator.write_problem_files(args.directory, args.num_prompts, args.num_eval, args.seed)
     elif args.task == "long_tail":
-        paths = long_tail.write_problem_files(args.directory, args.num_prompts, args.num_eval, args.seed)
+        paths = long_tail.write_problem_files(args.directory, args.num_prompts, args.num_eval, args.seed,
+                                              short_level=args.level)
     elif args.task == "sum_mod10":
         paths = sum_mod10.write_prompt_files(args.directory, args.num_prompts, args.seed)
     else:

@@ -6,8 +6,11 @@
     reward(prompts, responses)       # 1.0 where the response's answer is right, either variant
     write_problem_files("data")      # long_tail_train.jsonl, long_tail_eval.jsonl
 
-- **Short** (``1 - long_share`` of the questions): the arithmetic task's level-2 questions as it asks
-  them (``ray_ppo.tasks.arithmetic.Problem``: "What is 47 plus 38? Answer with a number.").
+- **Short** (``1 - long_share`` of the questions): the arithmetic task's questions of ``short_level``
+  as it asks them (``ray_ppo.tasks.arithmetic.Problem``: "What is 47 plus 38? Answer with a
+  number."). Level 2 unless given; ``configs/smollm2_long_tail.yaml`` trains on level 1, which
+  SmolLM2 answers right often enough at temperature 1 to learn from (at level 2 it sampled no
+  right answer in 64 tries).
 - **Worked** (``long_share``): a sum of 3 to 6 two-digit numbers or a product of two two-digit
   numbers, asking for every step and a closing ``Answer: N`` (``Worked``: "What is 23 plus 45 plus
   67? Show every step, ..."). A right answer in steps (``Worked.solution``) is 39 to 100 tokens.
@@ -92,13 +95,15 @@ def worked_problems(split: str, num: int, seed: int = 0) -> list[Worked]:
     return list(out)
 
 
-def make_problems(split: str, num: int, seed: int = 0, long_share: float = 0.5) -> list[Problem | Worked]:
+def make_problems(split: str, num: int, seed: int = 0, long_share: float = 0.5,
+                  short_level: int = SHORT_LEVEL) -> list[Problem | Worked]:
     """``num`` questions of ``split`` ("train" or "eval"), ``round(num * long_share)`` of them worked,
-    the rest short, shuffled together; deterministic for a seed."""
+    the rest short questions of the arithmetic task's ``short_level``, shuffled together;
+    deterministic for a seed."""
     if not 0.0 <= long_share <= 1.0:
         raise ValueError(f"long_share={long_share!r}; choose a share in [0, 1]")
     worked = round(num * long_share)
-    problems = arithmetic.make_problems(split, SHORT_LEVEL, num - worked, seed) + worked_problems(split, worked, seed)
+    problems = arithmetic.make_problems(split, short_level, num - worked, seed) + worked_problems(split, worked, seed)
     random.Random(f"{seed}:{split}:long_tail").shuffle(problems)
     return problems
 
@@ -124,8 +129,8 @@ def reward(prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]:
 
 
 def write_problem_files(directory: str | Path, num_train: int = 2048, num_eval: int = 200, seed: int = 0,
-                        long_share: float = 0.5) -> tuple[Path, Path]:
+                        long_share: float = 0.5, short_level: int = SHORT_LEVEL) -> tuple[Path, Path]:
     """Write ``long_tail_train.jsonl`` and ``long_tail_eval.jsonl`` to ``directory``, as the arithmetic
     task writes its files: one row a question, with ``prompt`` (the chat messages) and ``answer``."""
-    return arithmetic.write_splits(directory, "long_tail", make_problems("train", num_train, seed, long_share),
-                                   make_problems("eval", num_eval, seed, long_share))
+    return arithmetic.write_splits(directory, "long_tail", make_problems("train", num_train, seed, long_share, short_level),
+                                   make_problems("eval", num_eval, seed, long_share, short_level))

@@ -106,8 +106,9 @@ def test_the_files_hold_the_mix_and_read_back_as_the_trainer_reads_them(tmp_path
 def test_toy_data_writes_the_files_the_config_trains_on(tmp_path):
     from ray_ppo.cli import main
 
-    assert main(["toy-data", str(tmp_path), "--task", "long_tail", "--num-prompts", "16", "--num-eval", "6"]) == 0
+    assert main(["toy-data", str(tmp_path), "--task", "long_tail", "--level", "1", "--num-prompts", "16",
+                 "--num-eval", "6"]) == 0
     train, evals = tmp_path / "long_tail_train.jsonl", tmp_path / "long_tail_eval.jsonl"
     assert train.read_text().splitlines() == [json.dumps({"prompt": p.messages(), "answer": str(p.answer)})
-                                              for p in make_problems("train", 16, seed=0)]
+                                              for p in make_problems("train", 16, seed=0, short_level=1)]
     assert len(evals.read_text().splitlines()) == 6
