@@ -235,7 +235,7 @@ class MakerConfig(SamplingParams):
     samples_per_prompt: int = Field(1, gt=0)
     """Responses sampled per prompt (a group); a group stays together through routing, on one rank, in one step."""
     max_running: int = Field(0, ge=0)
-    """Continuous batching (HF or vLLM makers): up to this many sequences generate at once, and a sequence that ends frees its slot for the next prompt at once; 0 = batch by batch (every row of a batch runs until its longest ends)."""
+    """Continuous batching (HF or vLLM makers): up to this many sequences generate at once, and a sequence that ends frees its slot for the next prompt at once (with env.cls: each policy turn is a sequence, the next turn queued once the environment answers); 0 = batch by batch (every row of a batch runs until its longest ends)."""
     weight_updates: WeightUpdates = "in_flight"
     """With maker.max_running > 0, when a weight push swaps in: in_flight (between two decode steps; a running sequence goes on under the new weights) or between_batches (once no sequence runs)."""
     kv_at_swap: KvAtSwap = "keep"
@@ -682,14 +682,6 @@ class Config(_Section):
             raise ConfigError(
                 f"{key} shapes single completions cut at maker.max_new_tokens, but env.cls={self.env.cls!r} runs "
                 f"multi-turn episodes; set algo.overlong_buffer=0 and algo.overlong_filter=false")
-        return self
-
-    @model_validator(mode="after")
-    def _continuous_batching_of_single_completions(self) -> Config:
-        if self.maker.max_running and self.env.cls is not None:
-            raise ConfigError(
-                f"maker.max_running={self.maker.max_running} batches single completions continuously, but env.cls="
-                f"{self.env.cls!r} runs multi-turn episodes, which generate batch by batch; set maker.max_running=0")
         return self
 
     @model_validator(mode="after")

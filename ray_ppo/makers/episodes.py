@@ -10,7 +10,12 @@ environment's observations, rendered as the tokenizer's chat template renders th
 ``Episodes.rollout.action_mask`` marks the policy's tokens, which alone are trained; each turn's
 reward sits at the last token of that turn (``token_scores``).
 
-Scheduling keeps generation busy while environments think: the episodes are cut into
+Streaming makers (``maker.max_running``) run episodes through their continuous batcher instead
+(``open``, ``turn``, ``answer``, ``streamed``): each policy turn is one request, the next turn's
+request is submitted as soon as the environment answers, and each token keeps its sampler's
+log-prob and version, so a push may land between two turns or inside one.
+
+In a batch, scheduling keeps generation busy while environments think: the episodes are cut into
 ``env.pipeline`` groups; a group generates its next turn while the steps of the others run on an
 event loop in a thread of their own, and any episode whose environment has answered joins the next
 generation call. A step that raises, outlasts ``env.step_timeout_s`` or returns something other
@@ -36,6 +41,7 @@ import torch
 from ray_ppo.config import EnvConfig
 from ray_ppo.data import Prompt
 from ray_ppo.env import EnvError, Turn, take_step
+from ray_ppo.models.continuous import version_runs
 from ray_ppo.models.generation import Rollout, left_pad
 
 Sample = Callable[[list[list[int]], int], list[tuple[list[int], bool]]]
@@ -69,10 +75,22 @@ class Episode:
     """The policy's last turn ended on a stop token."""
     lost_text: int = 0
     """Observations put in the context whose text the tokenizer cannot spell (``lost_text``)."""
+    key: tuple | None = None
+    """A streaming maker's key of this episode (``EpisodeRunner.open``); None in a batch."""
+    log_probs: list[float] = field(default_factory=list)
+    """Streamed: per response token, the sampler's log-prob of a policy token (0 on the environment's)."""
+    versions: list[int] = field(default_factory=list)
+    """Streamed: per response token, the policy version that sampled it (an observation takes its
+    turn's last)."""
 
     @property
     def reward(self) -> float:
         return sum(self.scores)
+
+    @property
+    def version_runs(self) -> list[tuple[int, int]]:
+        """Streamed: the response tokens' versions as runs, ``[(version, count), ...]``."""
+        return version_runs(self.versions)
 
     def counts(self) -> dict:
         """What ``ExperienceItem.episode`` carries: turns, fault (0 or 1), lost_text where not 0, the
@@ -170,6 +188,50 @@ class EpisodeRunner:
                     ready.append(episode)
         rollout, scores = self._pad(episodes)
         return Episodes(episodes, rollout, scores, generate_s, time.perf_counter() - start)
+
+    def open(self, prompt_ids: Sequence[int], prompt: Prompt, key: tuple) -> Episode:
+        """A streamed episode (a streaming maker's), named ``key``; its first turn's context is
+        ``context(episode)``."""
+        return Episode(prompt, self._with_tools(list(prompt_ids), prompt), self._is_chat(prompt), key=key)
+
+    @staticmethod
+    def context(episode: Episode) -> list[int]:
+        """What the policy's next turn continues: the prompt and the response so far."""
+        return episode.prompt_ids + episode.tokens
+
+    def room(self, episode: Episode) -> int:
+        """Tokens the episode's budget (``env.max_tokens``) leaves for the policy's next turn."""
+        return self.cfg.max_tokens - len(episode.tokens)
+
+    def turn(self, episode: Episode, tokens: Sequence[int], log_probs: Sequence[float], versions: Sequence[int],
+             stopped: bool) -> concurrent.futures.Future:
+        """Append a streamed policy turn (its tokens, each one's sampler log-prob and version) and
+        start the environment's step on it; ``answer`` takes the returned future once done."""
+        before = len(episode.tokens)
+        text = self._policy_turn(episode, list(tokens), stopped)
+        kept = len(episode.tokens) - before
+        episode.log_probs += list(log_probs[:kept])
+        episode.versions += list(versions[:kept])
+        return asyncio.run_coroutine_threadsafe(self._step(episode, text), self.loop)
+
+    def answer(self, episode: Episode, future: concurrent.futures.Future) -> None:
+        """Take the environment's answer to a streamed turn (``_answer``); its observation tokens
+        get log-prob 0 and the turn's version. The episode is then ``done``, or ready for its next turn."""
+        before = len(episode.tokens)
+        self._answer(episode, future)
+        added = len(episode.tokens) - before
+        episode.log_probs += [0.0] * added
+        episode.versions += [episode.versions[-1] if episode.versions else 0] * added
+
+    def streamed(self, episodes: list[Episode]) -> Episodes:
+        """Finished streamed episodes as a batch's ``Episodes``, with the sampler's log-probs
+        (``rollout.log_probs``, 0 on the environment's tokens)."""
+        rollout, scores = self._pad(episodes)
+        log_probs = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
+        for row, e in enumerate(episodes):
+            log_probs[row, :len(e.log_probs)] = torch.tensor(e.log_probs, dtype=torch.float32)
+        rollout.log_probs = log_probs * rollout.action_mask
+        return Episodes(episodes, rollout, scores, generate_s=0.0, wall_s=0.0)
 
     def _is_chat(self, prompt: Prompt) -> bool:
         return isinstance(prompt, list) or self.chat_template
@@ -291,3 +353,63 @@ class EpisodeRunner:
         rollout = Rollout(torch.cat([prompt_ids, responses], dim=1), torch.cat([prompt_mask, attended.long()], dim=1),
                           actions, prompt_ids.shape[1])
         return rollout, scores
+
+
+class EpisodeStream:
+    """Episodes streamed through a continuous batcher (a ``ContinuousBatcher`` or a
+    ``VllmBatcher``): each policy turn is a batcher request keyed as its episode; a finished turn
+    starts the environment's step (``turn``), and an answered step queues the episode's next turn
+    or ends the episode (``answered``). A streaming maker drives it beside its prompt intake;
+    ``run`` drives it alone (evaluation). ``runner`` None: no environment (a maker of single answers)."""
+
+    def __init__(self, runner: EpisodeRunner | None, max_new_tokens: int):
+        self.runner, self.max_new_tokens = runner, max_new_tokens
+        self.running: dict[tuple, Episode] = {}  # (batch number, prompt index, sample) -> its episode
+        self.stepping: dict[concurrent.futures.Future, Episode] = {}  # the environment steps under way: future -> episode
+
+    def open(self, key: tuple, prompt_ids: list[int], expected_len: float | None, request):
+        """A new episode's first turn, as a batcher request."""
+        episode = self.running[key[:3]] = self.runner.open(prompt_ids, key[4], key)
+        return self._request(episode, request, expected_len)
+
+    def turn(self, finished) -> None:
+        """The policy's turn ``finished`` is appended to its episode, whose environment step starts."""
+        episode = self.running[finished.key[:3]]
+        future = self.runner.turn(episode, finished.tokens, finished.log_probs, finished.versions, finished.stopped)
+        self.stepping[future] = episode
+
+    def run(self, batcher, prompt_ids: Sequence[Sequence[int]], prompts: Sequence[Prompt]) -> list[Episode]:
+        """One episode per prompt, to its end, through ``batcher``; in the prompts' order."""
+        from ray_ppo.models.continuous import Request
+
+        batcher.submit(self.open((0, i, 0, None, p), list(ids), None, Request)
+                       for i, (ids, p) in enumerate(zip(prompt_ids, prompts, strict=True)))
+        ended = []
+        while batcher.busy or self.stepping:
+            ended += self.answered(batcher, Request, wait=not batcher.busy)
+            if batcher.busy:
+                for turn in batcher.step():
+                    self.turn(turn)
+        return sorted(ended, key=lambda e: e.key[1])
+
+    def answered(self, batcher, request, wait: bool) -> list:
+        """Take the environment steps that are done (with ``wait``, and none done, wait a moment for
+        one: nothing else is running); queue each such episode's next turn, and return those that ended."""
+        if not self.stepping:
+            return []
+        if wait:
+            concurrent.futures.wait(list(self.stepping), timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
+        ended, turns = [], []
+        for future in [f for f in self.stepping if f.done()]:
+            episode = self.stepping.pop(future)
+            self.runner.answer(episode, future)
+            if episode.done:
+                ended.append(self.running.pop(episode.key[:3]))
+            else:
+                turns.append(self._request(episode, request, None))
+        batcher.submit(turns)
+        return ended
+
+    def _request(self, episode, request, expected_len: float | None):
+        return request(episode.key, self.runner.context(episode),
+                       max_new_tokens=min(self.runner.room(episode), self.max_new_tokens), expected_len=expected_len)

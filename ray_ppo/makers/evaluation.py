@@ -270,7 +270,7 @@ class Evaluation:
         ends = stop_token_ids(self.tokenizer, actor)
         rows: list[tuple[Prompt, str, float]] = []
         # Streaming makers answer every prompt in one stream, its slots refilled as answers end.
-        size = len(self.prompts) if self._streams(engine) and self.episodes is None else self.batch_size
+        size = len(self.prompts) if self._streams(engine) else self.batch_size
         for start in range(0, len(self.prompts), size):
             encoded = self.encoder.encode(self.prompts[start:start + size])
             ids = [i for i in encoded.ids for _ in range(self.k)]
@@ -310,13 +310,23 @@ class Evaluation:
 
     @torch.no_grad()
     def _episodes(self, prompt_ids, prompts, actor, engine, ends) -> tuple[list[str], list[float]]:
-        """Each prompt answered in an episode: (the decoded exchanges, the episodes' rewards)."""
-        def sample(contexts, max_new_tokens):
-            return self._generate(contexts, actor, engine, ends, max_new_tokens).responses(ends)
+        """Each prompt answered in an episode: (the decoded exchanges, the episodes' rewards). With
+        ``maker.max_running``, the episodes stream turn by turn through a ``ContinuousBatcher``, as a
+        streaming maker's do (``EpisodeStream``)."""
+        if self._streams(engine):
+            from ray_ppo.makers.episodes import EpisodeStream
+            from ray_ppo.models.continuous import ContinuousBatcher
 
-        run = self.episodes.run(prompt_ids, prompts, sample)
-        return ([self.tokenizer.decode(e.tokens, skip_special_tokens=True) for e in run.episodes],
-                [e.reward for e in run.episodes])
+            batcher = ContinuousBatcher(actor, self.sampling, self.tokenizer.pad_token_id, ends,
+                                        max_running=self.max_running, greedy=self.greedy)
+            episodes = EpisodeStream(self.episodes, self.sampling.max_new_tokens).run(batcher, prompt_ids, prompts)
+        else:
+            def sample(contexts, max_new_tokens):
+                return self._generate(contexts, actor, engine, ends, max_new_tokens).responses(ends)
+
+            episodes = self.episodes.run(prompt_ids, prompts, sample).episodes
+        return ([self.tokenizer.decode(e.tokens, skip_special_tokens=True) for e in episodes],
+                [e.reward for e in episodes])
 
 
 def _result(rows: list[tuple[Prompt, str, float]], model: str, data: str, k: int, greedy: bool) -> EvalResult:

@@ -187,7 +187,8 @@ class ExperienceMaker:
     @torch.no_grad()
     def experience_of(self, finished: Sequence[Finished], kl_coef: float | None = None,
                       prompts: Sequence[str | list[dict]] | None = None) -> tuple[list[ExperienceItem], MakeStats]:
-        """Experience from sequences a ``ContinuousBatcher`` finished: whole groups, each group's
+        """Experience from sequences a ``ContinuousBatcher`` finished (or, with an environment, whole
+        episodes streamed through it: ``EpisodeRunner.open``): whole groups, each group's
         ``samples_per_prompt`` sequences next to each other. Scored, shaped and with advantages as
         ``make_experience`` makes them, except that the behaviour log-probs are always the
         sampler's own, token by token (weights may have changed during a sequence, so no forward
@@ -196,7 +197,7 @@ class ExperienceMaker:
         every token's own, where they differ from it).
 
         Args:
-            finished: the sequences, group by group.
+            finished: the sequences (``Finished``; with an environment, finished ``Episode``), group by group.
             kl_coef: the trainer's KL coefficient (None: ``ppo.kl_coef``).
             prompts: each sequence's prompt as the data gave it (None: the decoded prompt ids).
 
@@ -208,16 +209,29 @@ class ExperienceMaker:
             raise ValueError(f"{len(finished)} sequences do not make whole groups of {self.group_size}")
         stats = MakeStats(num_samples=len(finished))
         start = time.perf_counter()
-        rollout, versions = rollout_of(finished, self.tokenizer.pad_token_id)
+        token_scores = faulted = counts = None
+        if self.episodes is not None:  # whole episodes (ray_ppo.makers.episodes.Episode), streamed turn by turn
+            run = self.episodes.streamed(list(finished))
+            rollout, token_scores, faulted = run.rollout, run.token_scores, run.faulted
+            versions = torch.tensor([min(e.versions) for e in finished], dtype=torch.long)
+            counts = [e.counts() for e in finished]
+            stats.faults = [e.fault for e in finished if e.fault is not None]
+        else:
+            rollout, versions = rollout_of(finished, self.tokenizer.pad_token_id)
         # A group travels, and is counted for staleness, as one: at its oldest sequence's version.
         versions = versions.view(-1, self.group_size).min(dim=1).values.repeat_interleave(self.group_size)
         rollout = self._on_device(rollout)
-        reward = self._score(rollout, None if prompts is None else list(prompts))
+        if token_scores is not None:  # an episode's score is its environment's rewards
+            token_scores, faulted = token_scores.to(self.device), faulted.to(self.device)
+            reward = token_scores.sum(dim=1)
+        else:
+            reward = self._score(rollout, None if prompts is None else list(prompts))
         kl_coef = self.ppo.kl_coef if kl_coef is None else kl_coef
-        batch = self._to_batch(rollout, reward, versions.to(self.device), kl_coef, stats, sampled=True).to("cpu")
+        batch = self._to_batch(rollout, reward, versions.to(self.device), kl_coef, stats, token_scores, faulted,
+                               sampled=True).to("cpu")
         stats.score_s = time.perf_counter() - start
         stats.num_tokens = int(rollout.action_mask.sum())
-        items = self._items(batch, prompts)
+        items = self._items(batch, prompts, counts)
         for item, f in zip(items, finished, strict=True):
             runs = f.version_runs
             item.version_runs = tuple(runs) if len(runs) > 1 else None  # one run: policy_version says it all

@@ -41,6 +41,8 @@ from ray_ppo.wire.transport import ExperienceChunk
 if TYPE_CHECKING:
     import torch
 
+    from ray_ppo.makers.episodes import EpisodeStream
+
 CONCURRENCY_GROUPS = {"compute": 1, "experience_io": 1, "model_io": 1, "eval": 1}
 SEND_QUEUE_BATCHES = 2
 """Made batches that may wait for the sender before generation blocks."""
@@ -182,6 +184,7 @@ class MakerWorker:
         under the model lock (so a push swaps in between two steps: ``weights_end``), and the
         groups that finished at a step are made into experience and sent at once. A batch's blank
         prompts are reported with the next send (their ids carry no items)."""
+        from ray_ppo.makers.episodes import EpisodeStream
         from ray_ppo.models.continuous import ContinuousBatcher, Request
 
         m = self.cfg.maker
@@ -193,45 +196,57 @@ class MakerWorker:
         self.batcher = batcher = batcher_class(
             self.maker.actor, m, self.maker.tokenizer.pad_token_id, self.maker.stop_ids, max_running=m.max_running,
             kv_at_swap=m.kv_at_swap, version=self.version, schedule=m.schedule)
-        groups: dict[tuple, list] = {}  # (batch number, prompt index) -> its finished sequences
+        groups: dict[tuple, list] = {}  # (batch number, prompt index) -> its finished sequences (or episodes)
+        episodes = EpisodeStream(self.maker.episodes, m.max_new_tokens)  # with env.cls: turns stream, steps beside
         unreported = _Unreported()
         asked, number = self.coordinator.next_prompts.remote(self.maker_id), 0
-        while asked is not None or batcher.busy:
+        while asked is not None or batcher.busy or episodes.stepping:
             if asked is not None and len(batcher.waiting) < m.max_running:
                 start = time.perf_counter()
-                ready, _ = ray.wait([asked], timeout=0 if batcher.busy else None)
+                ready, _ = ray.wait([asked], timeout=0 if batcher.busy or episodes.stepping else None)
                 unreported.admission_s += time.perf_counter() - start
                 if ready:
                     batch = ray.get(asked)
                     asked = None if batch is None else self.coordinator.next_prompts.remote(self.maker_id)
                     if batch is not None:
                         number += 1
-                        self._open(batch, number, batcher, groups, unreported, Request)
-            if unreported.ready_to_send(batcher.busy):
+                        self._open(batch, number, batcher, groups, unreported, Request, episodes)
+            whole: list[list] = []
+            # Episodes whose environment answered: the next turn queues, or the episode is done.
+            for episode in episodes.answered(batcher, Request, wait=not batcher.busy):
+                self._finished(episode, groups, whole)
+            if unreported.ready_to_send(batcher.busy or bool(episodes.stepping)):
                 for made in unreported.send(None, self):
                     self._queue(made)
-            if not batcher.busy:
-                continue
-            self.no_eval.wait()
-            with self.model_lock:
-                start = time.perf_counter()
-                done = batcher.step(admit=not self.swap_waiting.is_set())
-                unreported.generate_s += time.perf_counter() - start
-            whole = []
-            self.spanning += sum(1 for f in done if f.swaps)
-            for f in done:
-                if m.schedule == "longest_first":  # fifo reads no estimate: keep none
-                    self._learn_length(f.key[3], len(f.tokens))
-                group = groups[f.key[:2]]
-                group.append(f)
-                if len(group) == m.samples_per_prompt:
-                    whole.append(groups.pop(f.key[:2]))
+            if batcher.busy:
+                self.no_eval.wait()
+                with self.model_lock:
+                    start = time.perf_counter()
+                    done = batcher.step(admit=not self.swap_waiting.is_set())
+                    unreported.generate_s += time.perf_counter() - start
+                self.spanning += sum(1 for f in done if f.swaps)
+                for f in done:
+                    if m.schedule == "longest_first":  # fifo reads no estimate: keep none
+                        self._learn_length(f.key[3], len(f.tokens))
+                    if episodes.runner is not None:  # a turn: the environment's step starts
+                        episodes.turn(f)
+                    else:
+                        self._finished(f, groups, whole)
             if whole:
                 for made in unreported.send(whole, self):
                     self._queue(made)
 
-    def _open(self, batch, number: int, batcher, groups: dict, unreported: _Unreported, request) -> None:
-        """Queue a prompt batch's sequences in the batcher; its blank prompts wait for the next send."""
+    def _finished(self, done, groups: dict, whole: list) -> None:
+        """A finished sequence (or episode) joins its group; a whole group goes to ``whole``."""
+        group = groups[done.key[:2]]
+        group.append(done)
+        if len(group) == self.cfg.maker.samples_per_prompt:
+            whole.append(groups.pop(done.key[:2]))
+
+    def _open(self, batch, number: int, batcher, groups: dict, unreported: _Unreported, request,
+              episodes: EpisodeStream) -> None:
+        """Queue a prompt batch's sequences (or episodes' first turns) in the batcher; its blank
+        prompts wait for the next send."""
         encoded = self.encoder.encode(batch.prompts)
         kept = set(encoded.kept)
         unreported.blank_ids += [pid for i, pid in enumerate(batch.ids) if i not in kept]
@@ -241,8 +256,11 @@ class MakerWorker:
             groups[(number, k)] = []
             prompt_id = batch.ids[index] if batch.ids else None
             expected = self.answer_lengths.get(prompt_id)
-            batcher.submit(request((number, k, s, prompt_id, encoded.prompts[k]), ids, expected_len=expected)
-                           for s in range(self.cfg.maker.samples_per_prompt))
+            keys = [(number, k, s, prompt_id, encoded.prompts[k]) for s in range(self.cfg.maker.samples_per_prompt)]
+            if episodes.runner is not None:
+                batcher.submit(episodes.open(key, ids, expected, request) for key in keys)
+            else:
+                batcher.submit(request(key, ids, expected_len=expected) for key in keys)
 
     def _learn_length(self, prompt_id: int | None, length: int) -> None:
         """Keep a running estimate of ``prompt_id``'s answer length (``maker.schedule=longest_first``):
@@ -450,6 +468,8 @@ class _Unreported:
         if groups:
             finished = [f for group in groups for f in sorted(group, key=lambda f: f.key[2])]
             items, made = worker.maker.experience_of(finished, worker.kl_coef, [f.key[4] for f in finished])
+            for fault in made.faults:  # the episode ended, the run goes on
+                logger.warning("maker_%d: an episode ended on an environment fault: %s", worker.maker_id, fault)
             for item, f in zip(items, finished, strict=True):
                 if f.key[3] is not None:
                     item.prompt_id = int(f.key[3])

@@ -80,13 +80,18 @@ class Finished:
     @property
     def version_runs(self) -> list[tuple[int, int]]:
         """The versions as runs: ``[(version, count), ...]`` in token order."""
-        runs: list[tuple[int, int]] = []
-        for v in self.versions:
-            if runs and runs[-1][0] == v:
-                runs[-1] = (v, runs[-1][1] + 1)
-            else:
-                runs.append((v, 1))
-        return runs
+        return version_runs(self.versions)
+
+
+def version_runs(versions: Iterable[int]) -> list[tuple[int, int]]:
+    """Per-token versions as runs: ``[(version, count), ...]`` in token order."""
+    runs: list[tuple[int, int]] = []
+    for v in versions:
+        if runs and runs[-1][0] == v:
+            runs[-1] = (v, runs[-1][1] + 1)
+        else:
+            runs.append((v, 1))
+    return runs
 
 
 @dataclass

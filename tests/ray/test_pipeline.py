@@ -13,6 +13,7 @@ from ray_ppo.config import load_config
 from ray_ppo.config.preflight import PreflightError
 from ray_ppo.data import DataError, read_texts
 from ray_ppo.outputs.failures import ERROR_LOG, one_line, report_failure
+from ray_ppo.tasks.toy import make_prompts
 
 pytestmark = pytest.mark.ray
 
@@ -128,6 +129,32 @@ def test_streaming_makers_account_for_every_item(ray_session, tmp_path, weight_u
     assert any(0 < m.get("maker_slot_utilisation", 0) <= 1 for m in history)
     if weight_updates == "between_batches":  # swaps wait until no sequence runs
         assert spanning == 0 and all(m["swaps_per_sequence"] == 0 and m["kv_kept"] == 0 for m in history)
+
+
+def test_streaming_makers_run_episodes_turn_by_turn(ray_session, tmp_path):
+    """maker.max_running with env.cls: each policy turn is a request of the maker's batcher and the
+    next turn queues when the environment answers (ray_ppo.makers.testing.FaultyEnv: steps that
+    sleep 50-200 ms; prompts starting with 0 make the step raise). Faulted episodes end alone,
+    every prompt is trained once, and no trained token is older than its item's staleness."""
+    prompts = tmp_path / "prompts.csv"
+    texts = [("0" if i % 8 == 5 else "3") + t[1:] for i, t in enumerate(make_prompts(64, 6, seed=0))]
+    prompts.write_text("prompt\n" + "\n".join(texts) + "\n")
+    cfg = small_config(tmp_path, "maker.num_makers=1", f"data.path={prompts}", "maker.max_running=6",
+                       "maker.samples_per_prompt=2", "algo.advantage=grpo", "env.cls=ray_ppo.makers.testing:FaultyEnv",
+                       "env.max_tokens=32", "env.step_timeout_s=2")
+    trainer = PPOTrainer(cfg)
+    trainer.fit()
+    history = trainer.history
+    assert [m["step"] for m in history] == list(range(1, STEPS + 1))
+    assert all(1.0 <= m["env/turns"] <= 2.0 for m in history) and any(m["env/turns"] > 1.5 for m in history)
+    assert sum(m["fault_count"] for m in history) > 0
+    assert history[-1]["weights_in_sync"] == 1.0
+    counters = trainer.final_status.counters
+    assert counters.consumed == STEPS * BATCH
+    assert counters.produced == counters.consumed + counters.in_flight + counters.discarded + counters.lost_in_transit
+    assert sum(s.get("made", 0) for s in trainer.maker_summaries) == counters.produced
+    for m in history:
+        assert m["token_lag_mean"] <= m["token_lag_max"] <= m["staleness_max"]
 
 
 def test_output_dir_holds_the_checkpoint_and_each_row_counts_the_prompts_trained_by_its_step(ray_session, tmp_path):

@@ -150,11 +150,78 @@ def test_turns_are_checked_and_classes_loaded_with_errors_that_name_the_fix():
         load_env_class("ray_ppo.tasks.turns:Nope")
 
 
-def tiny_maker(tiny_path, **env):
+def tiny_maker(tiny_path, env_cls: str = "ray_ppo.makers.testing:FaultyEnv", **env):
     cfg = resolve_config(Config.from_dict({
         "model": {"pretrained": tiny_path}, "maker": {"samples_per_prompt": 2, "max_new_tokens": 4},
-        "algo": {"advantage": "grpo"}, "env": {"cls": "ray_ppo.makers.testing:FaultyEnv", "max_tokens": 24, **env}}))
+        "algo": {"advantage": "grpo"}, "env": {"cls": env_cls, "max_tokens": 24, **env}}))
     return build_experience_maker(cfg)
+
+
+def streamed(maker, prompts: list[str], max_running: int, swap_at: int | None = None) -> list:
+    """Episodes of ``prompts`` (2 each) through a ``ContinuousBatcher``, as a streaming maker runs them
+    (``ray_ppo.makers.episodes.EpisodeStream``); with ``swap_at``, the weights swap (to the same ones,
+    named version 1) before that decode step. Returns the ended episodes in key order."""
+    from ray_ppo.makers.episodes import EpisodeStream
+    from ray_ppo.models.continuous import ContinuousBatcher, Request
+
+    batcher = ContinuousBatcher(maker.actor, maker.sampling, maker.tokenizer.pad_token_id, maker.stop_ids,
+                                max_running=max_running, generator=torch.Generator().manual_seed(0))
+    episodes = EpisodeStream(maker.episodes, maker.sampling.max_new_tokens)
+    keys = [(1, k, s, None, p) for k, p in enumerate(prompts) for s in range(2)]
+    batcher.submit(episodes.open(key, digits(maker.tokenizer, key[4]), None, Request) for key in keys)
+    ended, step = [], 0
+    while batcher.busy or episodes.stepping:
+        ended += episodes.answered(batcher, Request, wait=not batcher.busy)
+        if batcher.busy:
+            if step == swap_at:
+                batcher.swap(lambda: None, version=1)
+            for turn in batcher.step():
+                episodes.turn(turn)
+            step += 1
+    return sorted(ended, key=lambda e: e.key[:3])
+
+
+def test_streamed_episodes_keep_each_turn_s_sampler_log_probs_and_versions(tiny_path):
+    """maker.max_running with env.cls: each turn is a batcher request, the next one queued when the
+    environment answers; the episode is built as a batch builds it, its policy tokens carry the
+    sampler's log-probs (a forward pass of the whole episode gives them) and their versions."""
+    from ray_ppo.models import action_log_probs
+
+    maker = tiny_maker(tiny_path, "ray_ppo.tasks.turns:TwoTurnEnv")
+    prompts = ["3 1 4", "2 7 1", "5 9 2"]
+    ended = streamed(maker, prompts, max_running=3, swap_at=3)
+    assert [e.key[:3] for e in ended] == [(1, k, s) for k in range(3) for s in range(2)]
+    for e in ended:
+        assert e.turns == 2 and e.done and e.fault is None
+        observation = [i for i, a in enumerate(e.actions) if not a]
+        assert e.tokens[observation[0]:observation[-1] + 1] == digits(maker.tokenizer, " " + e.prompt)
+        assert len(e.log_probs) == len(e.versions) == len(e.tokens)
+        assert all(e.log_probs[i] == 0.0 for i in observation)
+    items, stats = maker.experience_of(ended, prompts=[e.key[4] for e in ended])
+    assert [it.episode for it in items] == [{"turns": 2.0, "fault": 0.0}] * 6 and stats.faults == []
+    assert [it.reward for it in items] == pytest.approx([e.reward for e in ended])
+    run = maker.episodes.streamed(ended)
+    exact = action_log_probs(maker.actor, run.rollout.sequences, run.rollout.attention_mask,
+                             run.rollout.num_actions, maker.sampling.temperature)
+    mask = run.rollout.action_mask
+    assert torch.allclose(run.rollout.log_probs[mask], exact[mask], atol=1e-4)
+    for item, row in zip(items, run.rollout.log_probs):  # the behaviour log-probs are the sampler's
+        assert torch.equal(item.action_log_probs, row[:item.action_log_probs.shape[0]] * item.action_mask)
+    spanned = [(it, e) for it, e in zip(items, ended) if len(e.version_runs) > 1]
+    assert spanned, "the swap at step 3 lands inside some episode"
+    for item, e in spanned:  # its group counts at its oldest token; every token's own version travels
+        assert item.policy_version == 0 and item.version_runs == tuple(e.version_runs)
+        assert e.version_runs[0][0] == 0 and e.version_runs[-1][0] == 1
+
+
+def test_a_streamed_episode_that_faults_ends_alone(tiny_path):
+    maker = tiny_maker(tiny_path, step_timeout_s=0.5)
+    ended = streamed(maker, ["0 4 4", "3 4 4"], max_running=2)
+    items, stats = maker.experience_of(ended, prompts=[e.key[4] for e in ended])
+    assert len(stats.faults) == 2 and all("prompt '0 4 4'" in f for f in stats.faults)
+    assert [it.episode["fault"] for it in items] == [1.0, 1.0, 0.0, 0.0]
+    assert all(torch.all(it.advantages == 0) for it in items[:2])
+    assert [it.episode["turns"] for it in items[2:]] == [2.0, 2.0]
 
 
 def test_a_maker_trains_the_policy_s_tokens_and_neutralises_faulted_episodes(tiny_path):

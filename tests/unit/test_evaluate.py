@@ -160,3 +160,21 @@ def test_a_streaming_makers_evaluation_answers_through_its_batcher_as_batch_gene
     stream = evaluate(cfg.with_overrides({"maker.max_running": 4}), "tiny", PROMPTS, num_prompts=12)
     assert streamed == [4]  # the 12 prompts in one stream of 4 slots, whatever maker.batch_size is
     assert (stream.accuracy, stream.reward_mean, stream.samples) == (batch.accuracy, batch.reward_mean, batch.samples)
+
+
+def test_a_streaming_makers_episodes_are_evaluated_turn_by_turn_as_in_a_batch(tiny_path, monkeypatch):
+    """maker.max_running with env.cls: every evaluation episode streams through one batcher
+    (``EpisodeStream``), each turn a request; greedy episodes end as batch-by-batch episodes do."""
+    from ray_ppo.makers import episodes
+
+    streams = []
+    run = episodes.EpisodeStream.run
+    monkeypatch.setattr(episodes.EpisodeStream, "run",
+                        lambda self, batcher, ids, prompts: streams.append((batcher.max_running, len(ids)))
+                        or run(self, batcher, ids, prompts))
+    cfg = load_config(TINY).with_overrides({"env.cls": "ray_ppo.tasks.turns:TwoTurnEnv", "env.max_tokens": 32})
+    batch = evaluate(cfg, "tiny", PROMPTS, num_prompts=10)
+    stream = evaluate(cfg.with_overrides({"maker.max_running": 4}), "tiny", PROMPTS, num_prompts=10)
+    assert streams == [(4, 10)]
+    assert (stream.accuracy, stream.reward_mean, stream.samples) == (batch.accuracy, batch.reward_mean, batch.samples)
+    assert all(len(s["response"]) > 0 for s in stream.samples)
