@@ -132,6 +132,35 @@ def test_multi_turn_episodes_generate_with_the_engine_as_with_hf(worker):
         assert item.reward == hf_item.reward
 
 
+def test_episodes_stream_turn_by_turn_through_the_engines_batcher(worker):
+    """maker.max_running with env.cls on a vLLM maker: each policy turn is a request of the engine's
+    batcher (``EpisodeStream``), the next queued when the environment answers. Greedy, every episode
+    is the HF maker's batch episode token for token, with the sampler's log-probs on the policy's
+    tokens only."""
+    from ray_ppo.config import EnvConfig
+    from ray_ppo.makers.episodes import EpisodeRunner, EpisodeStream
+    from ray_ppo.tasks.turns import TwoTurnEnv
+
+    maker = worker.maker
+    prompts = [maker.tokenizer.decode(p) for p in PROMPTS]
+    runner = EpisodeRunner(TwoTurnEnv, EnvConfig(cls="ray_ppo.tasks.turns:TwoTurnEnv", max_tokens=16), maker.tokenizer)
+    batcher = worker.engine.continuous_batcher(worker.float_policy, worker.cfg.maker, maker.tokenizer.pad_token_id,
+                                               maker.stop_ids, max_running=2, version=worker.version)
+    try:
+        episodes = EpisodeStream(runner, worker.cfg.maker.max_new_tokens).run(batcher, PROMPTS, prompts)
+    finally:
+        worker.engine.batcher = None
+    maker.engine, maker.episodes = None, runner
+    try:  # one prompt a batch: a batch's turns share the budget its fullest episode leaves, a stream's do not
+        hf_items = [maker.make_experience([ids], policy_version=0, prompts=[p])[0][0] for ids, p in zip(PROMPTS, prompts)]
+    finally:
+        maker.engine, maker.episodes = worker.engine, None
+    assert any(e.turns == 2 for e in episodes)
+    for e, hf_item in zip(episodes, hf_items, strict=True):
+        assert e.tokens == hf_item.response_ids.tolist() and e.turns == hf_item.episode["turns"]
+        assert all((lp < 0) == action for lp, action in zip(e.log_probs, e.actions))
+
+
 def test_the_engine_holds_an_evaluations_longest_answer(worker):
     """eval.max_new_tokens (12) above maker.max_new_tokens (8): the engine's context is
     data.max_prompt_len + 12 (``Config.max_context``, pre-flight's bound), so the longest prompt's
