@@ -39,6 +39,7 @@ from ray_ppo.config.choices import (
     LrSchedule,
     OffPolicy,
     PolicyLoss,
+    ProximalMethod,
     Quantization,
     Routing,
     Schedule,
@@ -402,6 +403,8 @@ class PPOConfig(_Section):
     """An item generated at policy version v is trained on at version <= v + max_staleness."""
     off_policy: OffPolicy = "decoupled"
     """Correction for stale experience: none (clip around the maker's log-probs), tis (truncated IS), decoupled (decoupled PPO), seq_tis (sequence-level truncated IS), seq_mask (tis, and sequences outside a band masked) or icepop (tokens outside a band masked)."""
+    proximal: ProximalMethod = "forward"
+    """How a step's proximal log-probs (the anchor of the clip, with ppo.off_policy other than none) are had: forward (a no-grad forward pass of the step's starting weights over the rows past its first minibatch) or interpolate (no pass: log pi_behaviour + s / (s + 1) * (log pi_theta - log pi_behaviour) at each row's first update, s its staleness, as AReaL approximates them)."""
     tis_cap: float = Field(2.0, ge=1)
     """ppo.off_policy tis and seq_mask: importance weights pi_old / pi_behaviour are truncated to this value (>= 1); seq_tis: the sequence's product of them."""
     decoupled_cap: float = Field(5.0, ge=1)
@@ -421,6 +424,14 @@ class PPOConfig(_Section):
     """Policy-loss reduction: token_mean (mean over all tokens), seq_mean_token_sum or seq_mean_token_mean."""
     kl_in: KlIn = "reward"
     """Where the KL to the reference goes: reward (per-token penalty in the rewards) or loss (kl_coef * KL added to the policy loss)."""
+
+    @model_validator(mode="after")
+    def _a_proximal_policy_to_interpolate(self) -> PPOConfig:
+        if self.proximal == "interpolate" and self.off_policy == "none":
+            raise ConfigError("ppo.proximal=interpolate estimates the proximal log-probs of an off-policy correction, "
+                              "but ppo.off_policy=none clips around the behaviour log-probs; set ppo.off_policy="
+                              "decoupled (or tis) or ppo.proximal=forward")
+        return self
 
     @model_validator(mode="after")
     def _dual_clip_is_ppo_s(self) -> PPOConfig:

@@ -102,18 +102,28 @@ def lr_lambda(schedule: str, warmup_steps: int, total_updates: int):
 
 
 class Proximal:
-    """A step's proximal log-probs (B, R), the anchor of the clipped ratio. Rows ``pending`` (the
-    first minibatch's) are filled from that minibatch's own update: its forward pass runs on the
-    weights of the step's start, so they equal a separate no-grad pass, which is saved.
+    """A step's proximal log-probs (B, R), the anchor of the clipped ratio. Rows ``first`` (the
+    step's first minibatch's) are filled from that minibatch's own update: its forward pass runs on
+    the weights of the step's start, so they equal a separate no-grad pass, which is saved. With
+    ``interpolate`` (``ppo.proximal=interpolate``) every other row is filled at its own first
+    update too, by AReaL's approximation: ``log pi_b + alpha * (log pi_theta - log pi_b)``.
 
     Args:
-        anchor: (B, R) float tensor of proximal log-probs (rows ``pending`` are filled later).
+        anchor: (B, R) float tensor of proximal log-probs (rows still to fill are overwritten).
         mask: (B, R) bool tensor, the batch's action mask.
-        pending: (M,) int64 row indices of the step's first minibatch, or None if every row is filled.
+        first: (M,) int64 row indices of the step's first minibatch, or None if no row waits for it.
+        interpolate: (behaviour log-probs (B, R), alpha (B, 1)) to fill the other rows with, or None
+            (they are filled already: a forward pass).
     """
 
-    def __init__(self, anchor: torch.Tensor, mask: torch.Tensor, pending: torch.Tensor | None = None):
-        self.anchor, self.mask, self.pending = anchor, mask, pending
+    def __init__(self, anchor: torch.Tensor, mask: torch.Tensor, first: torch.Tensor | None = None,
+                 interpolate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.anchor, self.mask, self.first, self.interpolate = anchor, mask, first, interpolate
+        self.pending = torch.zeros(anchor.shape[0], dtype=torch.bool, device=anchor.device)
+        if first is not None:
+            self.pending[first] = True
+        if interpolate is not None:
+            self.pending[:] = True
 
     def rows(self, idx: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
         """The anchor of rows ``idx``, whose log-probs under the updating actor are ``log_probs``.
@@ -126,14 +136,22 @@ class Proximal:
             (M, R) float tensor, the proximal log-probs of those rows.
 
         Raises:
-            RuntimeError: if rows are pending and ``idx`` is not the pending minibatch.
+            RuntimeError: if the first minibatch's rows are pending and ``idx`` is not that minibatch.
         """
-        if self.pending is not None:
-            if not torch.equal(idx, self.pending):
+        if self.first is not None:
+            if not torch.equal(idx, self.first):
                 raise RuntimeError("the proximal log-probs of the step's first minibatch must come from its own "
                                    "update, the step's first")
-            self.anchor[idx] = torch.where(self.mask[idx].bool(), log_probs.detach(), 0.0)
-            self.pending = None
+            self.first = None
+            estimate = log_probs.detach()
+        elif self.interpolate is not None and bool(self.pending[idx].any()):
+            behaviour, alpha = (t[idx] for t in self.interpolate)
+            estimate = behaviour + alpha * (log_probs.detach() - behaviour)
+        else:
+            return self.anchor[idx]
+        fill = self.pending[idx].unsqueeze(1) & self.mask[idx].bool()
+        self.anchor[idx] = torch.where(fill, estimate, self.anchor[idx])
+        self.pending[idx] = False
         return self.anchor[idx]
 
 
@@ -210,7 +228,7 @@ class PPOLearner:
             batch.advantages = masked_whiten(batch.advantages, batch.action_mask)
         size = self.trainer.mini_batch_size
         orders = [torch.randperm(batch.batch_size, generator=self.generator) for _ in range(self.trainer.ppo_epochs)]
-        proximal = self._proximal(batch, behaviour_is_policy, first=orders[0][:size].to(self.device))
+        proximal = self._proximal(batch, behaviour_is_policy, first=orders[0][:size].to(self.device), version=version)
         sums: dict[str, float] = {}
         updates, skipped_before = 0, self.nonfinite_updates
         for order in orders:
@@ -258,24 +276,31 @@ class PPOLearner:
             out.append(log_probs_from_logits(logits, mb.sequences[:, -mb.num_actions:]))
         return torch.where(batch.action_mask.bool(), torch.cat(out), 0.0)
 
-    def _proximal(self, batch: ExperienceBatch, behaviour_is_policy: bool, first: torch.Tensor) -> Proximal:
+    def _proximal(self, batch: ExperienceBatch, behaviour_is_policy: bool, first: torch.Tensor,
+                  version: int | None = None) -> Proximal:
         """The log-probs the ratio is clipped around, for the step.
 
-        ``none``: the maker's behaviour log-probs. ``tis`` / ``decoupled``: the trainer's own
-        log-probs at the start of the step. The rows of the step's first minibatch (``first``)
-        come from that minibatch's own update, whose forward pass runs before any weight of the
-        step changes; the other rows from one no-grad forward pass now (none with a single
-        minibatch). With ``behaviour_is_policy`` they are the behaviour log-probs (no forward)."""
+        ``none``: the maker's behaviour log-probs. The corrections: the trainer's own log-probs at
+        the start of the step. The rows of the step's first minibatch (``first``) come from that
+        minibatch's own update, whose forward pass runs before any weight of the step changes;
+        the other rows from one no-grad forward pass now (none with a single minibatch), or with
+        ``ppo.proximal=interpolate`` (and the trainer's ``version`` known) from AReaL's
+        interpolation at their own first update, with alpha = s / (s + 1) for an item of staleness
+        s (its oldest token's): 0 for fresh experience, whose behaviour policy is the proximal one.
+        With ``behaviour_is_policy`` they are the behaviour log-probs (no forward)."""
         behaviour = batch.action_log_probs
         if self.ppo.off_policy == "none" or behaviour_is_policy:
             return Proximal(behaviour, batch.action_mask)
         anchor = torch.zeros_like(behaviour)
+        if self.ppo.proximal == "interpolate" and version is not None:
+            staleness = (version - batch.policy_version).clamp(min=0).to(behaviour.dtype).unsqueeze(1)
+            return Proximal(anchor, batch.action_mask, first, interpolate=(behaviour, staleness / (staleness + 1)))
         rest = torch.ones(batch.batch_size, dtype=torch.bool, device=behaviour.device)
         rest[first] = False
         if bool(rest.any()):
             rows = rest.nonzero().flatten()
             anchor[rows] = self._log_probs(batch.select(rows))
-        return Proximal(anchor, batch.action_mask, pending=first)
+        return Proximal(anchor, batch.action_mask, first)
 
     def _off_policy_metrics(self, batch: ExperienceBatch, old: torch.Tensor, version: int | None) -> dict[str, float]:
         """Importance-weight statistics and the behaviour KL (``tis`` / ``decoupled``), overall and

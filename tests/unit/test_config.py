@@ -94,7 +94,7 @@ def test_tree_names_and_defaults_are_the_public_contract():
                     "max_nonfinite_updates": 10, "autocast": False},
         "ppo": {"kl_coef": 0.05, "kl_estimator": "k1", "kl_target": None, "kl_horizon": 10000, "policy_loss": "ppo",
                 "eps_clip": 0.2, "dual_clip": None, "value_clip": 0.2, "entropy_coef": 0.0, "gamma": 1.0, "lam": 0.95,
-                "whiten_advantages": True, "max_staleness": 1, "off_policy": "decoupled", "tis_cap": 2.0,
+                "whiten_advantages": True, "max_staleness": 1, "off_policy": "decoupled", "proximal": "forward", "tis_cap": 2.0,
                 "decoupled_cap": 5.0, "seq_mask_low": 0.999, "seq_mask_high": 1.001, "icepop_low": 0.5,
                 "icepop_high": 5.0, "eps_clip_high": None, "loss_agg": "token_mean", "kl_in": "reward"},
         "algo": {"advantage": "gae", "group_norm_std": True, "overlong_buffer": 0, "overlong_penalty": 1.0,

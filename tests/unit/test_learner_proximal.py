@@ -1,5 +1,6 @@
 """The step's proximal log-probs: the first minibatch's come from its own update's forward pass
-(saving a no-grad pass over those rows); the step must equal one that computes them all first."""
+(saving a no-grad pass over those rows); the step must equal one that computes them all first.
+``ppo.proximal=interpolate`` estimates the other rows' without a pass (AReaL's approximation)."""
 
 import pytest
 import torch
@@ -15,9 +16,9 @@ from ray_ppo.train.strategies import LocalStrategy
 class SeparatePass(PPOLearner):
     """The proximal log-probs of every row from one no-grad pass before the step (the reference)."""
 
-    def _proximal(self, batch, behaviour_is_policy, first):
+    def _proximal(self, batch, behaviour_is_policy, first, version=None):
         if self.ppo.off_policy == "none" or behaviour_is_policy:
-            return super()._proximal(batch, behaviour_is_policy, first)
+            return super()._proximal(batch, behaviour_is_policy, first, version)
         return Proximal(self._log_probs(batch), batch.action_mask)
 
 
@@ -76,9 +77,59 @@ def test_without_correction_or_when_the_policy_sampled_no_forward_pass_is_made(t
 
 
 def test_the_first_minibatch_must_be_the_one_pending():
-    proximal = Proximal(torch.zeros(4, 3), torch.ones(4, 3, dtype=torch.bool), pending=torch.tensor([2, 0]))
+    proximal = Proximal(torch.zeros(4, 3), torch.ones(4, 3, dtype=torch.bool), first=torch.tensor([2, 0]))
     with pytest.raises(RuntimeError, match="first minibatch"):
         proximal.rows(torch.tensor([1, 3]), torch.randn(2, 3))
     rows = proximal.rows(torch.tensor([2, 0]), torch.full((2, 3), -1.5, requires_grad=True))
     assert not rows.requires_grad and torch.equal(proximal.anchor[[2, 0]], torch.full((2, 3), -1.5))
     assert torch.equal(proximal.rows(torch.tensor([1]), torch.zeros(1, 3)), torch.zeros(1, 3))  # filled once
+
+
+def test_interpolation_fills_each_row_at_its_first_update_from_its_staleness():
+    """log pi_prox = log pi_b + s / (s + 1) * (log pi_theta - log pi_b), worked out by hand for rows of
+    staleness 0, 1 and 3; the first minibatch's rows are exact; each row is filled once, off the mask 0."""
+    behaviour = torch.tensor([[-1.0, -2.0], [-1.0, -2.0], [-3.0, 0.0], [-0.5, -0.5]])
+    mask = torch.tensor([[True, True], [True, True], [True, False], [True, True]])
+    staleness = torch.tensor([[0.0], [1.0], [3.0], [1.0]])
+    proximal = Proximal(torch.zeros(4, 2), mask, first=torch.tensor([3]),
+                        interpolate=(behaviour, staleness / (staleness + 1)))
+    assert torch.equal(proximal.rows(torch.tensor([3]), torch.tensor([[-0.7, -0.9]])), torch.tensor([[-0.7, -0.9]]))
+    theta = torch.tensor([[-2.0, -1.0], [-2.0, -1.0], [-1.0, -5.0]], requires_grad=True)
+    got = proximal.rows(torch.tensor([0, 1, 2]), theta)
+    want = torch.tensor([[-1.0, -2.0],         # staleness 0: the behaviour policy is the proximal one
+                         [-1.5, -1.5],         # 1: halfway, -1 + 0.5 * (-2 - -1), -2 + 0.5 * (-1 - -2)
+                         [-1.5, 0.0]])         # 3: -3 + 0.75 * (-1 - -3); off the mask 0
+    assert not got.requires_grad and torch.allclose(got, want)
+    again = proximal.rows(torch.tensor([1, 0]), torch.zeros(2, 2))  # a later epoch: the anchors stand
+    assert torch.allclose(again, want[[1, 0]])
+
+
+def test_an_interpolating_step_makes_no_forward_pass_and_anchors_each_row_by_its_staleness(
+        tiny_path, stale_batch, monkeypatch):
+    """A step with ``ppo.proximal=interpolate`` never calls the no-grad pass. The first minibatch's
+    anchors are its own log-probs; every other row's, at its first update, are the behaviour
+    log-probs moved s / (s + 1) of the way to the log-probs that update computed (0 of the way for
+    fresh experience, 2/3 at staleness 2)."""
+    cfg = config(tiny_path, "decoupled", 4).with_overrides({"ppo.proximal": "interpolate"})
+    torch.manual_seed(2)
+    learner = PPOLearner(build_actor(cfg), build_critic(cfg), LocalStrategy(), cfg, seed=3)
+    learner._log_probs = lambda *a, **k: pytest.fail("no proximal forward pass expected")
+    seen, rows = [], Proximal.rows
+    monkeypatch.setattr(Proximal, "rows", lambda self, idx, log_probs: seen.append(
+        (idx.clone(), log_probs.detach().clone(), rows(self, idx, log_probs).clone())) or seen[-1][2])
+    batch = stale_batch.select(range(8))
+    for version, alpha in ((0, 0.0), (2, 2 / 3)):
+        seen.clear()
+        learner.train_step(batch, version=version)
+        (first, theta, anchor), (idx, later_theta, later) = seen[0], seen[1]  # the step's first two updates
+        mask = batch.action_mask
+        assert torch.allclose(anchor, torch.where(mask[first], theta, 0.0))
+        b = batch.action_log_probs[idx]
+        assert torch.allclose(later, torch.where(mask[idx], b + alpha * (later_theta - b), 0.0), atol=1e-6)
+
+
+def test_interpolation_needs_an_off_policy_correction():
+    from ray_ppo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="ppo.proximal=interpolate .* ppo.off_policy=none"):
+        Config().with_overrides({"ppo.proximal": "interpolate", "ppo.off_policy": "none"})
