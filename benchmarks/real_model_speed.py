@@ -3,6 +3,7 @@
     python benchmarks/real_model_speed.py                       # the variants below, 240 s of training each
     python benchmarks/real_model_speed.py --variants base bf16 bf16_threads2 --budget 180 --tag bf16
     python benchmarks/real_model_speed.py --variants base threads2 --budget 120
+    python benchmarks/real_model_speed.py --variants base interpolate --tag proximal
 
 Each variant is one ``ray-ppo train --config configs/smollm2_grpo.yaml`` (one maker, one trainer
 worker, GRPO on SmolLM2-135M-Instruct, 32 responses a step) with evaluation off and
@@ -19,6 +20,8 @@ worker, GRPO on SmolLM2-135M-Instruct, 32 responses a step) with evaluation off 
   bf16        base in bfloat16: ``trainer.autocast=true`` (float32 weights, bfloat16 compute) and
               ``maker.dtype=bfloat16`` (the maker's weights), for CPUs with AMX
   bf16_threads2  bf16 with ``trainer.torch_threads=2``
+  interpolate base with ``ppo.proximal=interpolate``: no proximal forward pass over the step's
+              second minibatch (AReaL's approximation, docs/estimators.md)
 
 The table reads each run's ``metrics.jsonl`` from its 4th step on (its first steps wait for the
 first batches): steady samples/s (trained responses over the steps' wall time), the trainer's
@@ -48,6 +51,7 @@ VARIANTS = {
     "threads2_reference": ["trainer.torch_threads=2", "ppo.kl_coef=1e-9"],
     "bf16": ["trainer.autocast=true", "maker.dtype=bfloat16"],
     "bf16_threads2": ["trainer.autocast=true", "maker.dtype=bfloat16", "trainer.torch_threads=2"],
+    "interpolate": ["ppo.proximal=interpolate"],
 }
 SKIP_STEPS = 3
 """Steps left out at the start of a run: the trainer's first steps wait for the first batches."""
