@@ -19,6 +19,7 @@ from ray_ppo.config.preflight import check_local_loop
 from ray_ppo.data import DataError, Prompt, PromptEncoder, read_prompt_texts
 from ray_ppo.data.seeds import prompt_order, rank_seed
 from ray_ppo.makers.build import build_experience_maker
+from ray_ppo.makers.dynamic import GroupFilter
 from ray_ppo.makers.evaluation import Evaluation
 from ray_ppo.models.build import build_actor, build_critic_if_needed, resolve_config
 from ray_ppo.outputs.evals import attach_evals, split_evals
@@ -63,19 +64,23 @@ def run_local(cfg: Config, prompts: Sequence[Prompt | None] | None = None,
     encoder = PromptEncoder(maker.tokenizer, cfg.data.max_prompt_len, cfg.data.chat_template)
     kl_ctl = make_kl_controller(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
     batches = prompt_batches(prompts, cfg.maker.batch_size, cfg.data.shuffle, cfg.seed)
+    keep = GroupFilter.of_config(cfg) if cfg.algo.dynamic_sampling else None  # uniform groups dropped, more drawn
     evaluation = Evaluation.of_config(cfg, maker.tokenizer) if cfg.eval.path else None
     reports = [_evaluate(evaluation, learner.actor, 0, 0)] if cfg.eval.due(0, last=False) else []
     history, start = [], time.perf_counter()  # the time budget counts from here, as the detached loop's does
     for step in range(1, cfg.trainer.total_steps + 1):
         step_start = time.perf_counter()
         collect = _stream if cfg.maker.max_running else _collect
-        items, generate_s = collect(maker, encoder, batches, cfg.trainer.train_batch_size, step - 1, kl_ctl.value)
+        items, generate_s = collect(maker, encoder, batches, cfg.trainer.train_batch_size, step - 1, kl_ctl.value,
+                                    keep)
         train_start = time.perf_counter()
         learner.kl_coef = kl_ctl.value
         # The maker shares the learner's actor: it sampled with these very weights (no extra forward pass)
         metrics = drop_absent(learner.train_step(ExperienceBatch.merge(items, maker.tokenizer.pad_token_id),
                                                  version=step - 1, behaviour_is_policy=True))
         metrics.update(experience_metrics(items, step - 1, cfg.ppo.uses_reference))
+        if keep is not None:  # as the detached loop's rows: the groups dropped so far, and their share
+            metrics.update(prompts_dropped=float(keep.dropped), groups_dropped_share=keep.dropped / (keep.dropped + keep.kept))
         kl_ctl.update(metrics.get("kl", 0.0), len(items))
         step_s = time.perf_counter() - step_start
         metrics.update(step=step, policy_version=step, kl_coef=kl_ctl.value, generate_s=generate_s,
@@ -107,9 +112,10 @@ def _evaluate(evaluation: Evaluation, actor: torch.nn.Module, step: int, version
 
 
 def _collect(maker, encoder: PromptEncoder, batches: Iterator[list], n: int, version: int,
-             kl_coef: float) -> tuple[list[ExperienceItem], float]:
+             kl_coef: float, keep: GroupFilter | None = None) -> tuple[list[ExperienceItem], float]:
     """Generate until ``n`` items are made (a surplus is dropped; ``n`` and every batch hold whole
-    groups, so no group is cut); returns items and generation seconds."""
+    groups, so no group is cut), the groups ``keep`` drops (``algo.dynamic_sampling``) not
+    counted; returns items and generation seconds."""
     items: list[ExperienceItem] = []
     start = time.perf_counter()
     batches_without_prompts = 0
@@ -119,7 +125,8 @@ def _collect(maker, encoder: PromptEncoder, batches: Iterator[list], n: int, ver
     while len(items) < n:
         encoded = encoder.encode(next(batches))
         if encoded.ids:
-            items.extend(maker.make_experience(encoded.ids, version, kl_coef, encoded.prompts)[0])
+            made = maker.make_experience(encoded.ids, version, kl_coef, encoded.prompts)[0]
+            items.extend(made if keep is None else keep(made)[0])
             batches_without_prompts = 0
         else:
             batches_without_prompts += 1
@@ -131,43 +138,57 @@ def _collect(maker, encoder: PromptEncoder, batches: Iterator[list], n: int, ver
 
 
 def _stream(maker, encoder: PromptEncoder, batches: Iterator[list], n: int, version: int,
-            kl_coef: float) -> tuple[list[ExperienceItem], float]:
+            kl_coef: float, keep: GroupFilter | None = None) -> tuple[list[ExperienceItem], float]:
     """``_collect`` through a ``ContinuousBatcher`` (``maker.max_running`` > 0), as a streaming maker
     generates: the groups of ``n // samples_per_prompt`` prompts queue at once, a slot freed by a
-    short answer takes the next sequence, and each group is made into experience as it finishes.
-    Nothing runs across steps (the weights change in between), so every token is this version's."""
-    from ray_ppo.models.continuous import ContinuousBatcher, Request
+    short answer takes the next sequence, and each group is made into experience as it finishes
+    (and, where ``keep`` drops groups, more prompts queue until ``n`` items are kept). Nothing runs
+    across steps (the weights change in between), so every token is this version's."""
+    from ray_ppo.models.continuous import ContinuousBatcher
 
     m = maker.sampling
     batcher = ContinuousBatcher(maker.actor, m, maker.tokenizer.pad_token_id, maker.stop_ids,
                                 max_running=m.max_running, kv_at_swap=m.kv_at_swap, version=version,
                                 schedule="fifo")  # no answer of a prompt is known before its first epoch ends
-    groups, made, items = n // m.samples_per_prompt, 0, []
+    items: list[ExperienceItem] = []
     start = time.perf_counter()
-    batches_without_prompts = 0
     models = [model for model in (maker.actor, maker.critic) if model is not None]
     for model in models:
         model.eval()  # sample and score without LoRA dropout; the update trains with it
     try:
-        while made < groups:
-            encoded = encoder.encode(next(batches)[:groups - made])
-            if not encoded.ids:
-                batches_without_prompts += 1
-                if batches_without_prompts > MAX_EMPTY_BATCHES:
-                    raise DataError(f"no usable prompt in {MAX_EMPTY_BATCHES} batches: every prompt is blank")
-                continue
-            batches_without_prompts = 0
-            for k, ids in enumerate(encoded.ids):
-                batcher.submit(Request((made + k, s, encoded.prompts[k]), ids) for s in range(m.samples_per_prompt))
-            made += len(encoded.ids)
-        finished: dict[int, list] = {}
-        while batcher.busy:
-            for f in batcher.step():
-                finished.setdefault(f.key[0], []).append(f)
-                if len(finished[f.key[0]]) == m.samples_per_prompt:
-                    group = sorted(finished.pop(f.key[0]), key=lambda f: f.key[1])
-                    items += maker.experience_of(group, kl_coef, [f.key[2] for f in group])[0]
+        while len(items) < n:
+            items += _stream_groups(maker, encoder, batches, batcher, (n - len(items)) // m.samples_per_prompt,
+                                    kl_coef, keep)
     finally:
         for model in models:
             model.train()
     return items, time.perf_counter() - start
+
+
+def _stream_groups(maker, encoder: PromptEncoder, batches: Iterator[list], batcher, groups: int, kl_coef: float,
+                   keep: GroupFilter | None) -> list[ExperienceItem]:
+    """The items of ``groups`` prompts' groups streamed through ``batcher``, less those ``keep`` drops."""
+    from ray_ppo.models.continuous import Request
+
+    m, made, items = maker.sampling, 0, []
+    batches_without_prompts = 0
+    while made < groups:
+        encoded = encoder.encode(next(batches)[:groups - made])
+        if not encoded.ids:
+            batches_without_prompts += 1
+            if batches_without_prompts > MAX_EMPTY_BATCHES:
+                raise DataError(f"no usable prompt in {MAX_EMPTY_BATCHES} batches: every prompt is blank")
+            continue
+        batches_without_prompts = 0
+        for k, ids in enumerate(encoded.ids):
+            batcher.submit(Request((made + k, s, encoded.prompts[k]), ids) for s in range(m.samples_per_prompt))
+        made += len(encoded.ids)
+    finished: dict[int, list] = {}
+    while batcher.busy:
+        for f in batcher.step():
+            finished.setdefault(f.key[0], []).append(f)
+            if len(finished[f.key[0]]) == m.samples_per_prompt:
+                group = sorted(finished.pop(f.key[0]), key=lambda f: f.key[1])
+                made_items = maker.experience_of(group, kl_coef, [f.key[2] for f in group])[0]
+                items += made_items if keep is None else keep(made_items)[0]
+    return items

@@ -476,6 +476,10 @@ class AlgoConfig(_Section):
     """DAPO soft overlong punishment: the reward a response of maker.max_new_tokens tokens loses (with algo.overlong_buffer > 0)."""
     overlong_filter: bool = False
     """DAPO overlong filtering: a response cut at maker.max_new_tokens without an end token is masked out of the policy loss."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling (grpo, rloo): a maker drops a group whose rewards are all equal (no signal under a group baseline); its prompt counts as consumed and the maker draws more."""
+    dynamic_sampling_max_draws: int = Field(3, ge=1)
+    """algo.dynamic_sampling: the most prompts a maker draws per group it sends; after this many less one dropped in a row it keeps the next uniform group."""
 
 
 class SyncConfig(_Section):
@@ -693,6 +697,17 @@ class Config(_Section):
             raise ConfigError(
                 f"{key} shapes single completions cut at maker.max_new_tokens, but env.cls={self.env.cls!r} runs "
                 f"multi-turn episodes; set algo.overlong_buffer=0 and algo.overlong_filter=false")
+        return self
+
+    @model_validator(mode="after")
+    def _dynamic_sampling_of_groups(self) -> Config:
+        a = self.algo
+        if a.dynamic_sampling and (a.advantage not in ("grpo", "rloo") or self.maker.samples_per_prompt < 2):
+            raise ConfigError(
+                f"algo.dynamic_sampling drops the groups whose rewards are all equal, which carry no signal under a "
+                f"group baseline, but algo.advantage={a.advantage} with maker.samples_per_prompt="
+                f"{self.maker.samples_per_prompt}; set algo.advantage=grpo (or rloo) with maker.samples_per_prompt >= 2, "
+                f"or algo.dynamic_sampling=false")
         return self
 
     @model_validator(mode="after")

@@ -8,8 +8,9 @@ prompt served (its *serial*) has the *prompt id* ``e * N + row`` with e = s // N
 row = order(e)[s % N]. Items carry the prompt id of the prompt they answer, so several items
 (``samples_per_prompt`` > 1) may share one.
 
-Life of a prompt: *taken* for a maker -> the maker returns its batch: no item (a blank prompt,
-done) or items, *buffered* by the coordinator -> a rank *pulls* the items for a step: once all of
+Life of a prompt: *taken* for a maker -> the maker returns its batch: no item (a blank prompt, or
+a group ``algo.dynamic_sampling`` dropped: done) or items, *buffered* by the coordinator -> a
+rank *pulls* the items for a step: once all of
 a prompt's items are pulled it is *trained* at that step (done). A prompt whose items are
 discarded as stale, die with a maker (held by it, or sent by reference and gone), or were
 pulled for steps that a restarted worker group redoes (``rewind``) is *requeued*: served again,
@@ -23,8 +24,8 @@ flight when the run stopped are among them.
 The per-step log of trained prompt ids (``trained``, kept in the checkpoint for the current and
 the previous epoch) makes this checkable from the outside: every id appears in it once.
 
-Counts. The ledger keeps the run's prompt counts (``counts``: taken, blank, truncated, lost,
-requeued) and the prompts trained at each step (``trained_by``), which the run's metrics report.
+Counts. The ledger keeps the run's prompt counts (``counts``: taken, blank, dropped, truncated,
+lost, requeued) and the prompts trained at each step (``trained_by``), which the run's metrics report.
 A checkpoint at step s stores them (``counts``, with ``trained`` = the prompts trained at steps up
 to s), so a resumed run's counts go on from the run's, not from zero.
 
@@ -43,8 +44,9 @@ from ray_ppo.data.seeds import prompt_order
 LOG_EPOCHS = 2
 """Epochs of the per-step log kept (the watermark's epoch and the one before)."""
 
-COUNTS = ("taken", "blank", "truncated", "lost", "requeued")
-"""The ledger's running prompt counts: handed to makers; of them, with no item (blank), cut to
+COUNTS = ("taken", "blank", "dropped", "truncated", "lost", "requeued")
+"""The ledger's running prompt counts: handed to makers; of them, with no item (blank, or dropped
+by dynamic sampling), cut to
 ``data.max_prompt_len`` tokens, taken for a maker that died before sending their items (lost);
 and served again (requeued)."""
 
@@ -127,11 +129,14 @@ class PromptLedger:
         self.counts["taken"] += len(ids)
         return ids
 
-    def returned(self, maker_id: int, batch_ids: Sequence[int], item_ids: Iterable[int], truncated: int = 0) -> None:
+    def returned(self, maker_id: int, batch_ids: Sequence[int], item_ids: Iterable[int], truncated: int = 0,
+                 dropped: Iterable[int] = ()) -> None:
         """A maker sent its batch (``truncated`` of its prompts cut to ``data.max_prompt_len``
-        tokens): ids with no item were blank (done); the others are buffered."""
+        tokens): ids with no item were blank, or ``dropped`` (dynamic sampling), and are done; the
+        others are buffered."""
         self.counts["truncated"] += truncated
         per_prompt = collections.Counter(int(i) for i in item_ids)
+        dropped = {int(i) for i in dropped}
         held = self.at_maker[maker_id]
         for pid in batch_ids:
             if pid not in held:  # requeued meanwhile (its maker was declared lost)
@@ -140,7 +145,7 @@ class PromptLedger:
             if per_prompt[pid]:
                 self.buffered[pid] = self.buffered.get(pid, 0) + per_prompt[pid]
             else:
-                self.counts["blank"] += 1
+                self.counts["dropped" if pid in dropped else "blank"] += 1
                 self._mark_done(pid)
 
     def consumed(self, item_ids: Iterable[int], step: int | None) -> int:

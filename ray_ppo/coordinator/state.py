@@ -486,7 +486,7 @@ class CoordinatorState:
         self.buffers.accept(chunk.count)
         self.admission.reserve(maker_id, -stats.num_prompts)
         self.book.record(maker_id, stats)
-        self.ledger.returned(maker_id, stats.prompt_ids, chunk.item_prompt_ids(), stats.truncated)
+        self.ledger.returned(maker_id, stats.prompt_ids, chunk.item_prompt_ids(), stats.truncated, stats.dropped_ids)
         return receivers(self.routing, maker_id, self.num_makers, self.num_ranks)
 
     def may_place(self, targets: list[int]) -> bool:
@@ -661,7 +661,7 @@ class CoordinatorState:
         b, counts = self.buffers, self.ledger.counts
         return Counters(produced=b.produced, consumed=b.consumed, discarded=b.discarded, lost=counts["lost"],
                         lost_in_transit=b.lost_in_transit, in_flight=b.in_flight,
-                        prompts_served=counts["taken"], blank_prompts=counts["blank"],
+                        prompts_served=counts["taken"], blank_prompts=counts["blank"], dropped_prompts=counts["dropped"],
                         truncated_prompts=counts["truncated"], epochs=self.feed.epochs if self.feed else 0,
                         prompts_trained=self.ledger.trained_by(step), prompts_requeued=counts["requeued"])
 

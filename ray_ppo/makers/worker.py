@@ -98,6 +98,9 @@ class MakerWorker:
         self.batcher = None  # maker.max_running > 0: the ContinuousBatcher, built by run
         self.spanning = 0  # sequences that a weight swap landed in (streaming makers)
         self.answer_lengths: dict[int, float] = {}  # prompt id -> mean answer length (maker.schedule)
+        from ray_ppo.makers.dynamic import GroupFilter
+
+        self.group_filter = GroupFilter.of_config(self.cfg)  # algo.dynamic_sampling, else None
         self._answers: dict[int, int] = {}  # prompt id -> answers counted in it
         self.swap_waiting = threading.Event()  # set while a between-batches push waits for the running sequences
         self.receiver = WeightReceiver(share=self.cfg.sync.zero_copy, fetch=fetch_objects)
@@ -289,7 +292,7 @@ class MakerWorker:
         and stats, which cover every id of the batch (the coordinator counts the ones without
         items as blank) and the waits since the previous batch: for prompts (admission) and for
         the sender (back-pressure, counted by ``_queue``)."""
-        items, generation = [], {}
+        items, generation, dropped = [], {}, []
         if encoded.ids:
             self.no_eval.wait()
             with self.model_lock:
@@ -298,13 +301,15 @@ class MakerWorker:
                 logger.warning("maker_%d: an episode ended on an environment fault: %s", self.maker_id, fault)
             if prompt_ids:
                 tag_prompt_ids(items, [prompt_ids[i] for i in encoded.kept])
+            if self.group_filter is not None:
+                items, dropped = self.group_filter(items)
             self.items_made += len(items)
             generation = dict(generate_s=run.generate_s + run.score_s, num_tokens=run.num_tokens,
                               logprob_gap=run.logprob_gap)
         idle_s, self._unreported_idle_s = waited_s + self._unreported_idle_s, 0.0
         pause_s, self._unreported_pause_s = self._unreported_pause_s, 0.0
         stats = MakerStats(num_prompts=len(prompts), prompt_ids=tuple(prompt_ids), blank=encoded.blank,
-                           truncated=encoded.truncated, idle_s=idle_s, pause_s=pause_s,
+                           dropped_ids=tuple(dropped), truncated=encoded.truncated, idle_s=idle_s, pause_s=pause_s,
                            admission_s=waited_s, **generation)  # admission_s: of idle_s, the wait for this batch
         return items, stats
 
@@ -451,6 +456,7 @@ class _Unreported:
 
     def __init__(self, counted: tuple[int, int, int, int] = (0, 0, 0, 0)):
         self.blank_ids: list[int] = []
+        self.dropped_ids: list[int] = []  # algo.dynamic_sampling: the groups of this send it dropped
         self.blank = self.truncated = 0
         self.generate_s = self.admission_s = 0.0
         self.counted = counted  # the batcher's (slot capacity, slot steps, kv kept, kv recomputed) at the last send
@@ -473,6 +479,8 @@ class _Unreported:
             for item, f in zip(items, finished, strict=True):
                 if f.key[3] is not None:
                     item.prompt_id = int(f.key[3])
+            if worker.group_filter is not None:
+                items, self.dropped_ids = worker.group_filter(items)
             worker.items_made += len(items)
         by_version: dict[int, list] = {}
         for item in items:
@@ -486,9 +494,12 @@ class _Unreported:
         for part in list(by_version.values()) or [[]]:
             group_ids = [it.prompt_id for it in part[::worker.cfg.maker.samples_per_prompt] if it.prompt_id >= 0]
             first = not sends
+            extra = self.blank_ids + self.dropped_ids if first else []  # ids that carry no item, with the first
             stats = MakerStats(
-                num_prompts=len(part) // worker.cfg.maker.samples_per_prompt + (self.blank if first else 0),
-                prompt_ids=tuple(group_ids + (self.blank_ids if first else [])), blank=self.blank if first else 0,
+                num_prompts=len(part) // worker.cfg.maker.samples_per_prompt + (self.blank + len(self.dropped_ids)
+                                                                                 if first else 0),
+                prompt_ids=tuple(group_ids + extra), blank=self.blank if first else 0,
+                dropped_ids=tuple(self.dropped_ids) if first else (),
                 truncated=self.truncated if first else 0, num_tokens=sum(it.num_actions for it in part),
                 **(dict(idle_s=idle_s, pause_s=pause_s, admission_s=self.admission_s,
                         generate_s=self.generate_s + (made.score_s if made else 0.0), running=len(batcher.rows),

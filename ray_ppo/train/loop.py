@@ -193,7 +193,8 @@ def _start(cfg: Config, loop_config: dict, threads: _Threads) -> tuple[_Run, _Ca
                publisher=WeightPublisher(learner, CoordinatorClient(coordinator), cfg.sync.bucket_mb),
                checkpoints=CheckpointWriter(cfg) if rank == 0 else None,
                monitor=MakerMonitor(CoordinatorClient(coordinator), cfg.maker.engine == "vllm",
-                                    streaming=cfg.maker.max_running > 0) if rank == 0 else None,
+                                    streaming=cfg.maker.max_running > 0,
+                                    dynamic_sampling=cfg.algo.dynamic_sampling) if rank == 0 else None,
                rows=_Rows(coordinator) if rank == 0 else None,
                tokenizer=load_tokenizer(tokenizer_path(cfg)), threads=threads)
     first_step, version = 1, 0

@@ -18,8 +18,10 @@ VERIFY_TIMEOUT_S = 60.0
 class MakerMonitor:
     """Generation throughput and maker idle ratio since the previous step, from the coordinator's totals."""
 
-    def __init__(self, coordinator: CoordinatorClient, engine_gaps: bool = False, streaming: bool = False):
+    def __init__(self, coordinator: CoordinatorClient, engine_gaps: bool = False, streaming: bool = False,
+                 dynamic_sampling: bool = False):
         self.coordinator = coordinator
+        self.dynamic_sampling = dynamic_sampling  # algo.dynamic_sampling: report the groups dropped
         self.last = {"tokens": 0.0, "generate_s": 0.0, "idle_s": 0.0, "slot_steps": 0.0, "slot_capacity": 0.0}
         self.streaming = streaming  # maker.max_running > 0: report the makers' slots and caches
         self.gaps_seen = 0
@@ -46,8 +48,17 @@ class MakerMonitor:
                 "prompts_requeued": float(counters.prompts_requeued),
                 "prompts_served": float(counters.prompts_served), "prompts_blank": float(counters.blank_prompts),
                 "prompts_truncated": float(counters.truncated_prompts), "prompts_lost": float(counters.lost),
+                **(self._dropped(counters) if self.dynamic_sampling else {}),
                 **(self._logprob_gap() if self.engine_gaps else {}),
                 **(self._streaming(makers, delta) if self.streaming else {})}
+
+    @staticmethod
+    def _dropped(counters) -> dict[str, float]:
+        """``algo.dynamic_sampling``: the prompts whose group was dropped so far (the extra prompts
+        drawn) and their share of the groups finished (dropped or trained)."""
+        finished = counters.dropped_prompts + counters.prompts_trained
+        return {"prompts_dropped": float(counters.dropped_prompts),
+                "groups_dropped_share": counters.dropped_prompts / finished if finished else 0.0}
 
     @staticmethod
     def _streaming(makers, delta: dict[str, float]) -> dict[str, float]:

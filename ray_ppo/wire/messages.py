@@ -52,6 +52,8 @@ class MakerStats:
     """Every prompt id of the batch; ids without items count as blank (``ray_ppo.coordinator.ledger``)."""
     blank: int = 0
     """Prompts skipped because they were empty."""
+    dropped_ids: tuple[int, ...] = ()
+    """Of ``prompt_ids``, those whose group ``algo.dynamic_sampling`` dropped (rewards all equal): consumed, no items."""
     truncated: int = 0
     """Prompts cut to ``data.max_prompt_len`` tokens."""
     num_tokens: int = 0
@@ -186,6 +188,8 @@ class Counters:
     """Prompts handed to makers."""
     blank_prompts: int = 0
     """Prompts skipped because they were empty."""
+    dropped_prompts: int = 0
+    """Prompts whose group ``algo.dynamic_sampling`` dropped (rewards all equal): drawn beyond those trained."""
     truncated_prompts: int = 0
     """Prompts cut to ``data.max_prompt_len`` tokens."""
     epochs: int = 0

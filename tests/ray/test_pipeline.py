@@ -157,6 +157,28 @@ def test_streaming_makers_run_episodes_turn_by_turn(ray_session, tmp_path):
         assert m["token_lag_mean"] <= m["token_lag_max"] <= m["staleness_max"]
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["batch", "streaming"])
+def test_dynamic_sampling_drops_uniform_groups_and_their_prompts_count_as_consumed(ray_session, tmp_path, streaming):
+    """algo.dynamic_sampling: makers drop the groups whose rewards are all equal, report their prompts
+    as consumed (no item), and draw more; every step still trains BATCH items, and the ledger's
+    counts add up: every prompt served was trained, dropped, blank or is still in flight."""
+    cfg = small_config(tmp_path, "maker.num_makers=1", "maker.samples_per_prompt=2", "algo.advantage=grpo",
+                       "algo.dynamic_sampling=true", "algo.dynamic_sampling_max_draws=50", "maker.max_new_tokens=2",
+                       *(["maker.max_running=6"] if streaming else []))
+    trainer = PPOTrainer(cfg)
+    trainer.fit()
+    history = trainer.history
+    assert [m["step"] for m in history] == list(range(1, STEPS + 1))
+    counters = trainer.final_status.counters
+    assert counters.consumed == STEPS * BATCH and counters.dropped_prompts > 0
+    assert history[-1]["prompts_dropped"] == counters.dropped_prompts
+    assert 0 < history[-1]["groups_dropped_share"] < 1
+    assert sum(s.get("made", 0) for s in trainer.maker_summaries) == counters.produced
+    in_flight_prompts = (counters.produced - counters.consumed - counters.discarded) // 2
+    assert counters.prompts_served == (counters.prompts_trained + counters.dropped_prompts + counters.blank_prompts
+                                       + in_flight_prompts + counters.prompts_requeued)
+
+
 def test_output_dir_holds_the_checkpoint_and_each_row_counts_the_prompts_trained_by_its_step(ray_session, tmp_path):
     """``PPOTrainer(cfg, output_dir=DIR)``: Ray Train's storage is DIR/ray_train, so the result's
     checkpoint lies under DIR (not under ``logging.output_dir``). Step s's ``prompts_trained`` is

@@ -98,7 +98,7 @@ def test_tree_names_and_defaults_are_the_public_contract():
                 "decoupled_cap": 5.0, "seq_mask_low": 0.999, "seq_mask_high": 1.001, "icepop_low": 0.5,
                 "icepop_high": 5.0, "eps_clip_high": None, "loss_agg": "token_mean", "kl_in": "reward"},
         "algo": {"advantage": "gae", "group_norm_std": True, "overlong_buffer": 0, "overlong_penalty": 1.0,
-                 "overlong_filter": False},
+                 "overlong_filter": False, "dynamic_sampling": False, "dynamic_sampling_max_draws": 3},
         "sync": {"bucket_mb": 256.0, "lora_only": False, "zero_copy": True},
         "topology": {"routing": "round_robin", "buffer_size": 0, "transport": "inline"},
         "logging": {"output_dir": None, "progress": True, "tensorboard": True, "report_every": 10,

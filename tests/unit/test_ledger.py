@@ -36,6 +36,16 @@ def test_a_prompt_is_trained_once_all_its_items_are_pulled_and_blank_ones_are_do
     assert led.watermark == 4 and led.done == set()
 
 
+def test_a_group_dynamic_sampling_dropped_is_done_and_counted_apart_from_blank_ones():
+    led = ledger(4)
+    led.take(4, maker_id=0)
+    led.returned(0, [0, 1, 2, 3], [1, 1, 3, 3], dropped=[2])  # 0 blank, 2 dropped (rewards all equal)
+    assert (led.counts["blank"], led.counts["dropped"]) == (1, 1)
+    assert led.consumed([1, 1, 3, 3], step=1) == 2 and led.watermark == 4  # every prompt done: none served again
+    resumed = ledger(4, start=led.state(1))
+    assert resumed.counts["dropped"] == 1 and resumed.take(1, 0) == [4]
+
+
 def test_discarded_and_lost_prompts_are_served_again_first():
     led = ledger(10)
     assert led.take(3, maker_id=0) == [0, 1, 2] and led.take(3, maker_id=1) == [3, 4, 5]
@@ -85,7 +95,7 @@ def test_a_resumed_ledger_counts_the_whole_run():
     led.consumed([0, 1], step=1)
     led.consumed([3], step=2)  # trained after the checkpoint of step 1: trained again after the resume
     led.maker_lost(1)  # maker 1 died holding 4, 5, 6, 7
-    counts = {"taken": 8, "blank": 1, "truncated": 1, "lost": 4, "requeued": 4}
+    counts = {"taken": 8, "blank": 1, "dropped": 0, "truncated": 1, "lost": 4, "requeued": 4}
     assert led.counts == counts and led.trained_by() == 3
     state = json.loads(json.dumps(led.state(step=1)))
     assert state["counts"] == {**counts, "trained": 2}

@@ -181,6 +181,17 @@ def _(run):
     assert trained == [8, 8]  # whole steps of train_batch_size, as batch by batch
 
 
+@shared("algo.dynamic_sampling")
+def _(run):
+    batches = []
+    rows = run({"algo.dynamic_sampling": True, "algo.dynamic_sampling_max_draws": 1000, "algo.advantage": "grpo",
+                "maker.samples_per_prompt": 2, "maker.max_new_tokens": 2},
+               on_step=lambda learner, batch: batches.append(batch.reward.view(-1, 2)))
+    assert all(bool((groups[:, 0] != groups[:, 1]).all()) for groups in batches)  # no uniform group is trained
+    assert [len(groups) for groups in batches] == [4, 4]
+    assert rows[-1]["prompts_dropped"] > 0 and 0 < rows[-1]["groups_dropped_share"] < 1
+
+
 @shared("model.dtype")
 def _(run):
     # The learner's weights, which the maker generates with, are in model.dtype (a maker.dtype equal to it is accepted).
