@@ -3,6 +3,7 @@
     python benchmarks/real_model.py --seeds 0 1 2          # trains configs/smollm2_grpo.yaml per seed, then the table
     python benchmarks/real_model.py --seeds 0 1 2 --variants ours trl  # and TRL's GRPOTrainer, seed after seed
     python benchmarks/real_model.py --runs DIR [DIR ...]    # the table of finished runs (either side)
+    python benchmarks/real_model.py --runs DIR [DIR ...] --plot curves.png  # and their accuracy curves
     python benchmarks/real_model.py --seeds 0 1 2 --config configs/smollm2_ppo.yaml --tag ppo  # the critic's curve
     make bench-real-peer                                    # builds .venv-trl, then the second command
 
@@ -212,6 +213,28 @@ def summary(runs: list[Run]) -> list[str]:
     return lines
 
 
+def plot(runs: list[Run], dirs: list[Path], path: Path, title: str) -> None:
+    """Held-out accuracy against training seconds, one line a run, each named by its directory
+    (its parent's name, e.g. ``real_model_long_tail``, and its own: ``seed_0``, ``trl_seed_0``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run, where in zip(runs, dirs, strict=True):
+        ax.plot([t for t, _, _ in run.points], [a for _, _, a in run.points], marker="o", markersize=3,
+                label=f"{where.parent.name.removeprefix('real_model_')}/{where.name}")
+    ax.set_xlabel("training seconds")
+    ax.set_ylabel("held-out accuracy (greedy)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group(required=True)
@@ -224,6 +247,7 @@ def main() -> None:
                         help="where --seeds puts its run directories (default runs/real_model, runs/real_model_TAG with --tag)")
     parser.add_argument("--config", type=Path, default=CONFIG, help="the config both sides train (default %(default)s)")
     parser.add_argument("--tag", default="", help="the table goes to results/real_model_TAG.json (beside the comparison's)")
+    parser.add_argument("--plot", type=Path, default=None, help="also draw every run's accuracy curve to this PNG")
     parser.epilog = "key=value arguments (anywhere) override the config on both sides, e.g. trainer.time_budget_s=60"
     argv = sys.argv[1:]
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]  # key=value anywhere, as ray-ppo's
@@ -243,6 +267,8 @@ def main() -> None:
     read = [read_run(run) for run in runs]
     publish(name, HEADERS, rows(read), args=args)
     print("\n".join(["", *summary(read)]))
+    if args.plot:
+        plot(read, runs, args.plot, f"{args.config.stem}: held-out accuracy")
 
 
 if __name__ == "__main__":

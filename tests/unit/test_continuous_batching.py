@@ -207,7 +207,7 @@ def test_a_send_of_groups_at_different_versions_goes_as_one_chunk_per_version():
         finished += batcher.step()
     groups = [[f for f in finished if f.key[1] == k] for k in (0, 1)]
     worker = SimpleNamespace(maker=maker, kl_coef=0.0, items_made=0, batcher=batcher, cfg=cfg,
-                             _unreported_pause_s=0.0, _unreported_idle_s=0.0)
+                             _unreported_pause_s=0.0, _unreported_idle_s=0.0, group_filter=None, maker_id=0)
     unreported = _Unreported()
     unreported.blank_ids, unreported.blank, unreported.generate_s = [12], 1, 2.5
     sends = unreported.send(groups, worker)
