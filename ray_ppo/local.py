@@ -167,28 +167,37 @@ def _stream(maker, encoder: PromptEncoder, batches: Iterator[list], n: int, vers
 
 def _stream_groups(maker, encoder: PromptEncoder, batches: Iterator[list], batcher, groups: int, kl_coef: float,
                    keep: GroupFilter | None) -> list[ExperienceItem]:
-    """The items of ``groups`` prompts' groups streamed through ``batcher``, less those ``keep`` drops."""
+    """The items of ``groups`` prompts' groups streamed through ``batcher`` (episodes turn by turn
+    with an environment), less those ``keep`` drops."""
+    from ray_ppo.makers.episodes import EpisodeStream
     from ray_ppo.models.continuous import Request
 
-    m, made, items = maker.sampling, 0, []
+    m, ids, prompts = maker.sampling, [], []
     batches_without_prompts = 0
-    while made < groups:
-        encoded = encoder.encode(next(batches)[:groups - made])
+    while len(ids) < groups:
+        encoded = encoder.encode(next(batches)[:groups - len(ids)])
         if not encoded.ids:
             batches_without_prompts += 1
             if batches_without_prompts > MAX_EMPTY_BATCHES:
                 raise DataError(f"no usable prompt in {MAX_EMPTY_BATCHES} batches: every prompt is blank")
             continue
         batches_without_prompts = 0
-        for k, ids in enumerate(encoded.ids):
-            batcher.submit(Request((made + k, s, encoded.prompts[k]), ids) for s in range(m.samples_per_prompt))
-        made += len(encoded.ids)
+        ids += encoded.ids
+        prompts += encoded.prompts
+    n = m.samples_per_prompt
+    if maker.episodes is not None:  # each sample an episode; they come back in order, groups together
+        episodes = EpisodeStream(maker.episodes, m.max_new_tokens).run(
+            batcher, [i for i in ids for _ in range(n)], [p for p in prompts for _ in range(n)])
+        made = maker.experience_of(episodes, kl_coef, [e.prompt for e in episodes])[0]
+        return made if keep is None else keep(made)[0]
+    batcher.submit(Request((k, s, prompts[k]), prompt) for k, prompt in enumerate(ids) for s in range(n))
     finished: dict[int, list] = {}
+    items = []
     while batcher.busy:
         for f in batcher.step():
             finished.setdefault(f.key[0], []).append(f)
-            if len(finished[f.key[0]]) == m.samples_per_prompt:
+            if len(finished[f.key[0]]) == n:
                 group = sorted(finished.pop(f.key[0]), key=lambda f: f.key[1])
-                made_items = maker.experience_of(group, kl_coef, [f.key[2] for f in group])[0]
-                items += made_items if keep is None else keep(made_items)[0]
+                made = maker.experience_of(group, kl_coef, [f.key[2] for f in group])[0]
+                items += made if keep is None else keep(made)[0]
     return items

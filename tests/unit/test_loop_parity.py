@@ -179,6 +179,8 @@ def _(run):
         continuous.ContinuousBatcher.step = step
     assert streamed == len(running) and max(running) == 3  # batch by batch with 0: no batcher step
     assert trained == [8, 8]  # whole steps of train_batch_size, as batch by batch
+    episodes = run({"maker.max_running": 3, "env.cls": "ray_ppo.tasks.turns:TwoTurnEnv", "env.max_tokens": 16})
+    assert all(1 <= row["env/turns"] <= 2 for row in episodes) and any(row["env/turns"] > 1 for row in episodes)
 
 
 @shared("algo.dynamic_sampling")
