@@ -171,7 +171,8 @@ def test_dynamic_sampling_drops_uniform_groups_and_their_prompts_count_as_consum
     assert [m["step"] for m in history] == list(range(1, STEPS + 1))
     counters = trainer.final_status.counters
     assert counters.consumed == STEPS * BATCH and counters.dropped_prompts > 0
-    assert history[-1]["prompts_dropped"] == counters.dropped_prompts
+    # the last row is read while makers still run; the final counts may have grown since
+    assert 0 < history[-1]["prompts_dropped"] <= counters.dropped_prompts
     assert 0 < history[-1]["groups_dropped_share"] < 1
     assert sum(s.get("made", 0) for s in trainer.maker_summaries) == counters.produced
     in_flight_prompts = (counters.produced - counters.consumed - counters.discarded) // 2
