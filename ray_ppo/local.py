@@ -6,6 +6,7 @@ baseline the benchmarks compare the detached pipeline against.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from typing import Callable, Iterator, Sequence
@@ -111,6 +112,30 @@ def _evaluate(evaluation: Evaluation, actor: torch.nn.Module, step: int, version
     return result.report(step, version, maker_id=0, eval_s=time.perf_counter() - start)
 
 
+@contextlib.contextmanager
+def _sampling(maker):
+    """The maker's models in eval mode while it samples and scores (no LoRA dropout); back in train
+    mode after, for the update."""
+    models = [model for model in (maker.actor, maker.critic) if model is not None]
+    for model in models:
+        model.eval()
+    try:
+        yield
+    finally:
+        for model in models:
+            model.train()
+
+
+def _next_encoded(encoder: PromptEncoder, batches: Iterator[list], limit: int | None = None):
+    """The next prompt batch (its first ``limit`` prompts) that holds a usable prompt, encoded;
+    ``DataError`` after ``MAX_EMPTY_BATCHES`` blank batches in a row."""
+    for _ in range(MAX_EMPTY_BATCHES + 1):
+        encoded = encoder.encode(next(batches)[:limit])
+        if encoded.ids:
+            return encoded
+    raise DataError(f"no usable prompt in {MAX_EMPTY_BATCHES} batches: every prompt is blank")
+
+
 def _collect(maker, encoder: PromptEncoder, batches: Iterator[list], n: int, version: int,
              kl_coef: float, keep: GroupFilter | None = None) -> tuple[list[ExperienceItem], float]:
     """Generate until ``n`` items are made (a surplus is dropped; ``n`` and every batch hold whole
@@ -118,22 +143,11 @@ def _collect(maker, encoder: PromptEncoder, batches: Iterator[list], n: int, ver
     counted; returns items and generation seconds."""
     items: list[ExperienceItem] = []
     start = time.perf_counter()
-    batches_without_prompts = 0
-    models = [m for m in (maker.actor, maker.critic) if m is not None]
-    for model in models:
-        model.eval()  # sample without LoRA dropout; the update below trains with it
-    while len(items) < n:
-        encoded = encoder.encode(next(batches))
-        if encoded.ids:
+    with _sampling(maker):
+        while len(items) < n:
+            encoded = _next_encoded(encoder, batches)
             made = maker.make_experience(encoded.ids, version, kl_coef, encoded.prompts)[0]
             items.extend(made if keep is None else keep(made)[0])
-            batches_without_prompts = 0
-        else:
-            batches_without_prompts += 1
-            if batches_without_prompts > MAX_EMPTY_BATCHES:
-                raise DataError(f"no usable prompt in {MAX_EMPTY_BATCHES} batches: every prompt is blank")
-    for model in models:
-        model.train()
     return items[:n], time.perf_counter() - start
 
 
@@ -152,16 +166,10 @@ def _stream(maker, encoder: PromptEncoder, batches: Iterator[list], n: int, vers
                                 schedule="fifo")  # no answer of a prompt is known before its first epoch ends
     items: list[ExperienceItem] = []
     start = time.perf_counter()
-    models = [model for model in (maker.actor, maker.critic) if model is not None]
-    for model in models:
-        model.eval()  # sample and score without LoRA dropout; the update trains with it
-    try:
+    with _sampling(maker):
         while len(items) < n:
             items += _stream_groups(maker, encoder, batches, batcher, (n - len(items)) // m.samples_per_prompt,
                                     kl_coef, keep)
-    finally:
-        for model in models:
-            model.train()
     return items, time.perf_counter() - start
 
 
@@ -173,15 +181,8 @@ def _stream_groups(maker, encoder: PromptEncoder, batches: Iterator[list], batch
     from ray_ppo.models.continuous import Request
 
     m, ids, prompts = maker.sampling, [], []
-    batches_without_prompts = 0
     while len(ids) < groups:
-        encoded = encoder.encode(next(batches)[:groups - len(ids)])
-        if not encoded.ids:
-            batches_without_prompts += 1
-            if batches_without_prompts > MAX_EMPTY_BATCHES:
-                raise DataError(f"no usable prompt in {MAX_EMPTY_BATCHES} batches: every prompt is blank")
-            continue
-        batches_without_prompts = 0
+        encoded = _next_encoded(encoder, batches, groups - len(ids))
         ids += encoded.ids
         prompts += encoded.prompts
     n = m.samples_per_prompt
