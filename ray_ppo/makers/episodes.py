@@ -41,7 +41,7 @@ import torch
 from ray_ppo.config import EnvConfig
 from ray_ppo.data import Prompt
 from ray_ppo.env import EnvError, Turn, take_step
-from ray_ppo.models.continuous import version_runs
+from ray_ppo.models.continuous import Request, version_runs
 from ray_ppo.models.generation import Rollout, left_pad
 
 Sample = Callable[[list[list[int]], int], list[tuple[list[int], bool]]]
@@ -367,10 +367,10 @@ class EpisodeStream:
         self.running: dict[tuple, Episode] = {}  # (batch number, prompt index, sample) -> its episode
         self.stepping: dict[concurrent.futures.Future, Episode] = {}  # the environment steps under way: future -> episode
 
-    def open(self, key: tuple, prompt_ids: list[int], expected_len: float | None, request):
+    def open(self, key: tuple, prompt_ids: list[int], expected_len: float | None = None) -> Request:
         """A new episode's first turn, as a batcher request."""
         episode = self.running[key[:3]] = self.runner.open(prompt_ids, key[4], key)
-        return self._request(episode, request, expected_len)
+        return self._request(episode, expected_len)
 
     def turn(self, finished) -> None:
         """The policy's turn ``finished`` is appended to its episode, whose environment step starts."""
@@ -380,19 +380,17 @@ class EpisodeStream:
 
     def run(self, batcher, prompt_ids: Sequence[Sequence[int]], prompts: Sequence[Prompt]) -> list[Episode]:
         """One episode per prompt, to its end, through ``batcher``; in the prompts' order."""
-        from ray_ppo.models.continuous import Request
-
-        batcher.submit(self.open((0, i, 0, None, p), list(ids), None, Request)
-                       for i, (ids, p) in enumerate(zip(prompt_ids, prompts, strict=True)))
+        batcher.submit(self.open((0, i, 0, None, p), list(ids)) for i, (ids, p) in enumerate(zip(prompt_ids, prompts,
+                                                                                                  strict=True)))
         ended = []
         while batcher.busy or self.stepping:
-            ended += self.answered(batcher, Request, wait=not batcher.busy)
+            ended += self.answered(batcher, wait=not batcher.busy)
             if batcher.busy:
                 for turn in batcher.step():
                     self.turn(turn)
         return sorted(ended, key=lambda e: e.key[1])
 
-    def answered(self, batcher, request, wait: bool) -> list:
+    def answered(self, batcher, wait: bool) -> list[Episode]:
         """Take the environment steps that are done (with ``wait``, and none done, wait a moment for
         one: nothing else is running); queue each such episode's next turn, and return those that ended."""
         if not self.stepping:
@@ -406,10 +404,10 @@ class EpisodeStream:
             if episode.done:
                 ended.append(self.running.pop(episode.key[:3]))
             else:
-                turns.append(self._request(episode, request, None))
+                turns.append(self._request(episode))
         batcher.submit(turns)
         return ended
 
-    def _request(self, episode, request, expected_len: float | None):
-        return request(episode.key, self.runner.context(episode),
+    def _request(self, episode: Episode, expected_len: float | None = None) -> Request:
+        return Request(episode.key, self.runner.context(episode),
                        max_new_tokens=min(self.runner.room(episode), self.max_new_tokens), expected_len=expected_len)

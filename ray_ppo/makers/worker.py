@@ -216,7 +216,7 @@ class MakerWorker:
                         self._open(batch, number, batcher, groups, unreported, Request, episodes)
             whole: list[list] = []
             # Episodes whose environment answered: the next turn queues, or the episode is done.
-            for episode in episodes.answered(batcher, Request, wait=not batcher.busy):
+            for episode in episodes.answered(batcher, wait=not batcher.busy):
                 self._finished(episode, groups, whole)
             if unreported.ready_to_send(batcher.busy or bool(episodes.stepping)):
                 for made in unreported.send(None, self):
@@ -261,7 +261,7 @@ class MakerWorker:
             expected = self.answer_lengths.get(prompt_id)
             keys = [(number, k, s, prompt_id, encoded.prompts[k]) for s in range(self.cfg.maker.samples_per_prompt)]
             if episodes.runner is not None:
-                batcher.submit(episodes.open(key, ids, expected, request) for key in keys)
+                batcher.submit(episodes.open(key, ids, expected) for key in keys)
             else:
                 batcher.submit(request(key, ids, expected_len=expected) for key in keys)
 
@@ -297,8 +297,7 @@ class MakerWorker:
             self.no_eval.wait()
             with self.model_lock:
                 items, run = self.maker.make_experience(encoded.ids, self.version, self.kl_coef, encoded.prompts)
-            for fault in run.faults:  # the episode ended, the run goes on
-                logger.warning("maker_%d: an episode ended on an environment fault: %s", self.maker_id, fault)
+            _warn_faults(self.maker_id, run.faults)
             if prompt_ids:
                 tag_prompt_ids(items, [prompt_ids[i] for i in encoded.kept])
             if self.group_filter is not None:
@@ -456,7 +455,6 @@ class _Unreported:
 
     def __init__(self, counted: tuple[int, int, int, int] = (0, 0, 0, 0)):
         self.blank_ids: list[int] = []
-        self.dropped_ids: list[int] = []  # algo.dynamic_sampling: the groups of this send it dropped
         self.blank = self.truncated = 0
         self.generate_s = self.admission_s = 0.0
         self.counted = counted  # the batcher's (slot capacity, slot steps, kv kept, kv recomputed) at the last send
@@ -470,17 +468,16 @@ class _Unreported:
         of the send, which carry every unreported blank prompt; then nothing is unreported. A
         chunk holds one policy version, so groups of different versions (their oldest sequence's)
         go as one send each, the blank prompts and the times with the first."""
-        items, made = [], None
+        items, made, dropped = [], None, []  # dropped: algo.dynamic_sampling's groups of this send
         if groups:
             finished = [f for group in groups for f in sorted(group, key=lambda f: f.key[2])]
             items, made = worker.maker.experience_of(finished, worker.kl_coef, [f.key[4] for f in finished])
-            for fault in made.faults:  # the episode ended, the run goes on
-                logger.warning("maker_%d: an episode ended on an environment fault: %s", worker.maker_id, fault)
+            _warn_faults(worker.maker_id, made.faults)
             for item, f in zip(items, finished, strict=True):
                 if f.key[3] is not None:
                     item.prompt_id = int(f.key[3])
             if worker.group_filter is not None:
-                items, self.dropped_ids = worker.group_filter(items)
+                items, dropped = worker.group_filter(items)
             worker.items_made += len(items)
         by_version: dict[int, list] = {}
         for item in items:
@@ -494,12 +491,12 @@ class _Unreported:
         for part in list(by_version.values()) or [[]]:
             group_ids = [it.prompt_id for it in part[::worker.cfg.maker.samples_per_prompt] if it.prompt_id >= 0]
             first = not sends
-            extra = self.blank_ids + self.dropped_ids if first else []  # ids that carry no item, with the first
+            extra = self.blank_ids + dropped if first else []  # ids that carry no item, with the first
             stats = MakerStats(
-                num_prompts=len(part) // worker.cfg.maker.samples_per_prompt + (self.blank + len(self.dropped_ids)
+                num_prompts=len(part) // worker.cfg.maker.samples_per_prompt + (self.blank + len(dropped)
                                                                                  if first else 0),
                 prompt_ids=tuple(group_ids + extra), blank=self.blank if first else 0,
-                dropped_ids=tuple(self.dropped_ids) if first else (),
+                dropped_ids=tuple(dropped) if first else (),
                 truncated=self.truncated if first else 0, num_tokens=sum(it.num_actions for it in part),
                 **(dict(idle_s=idle_s, pause_s=pause_s, admission_s=self.admission_s,
                         generate_s=self.generate_s + (made.score_s if made else 0.0), running=len(batcher.rows),
@@ -508,6 +505,12 @@ class _Unreported:
             sends.append((part, stats))
         self.__init__(counted)
         return sends
+
+
+def _warn_faults(maker_id: int, faults: list[str]) -> None:
+    """One warning per episode that ended on an environment fault: the episode ended, the run goes on."""
+    for fault in faults:
+        logger.warning("maker_%d: an episode ended on an environment fault: %s", maker_id, fault)
 
 
 def tag_prompt_ids(items: list, prompt_ids: list[int]) -> None:

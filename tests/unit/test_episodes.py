@@ -162,16 +162,16 @@ def streamed(maker, prompts: list[str], max_running: int, swap_at: int | None = 
     (``ray_ppo.makers.episodes.EpisodeStream``); with ``swap_at``, the weights swap (to the same ones,
     named version 1) before that decode step. Returns the ended episodes in key order."""
     from ray_ppo.makers.episodes import EpisodeStream
-    from ray_ppo.models.continuous import ContinuousBatcher, Request
+    from ray_ppo.models.continuous import ContinuousBatcher
 
     batcher = ContinuousBatcher(maker.actor, maker.sampling, maker.tokenizer.pad_token_id, maker.stop_ids,
                                 max_running=max_running, generator=torch.Generator().manual_seed(0))
     episodes = EpisodeStream(maker.episodes, maker.sampling.max_new_tokens)
     keys = [(1, k, s, None, p) for k, p in enumerate(prompts) for s in range(2)]
-    batcher.submit(episodes.open(key, digits(maker.tokenizer, key[4]), None, Request) for key in keys)
+    batcher.submit(episodes.open(key, digits(maker.tokenizer, key[4])) for key in keys)
     ended, step = [], 0
     while batcher.busy or episodes.stepping:
-        ended += episodes.answered(batcher, Request, wait=not batcher.busy)
+        ended += episodes.answered(batcher, wait=not batcher.busy)
         if batcher.busy:
             if step == swap_at:
                 batcher.swap(lambda: None, version=1)
