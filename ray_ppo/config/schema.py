@@ -148,6 +148,8 @@ class ModelConfig(_Section):
     """Parameter dtype of the models: float32, bfloat16 or float16."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA adapters on the actor (and optionally the critic)."""
+    packing: bool = True
+    """Padding-free forward passes for training and scoring (trainer and makers): each batch's real tokens in one row, a prompt shared by several responses computed once; a model that cannot pack says why and stays padded. false = padded batches."""
 
     @model_validator(mode="after")
     def _has_a_reward(self) -> ModelConfig:

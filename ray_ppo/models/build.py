@@ -7,14 +7,20 @@ around them).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+from torch import nn
 
 from ray_ppo.algo import needs_critic
 from ray_ppo.config import Config
 from ray_ppo.models import Critic, load_actor
 from ray_ppo.models.hf import disable_dropout
 from ray_ppo.models.lora import apply_lora
+from ray_ppo.models.packing import enable_packing
 from ray_ppo.models.tiny import resolve_pretrained
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_config(cfg: Config) -> Config:
@@ -42,7 +48,7 @@ def build_actor(cfg: Config, with_lora: bool = True):
     lora = cfg.model.lora
     if with_lora and lora.rank > 0:
         actor = apply_lora(actor, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
-    return actor
+    return packed(actor, cfg, cfg.model.pretrained)
 
 
 def build_critic(cfg: Config) -> Critic:
@@ -52,7 +58,17 @@ def build_critic(cfg: Config) -> Critic:
     if lora.rank > 0 and lora.critic:
         critic.backbone = apply_lora(critic.backbone, lora.rank, lora.alpha, lora.dropout, lora.target_modules,
                                      task_type=None)
-    return critic
+    return packed(critic, cfg, cfg.model.critic_pretrained or cfg.model.pretrained)
+
+
+def packed(model: nn.Module, cfg: Config, name: str) -> nn.Module:
+    """``model`` switched to packed passes with ``model.packing`` (``ray_ppo.models.packing``); a
+    model that cannot pack stays padded, with one warning that says why."""
+    if cfg.model.packing:
+        reason = enable_packing(model)
+        if reason is not None:
+            logger.warning("model.packing: %s runs padded passes: %s", name, reason)
+    return model
 
 
 def has_critic(cfg: Config) -> bool:

@@ -6,9 +6,7 @@ R = number of response tokens ("actions"), V = vocabulary size.
 
 from __future__ import annotations
 
-import functools
 import importlib
-import inspect
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -16,6 +14,7 @@ import torch
 from torch import nn
 
 from ray_ppo.config.choices import DTYPES as DTYPE_NAMES
+from ray_ppo.models.packing import Layout, keeps_logits, packed_log_probs, packed_values, packs
 from ray_ppo.models.quiet import quiet_transformers
 from ray_ppo.models.tiny import resolve_pretrained
 
@@ -128,32 +127,6 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def keeps_logits(model: nn.Module) -> bool:
-    """Whether ``model`` computes logits for its last positions only when told ``logits_to_keep``
-    (transformers' causal LMs since 4.50), looking through peft's base model and the ``.module``
-    of DDP and ColossalAI wrappers, which pass the keyword on.
-
-    Args:
-        model: the model, possibly wrapped.
-
-    Returns:
-        Whether its forward takes ``logits_to_keep``.
-    """
-    inner = model
-    while True:
-        if hasattr(inner, "get_base_model"):
-            inner = inner.get_base_model()
-        elif isinstance(getattr(inner, "module", None), nn.Module):
-            inner = inner.module
-        else:
-            return _forward_takes(type(inner), "logits_to_keep")
-
-
-@functools.cache
-def _forward_takes(cls: type, name: str) -> bool:
-    return name in inspect.signature(cls.forward).parameters
-
-
 def action_logits(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int,
                   temperature: float = 1.0) -> torch.Tensor:
     """Logits (B, R, V) that predict the last ``num_actions`` tokens of ``sequences``, divided by
@@ -178,7 +151,8 @@ def action_logits(model: nn.Module, sequences: torch.Tensor, attention_mask: tor
 
 def action_log_probs(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int,
                      temperature: float = 1.0) -> torch.Tensor:
-    """Log-probs (B, R) of the response tokens under ``model``.
+    """Log-probs (B, R) of the response tokens under ``model``: one packed pass where the model
+    ``packs`` (``ray_ppo.models.packing``), else a padded one.
 
     Args:
         model: a causal LM.
@@ -188,12 +162,36 @@ def action_log_probs(model: nn.Module, sequences: torch.Tensor, attention_mask: 
         temperature: the sampling temperature the logits are divided by.
 
     Returns:
-        (B, R) float32 tensor of log-probs (also at padded response positions: mask them).
+        (B, R) float32 tensor of log-probs (padded response positions: 0 when packed, unspecified
+        when padded; mask them).
     """
-    from ray_ppo.algo import log_probs_from_logits
+    return action_log_probs_and_entropy(model, sequences, attention_mask, num_actions, temperature)[0]
 
+
+def action_log_probs_and_entropy(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                                 num_actions: int, temperature: float = 1.0,
+                                 entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``action_log_probs`` and, with ``entropy``, the (B, R) entropy of each response position's
+    distribution, from the same pass.
+
+    Args:
+        model: a causal LM.
+        sequences: (B, T) int64 token ids, left-padded prompt then right-padded response.
+        attention_mask: (B, T) 0/1 int tensor, 1 on real tokens.
+        num_actions: R, the number of response tokens at the end of each row.
+        temperature: the sampling temperature the logits are divided by.
+        entropy: also compute the entropies.
+
+    Returns:
+        ((B, R) float32 log-probs, (B, R) float32 entropies or None); mask the padded positions.
+    """
+    from ray_ppo.algo import entropy_from_logits, log_probs_from_logits
+
+    if packs(model):
+        return packed_log_probs(model, Layout.of(sequences, attention_mask, num_actions), temperature, entropy)
     logits = action_logits(model, sequences, attention_mask, num_actions, temperature)
-    return log_probs_from_logits(logits, sequences[:, -num_actions:])
+    return (log_probs_from_logits(logits, sequences[:, -num_actions:]),
+            entropy_from_logits(logits) if entropy else None)
 
 
 class Critic(nn.Module):
@@ -218,18 +216,22 @@ class Critic(nn.Module):
     def config(self):
         return self.backbone.config
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token values.
 
         Args:
             input_ids: (B, T) int64 token ids.
-            attention_mask: (B, T) 0/1 int tensor, 1 on real tokens.
+            attention_mask: (B, T) 0/1 int tensor, 1 on real tokens; None for a packed row (``Layout``).
+            position_ids: (B, T) int64 positions; None: counted from ``attention_mask``.
 
         Returns:
             (B, T) float32 tensor, the value read at every position.
         """
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
     @classmethod
@@ -267,7 +269,8 @@ class Critic(nn.Module):
 
 
 def action_values(critic: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int) -> torch.Tensor:
-    """Values (B, R), in float32, of the states in which each response token was chosen.
+    """Values (B, R), in float32, of the states in which each response token was chosen: one
+    packed pass where the critic ``packs`` (``ray_ppo.models.packing``), else a padded one.
 
     Args:
         critic: a value model whose ``forward(sequences, attention_mask)`` gives (B, T) values (``Critic``).
@@ -276,8 +279,10 @@ def action_values(critic: nn.Module, sequences: torch.Tensor, attention_mask: to
         num_actions: R, the number of response tokens at the end of each row.
 
     Returns:
-        (B, R) float32 tensor.
+        (B, R) float32 tensor (padded response positions: 0 when packed, unspecified when padded).
     """
+    if packs(critic):
+        return packed_values(critic, Layout.of(sequences, attention_mask, num_actions))
     return critic(sequences, attention_mask)[:, -num_actions - 1:-1].float()
 
 

@@ -27,12 +27,10 @@ from ray_ppo.algo import (
     cispo_loss,
     compute_kl,
     correction_stats,
-    entropy_from_logits,
     explained_variance,
     gspo_loss,
     importance_weights,
     kl_by_staleness,
-    log_probs_from_logits,
     masked_mean,
     masked_whiten,
     overlong_penalty,
@@ -40,7 +38,9 @@ from ray_ppo.algo import (
     value_loss,
 )
 from ray_ppo.config import Config
-from ray_ppo.models import action_logits, action_values
+from ray_ppo.models import action_log_probs, action_values
+from ray_ppo.models.hf import action_log_probs_and_entropy
+from ray_ppo.models.packing import packs, prompt_groups
 from ray_ppo.train.strategies import Strategy
 
 STALE_KL_PREFIX = "behaviour_kl_stale_"
@@ -227,7 +227,7 @@ class PPOLearner:
         if self._whitens():
             batch.advantages = masked_whiten(batch.advantages, batch.action_mask)
         size = self.trainer.mini_batch_size
-        orders = [torch.randperm(batch.batch_size, generator=self.generator) for _ in range(self.trainer.ppo_epochs)]
+        orders = [self._order(batch) for _ in range(self.trainer.ppo_epochs)]
         proximal = self._proximal(batch, behaviour_is_policy, first=orders[0][:size].to(self.device), version=version)
         sums: dict[str, float] = {}
         updates, skipped_before = 0, self.nonfinite_updates
@@ -258,6 +258,16 @@ class PPOLearner:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _order(self, batch: ExperienceBatch) -> torch.Tensor:
+        """(B,) a random order of the batch's rows, cut into minibatches in turn. With packed passes
+        (``model.packing``) the rows that share a prompt stay together, in prompt groups in random
+        order, so a minibatch computes each prompt once (``ray_ppo.models.packing``)."""
+        if not packs(self.actor):
+            return torch.randperm(batch.batch_size, generator=self.generator)
+        groups = prompt_groups(batch.sequences, batch.attention_mask, batch.num_actions)
+        shuffled = torch.randperm(len(groups), generator=self.generator).tolist()
+        return torch.tensor([row for g in shuffled for row in groups[g]], dtype=torch.long)
+
     def _whitens(self) -> bool:
         """GAE: as ``ppo.whiten_advantages``; REINFORCE++: always (its batch normalisation); GRPO
         and RLOO: never (their advantages are already normalised within each group)."""
@@ -272,8 +282,8 @@ class PPOLearner:
         for start in range(0, batch.batch_size, self.trainer.mini_batch_size):
             mb = batch.select(torch.arange(start, min(start + self.trainer.mini_batch_size, batch.batch_size)))
             with self._forward():
-                logits = action_logits(self.actor, mb.sequences, mb.attention_mask, mb.num_actions, self.temperature)
-            out.append(log_probs_from_logits(logits, mb.sequences[:, -mb.num_actions:]))
+                out.append(action_log_probs(self.actor, mb.sequences, mb.attention_mask, mb.num_actions,
+                                            self.temperature))
         return torch.where(batch.action_mask.bool(), torch.cat(out), 0.0)
 
     def _proximal(self, batch: ExperienceBatch, behaviour_is_policy: bool, first: torch.Tensor,
@@ -366,13 +376,15 @@ class PPOLearner:
         """One policy update on minibatch ``mb`` (rows ``idx`` of the step's batch)."""
         p = self.ppo
         with self._forward():
-            logits = action_logits(self.actor, mb.sequences, mb.attention_mask, mb.num_actions, self.temperature)
-        log_probs = log_probs_from_logits(logits, mb.sequences[:, -mb.num_actions:])
+            log_probs, entropies = action_log_probs_and_entropy(self.actor, mb.sequences, mb.attention_mask,
+                                                                mb.num_actions, self.temperature, entropy=True)
         anchor = proximal.rows(idx, log_probs)
         mask = self._loss_mask(mb)
         weights = self._weights(anchor, mb.action_log_probs, mb.action_mask)
         pg_loss, stats = self._policy_loss(log_probs, anchor, mb.advantages, mask, weights)
-        entropy = aggregate_loss(entropy_from_logits(logits), mask)
+        if p.entropy_coef == 0:  # reported only: no backward pass through the vocabulary-wide softmax
+            entropies = entropies.detach()
+        entropy = aggregate_loss(entropies, mask)
         loss = pg_loss - p.entropy_coef * entropy
         out = {}
         if p.kl_in == "loss" and p.uses_reference:

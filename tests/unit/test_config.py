@@ -75,6 +75,7 @@ def test_tree_names_and_defaults_are_the_public_contract():
             "pretrained": "tiny", "tokenizer": None, "critic_pretrained": None, "reward_pretrained": None,
             "reward_fn": "ray_ppo.tasks.toy:reward", "dtype": "float32",
             "lora": {"rank": 0, "alpha": 16.0, "dropout": 0.0, "target_modules": None, "critic": False},
+            "packing": True,
         },
         "data": {"path": None, "format": None, "prompt_column": "prompt", "max_prompt_len": 64,
                  "chat_template": False, "shuffle": True},
