@@ -211,6 +211,35 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, loss_agg: str = "toke
     return (masked_sum(loss, valid, dim=1) / tokens.clamp(min=1)).sum() / responses  # seq_mean_token_mean
 
 
+def aggregate_share(part: torch.Tensor, whole: torch.Tensor, loss_agg: str = "token_mean") -> torch.Tensor:
+    """The weight of a part's ``aggregate_loss`` in its whole's, so that summing ``share *
+    aggregate_loss(loss[rows], part)`` over parts that split the whole's rows gives
+    ``aggregate_loss(loss, whole)``: gradient accumulation over micro-batches, exactly.
+
+    Every aggregation is a sum over rows divided by a count of the whole: its valid tokens
+    (``token_mean``) or its responses with a valid token (the ``seq_mean_*``). A part's own
+    aggregate divides by its own count, so its share is its count over the whole's. Example,
+    token_mean: rows with 3 and 1 valid tokens split into parts of one row each: shares 3/4 and 1/4.
+
+    Args:
+        part: (b, T) bool or 0/1 tensor, the valid tokens of the part's rows.
+        whole: (B, T) bool or 0/1 tensor, the valid tokens of the whole.
+        loss_agg: one of ``LOSS_AGGREGATIONS``.
+
+    Returns:
+        0-dim float tensor in [0, 1].
+
+    Raises:
+        ValueError: if ``loss_agg`` is not a known aggregation.
+    """
+    if loss_agg not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss_agg {loss_agg!r}; valid names: {', '.join(LOSS_AGGREGATIONS)}")
+    part, whole = part.bool(), whole.bool()
+    if loss_agg == "token_mean":
+        return part.sum() / whole.sum().clamp(min=1)
+    return part.any(dim=1).sum() / whole.any(dim=1).sum().clamp(min=1)
+
+
 def policy_loss(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,

@@ -340,6 +340,8 @@ class TrainerConfig(_Section):
     """Pull the next step's batch while this step trains (for the version that step trains at, so ppo.max_staleness holds); false pulls at the start of each step."""
     max_nonfinite_updates: int = Field(10, ge=0)
     """Optimizer updates in a row skipped for a non-finite loss or gradient before the run fails."""
+    max_tokens_per_microbatch: int = Field(0, ge=0)
+    """Cut each minibatch into micro-batches of at most this many computed tokens (packed: each shared prompt once plus its responses; padded: rows x padded width), gradients accumulated over them into one optimizer update, with the same loss; a prompt's group larger than the budget is split by rows, and a row larger than it goes alone. With several ranks, every rank cuts into as many micro-batches as the rank that needs most. 0 = one pass per minibatch."""
     autocast: bool = False
     """Mixed precision: the trainer's forward passes run under torch.autocast in bfloat16, weights, gradients and optimizer states stay float32 (faster on GPUs and on CPUs with AMX)."""
 
@@ -367,6 +369,11 @@ class TrainerConfig(_Section):
                 f"trainer.strategy={self.strategy!r} runs on CUDA only, but trainer.use_gpu=false; "
                 f"set trainer.use_gpu=true, or use trainer.strategy=fsdp"
             )
+        if self.max_tokens_per_microbatch and self.strategy in COLOSSALAI_STRATEGIES:
+            raise ConfigError(
+                f"trainer.max_tokens_per_microbatch={self.max_tokens_per_microbatch} with trainer.strategy="
+                f"{self.strategy!r}: ColossalAI's plugins accumulate gradients their own way; set "
+                f"trainer.max_tokens_per_microbatch=0, or use trainer.strategy=fsdp or ddp")
         if self.autocast and self.strategy in COLOSSALAI_STRATEGIES:
             raise ConfigError(
                 f"trainer.autocast=true with trainer.strategy={self.strategy!r}: ColossalAI's plugin sets its own "

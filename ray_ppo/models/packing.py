@@ -388,3 +388,60 @@ def packed_values(critic: nn.Module, layout: Layout) -> torch.Tensor:
     with layout.active():
         values = critic(layout.input_ids, position_ids=layout.position_ids)
     return layout.unpack(values[0, layout.keep].float())
+
+
+def pass_tokens(sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int, rows: list[int],
+                packed: bool) -> int:
+    """The tokens a pass over ``rows`` of a padded batch computes.
+
+    Args:
+        sequences: (B, T) int64 token ids, left-padded prompts then right-padded responses.
+        attention_mask: (B, T) 0/1 tensor, 1 on real tokens.
+        num_actions: R, the response columns at the end of each row.
+        rows: the row indices of the pass.
+        packed: a packed pass (each shared prompt once, no padding), else a padded one (rows x T).
+
+    Returns:
+        The number of token positions.
+    """
+    if not packed:
+        return len(rows) * sequences.shape[1]
+    P = sequences.shape[1] - num_actions
+    seqs, mask = sequences[rows], attention_mask[rows]
+    prompts = sum(int(mask[g[0], :P].sum()) for g in prompt_groups(seqs, mask, num_actions))
+    return prompts + int(mask[:, P:].sum())
+
+
+def micro_batches(sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int, budget: int,
+                  packed: bool, at_least: int = 1) -> list[list[int]]:
+    """A padded batch's rows cut into passes of at most ``budget`` tokens (``pass_tokens``), prompt
+    groups kept whole where they fit: rows in prompt-group order (packed) or row order (padded), a
+    pass closed when the next row would take it over the budget (a row over the budget alone is a
+    pass of its own). Then, while there are fewer than ``at_least`` passes, the costliest pass of
+    two rows or more is halved: ranks cut into equally many passes, so their collectives pair up.
+
+    Args:
+        sequences: (B, T) int64 token ids, left-padded prompts then right-padded responses.
+        attention_mask: (B, T) 0/1 tensor, 1 on real tokens.
+        num_actions: R, the response columns at the end of each row.
+        budget: the most tokens of a pass (``trainer.max_tokens_per_microbatch``); 0 = no limit.
+        packed: passes are packed (``pass_tokens``).
+        at_least: the fewest passes to return (at most B).
+
+    Returns:
+        Lists of row indices, one per pass; together every row once.
+    """
+    cost = lambda rows: pass_tokens(sequences, attention_mask, num_actions, rows, packed)  # noqa: E731
+    groups = prompt_groups(sequences, attention_mask, num_actions) if packed else [[i] for i in range(len(sequences))]
+    parts, current = [], []
+    for row in (r for g in groups for r in g):
+        if current and budget and cost(current + [row]) > budget:
+            parts.append(current)
+            current = []
+        current.append(row)
+    parts.append(current)
+    while len(parts) < at_least:
+        widest = max((p for p in parts if len(p) > 1), key=cost)
+        i = parts.index(widest)
+        parts[i:i + 1] = [widest[:len(widest) // 2], widest[len(widest) // 2:]]
+    return parts

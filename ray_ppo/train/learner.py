@@ -23,6 +23,7 @@ from torch import nn
 from ray_ppo.algo import (
     ExperienceBatch,
     aggregate_loss,
+    aggregate_share,
     behaviour_kl,
     cispo_loss,
     compute_kl,
@@ -40,7 +41,7 @@ from ray_ppo.algo import (
 from ray_ppo.config import Config
 from ray_ppo.models import action_log_probs, action_values
 from ray_ppo.models.hf import action_log_probs_and_entropy
-from ray_ppo.models.packing import packs, prompt_groups
+from ray_ppo.models.packing import micro_batches, packs, prompt_groups
 from ray_ppo.train.strategies import Strategy
 
 STALE_KL_PREFIX = "behaviour_kl_stale_"
@@ -75,6 +76,23 @@ def all_ranks_agree(flag: bool, device: torch.device) -> bool:
     t = torch.tensor([1 if flag else 0], device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
     return bool(t.item())
+
+
+def all_ranks_max(value: int, device: torch.device) -> int:
+    """The largest ``value`` over the ranks (a collective when a process group exists).
+
+    Args:
+        value: this rank's value.
+        device: the device of the process group's tensors.
+
+    Returns:
+        The maximum of ``value`` over the ranks.
+    """
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_updates: int):
@@ -126,7 +144,8 @@ class Proximal:
             self.pending[:] = True
 
     def rows(self, idx: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
-        """The anchor of rows ``idx``, whose log-probs under the updating actor are ``log_probs``.
+        """The anchor of rows ``idx``, whose log-probs under the updating actor are ``log_probs``
+        (the first minibatch may come in micro-batches, before its update).
 
         Args:
             idx: (M,) int64 row indices of the minibatch.
@@ -136,13 +155,14 @@ class Proximal:
             (M, R) float tensor, the proximal log-probs of those rows.
 
         Raises:
-            RuntimeError: if the first minibatch's rows are pending and ``idx`` is not that minibatch.
+            RuntimeError: if the first minibatch's rows are pending and ``idx`` is not among them.
         """
         if self.first is not None:
-            if not torch.equal(idx, self.first):
+            if not bool(torch.isin(idx, self.first).all()):
                 raise RuntimeError("the proximal log-probs of the step's first minibatch must come from its own "
                                    "update, the step's first")
-            self.first = None
+            self.first = self.first[~torch.isin(self.first, idx)]
+            self.first = self.first if self.first.numel() else None
             estimate = log_probs.detach()
         elif self.interpolate is not None and bool(self.pending[idx].any()):
             behaviour, alpha = (t[idx] for t in self.interpolate)
@@ -372,47 +392,98 @@ class PPOLearner:
         return policy_loss(log_probs, anchor, advantages, mask, p.eps_clip, p.dual_clip,
                            eps_clip_high=p.eps_clip_high, is_weights=weights, loss_agg=p.loss_agg)
 
+    def _micro_batches(self, mb: ExperienceBatch, model: nn.Module) -> list[torch.Tensor | None]:
+        """Row indices of ``mb``'s micro-batches under ``trainer.max_tokens_per_microbatch``, as many
+        on every rank; [None] (the whole minibatch in one pass) without a budget."""
+        budget = self.trainer.max_tokens_per_microbatch
+        if not budget:
+            return [None]
+        cut = lambda at_least=1: micro_batches(mb.sequences, mb.attention_mask, mb.num_actions, budget,  # noqa: E731
+                                               packs(model), at_least)
+        parts = cut()
+        most = all_ranks_max(len(parts), self.device)
+        parts = cut(most) if most > len(parts) else parts
+        return [None] if len(parts) == 1 else [torch.tensor(p, dtype=torch.long, device=self.device) for p in parts]
+
     def _actor_update(self, mb: ExperienceBatch, proximal: Proximal, idx: torch.Tensor) -> dict[str, float]:
-        """One policy update on minibatch ``mb`` (rows ``idx`` of the step's batch)."""
+        """One policy update on minibatch ``mb`` (rows ``idx`` of the step's batch), its gradient
+        accumulated over micro-batches (``trainer.max_tokens_per_microbatch``)."""
+        mask = self._loss_mask(mb)
+        sums: dict[str, float] = {}
+        finite = True
+        for part in self._micro_batches(mb, self.actor):
+            sub, rows, sub_mask = (mb, idx, mask) if part is None else (mb.select(part), idx[part], mask[part])
+            loss, stats = self._actor_loss(sub, proximal, rows, sub_mask, mask)
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + value
+            finite = self._backward(loss, self.actor, self.actor_optim)
+            if not finite:
+                break
+        grad_norm = self._step(finite, loss, self.actor, self.actor_optim, self.actor_sched, "actor")
+        return {**sums, "actor_grad_norm": grad_norm}
+
+    def _actor_loss(self, mb: ExperienceBatch, proximal: Proximal, idx: torch.Tensor, mask: torch.Tensor,
+                    whole: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """The policy loss of micro-batch ``mb`` (rows ``idx`` of the step's batch, loss tokens
+        ``mask``), weighted by its share of its minibatch's (loss tokens ``whole``): the weighted
+        losses of a minibatch's micro-batches sum to its loss, and so do their statistics."""
         p = self.ppo
+        share = lambda agg: aggregate_share(mask, whole, agg)  # noqa: E731
         with self._forward():
             log_probs, entropies = action_log_probs_and_entropy(self.actor, mb.sequences, mb.attention_mask,
                                                                 mb.num_actions, self.temperature, entropy=True)
         anchor = proximal.rows(idx, log_probs)
-        mask = self._loss_mask(mb)
         weights = self._weights(anchor, mb.action_log_probs, mb.action_mask)
         pg_loss, stats = self._policy_loss(log_probs, anchor, mb.advantages, mask, weights)
         if p.entropy_coef == 0:  # reported only: no backward pass through the vocabulary-wide softmax
             entropies = entropies.detach()
-        entropy = aggregate_loss(entropies, mask)
+        pg_loss, entropy = share(p.loss_agg) * pg_loss, share("token_mean") * aggregate_loss(entropies, mask)
         loss = pg_loss - p.entropy_coef * entropy
-        out = {}
+        out = {"policy_loss": pg_loss.item(), "entropy": entropy.item(),
+               "clipfrac": float(share("token_mean") * stats["clipfrac"]),
+               "approx_kl": float(share("token_mean") * stats["approx_kl"])}
         if p.kl_in == "loss" and p.uses_reference:
-            kl_loss = aggregate_loss(compute_kl(log_probs, mb.ref_log_probs, p.kl_estimator), mask, p.loss_agg)
+            kl = compute_kl(log_probs, mb.ref_log_probs, p.kl_estimator)
+            kl_loss = share(p.loss_agg) * aggregate_loss(kl, mask, p.loss_agg)
             loss = loss + self.kl_coef * kl_loss
             out["kl_loss"] = kl_loss.item()
-        grad_norm = self._optimize(loss, self.actor, self.actor_optim, self.actor_sched, "actor")
-        return {**out, "policy_loss": pg_loss.item(), "entropy": entropy.item(), "clipfrac": float(stats["clipfrac"]),
-                "approx_kl": float(stats["approx_kl"]), "actor_grad_norm": grad_norm}
+        return loss, out
 
     def _critic_update(self, mb: ExperienceBatch) -> dict[str, float]:
-        with self._forward():
-            values = action_values(self.critic, mb.sequences, mb.attention_mask, mb.num_actions)
-        vf_loss, stats = value_loss(values, mb.values, mb.returns, mb.action_mask, self.ppo.value_clip)
-        grad_norm = self._optimize(vf_loss, self.critic, self.critic_optim, self.critic_sched, "critic")
-        return {"value_loss": vf_loss.item(), "vf_clipfrac": float(stats["vf_clipfrac"]), "critic_grad_norm": grad_norm}
+        """One value update on minibatch ``mb``, accumulated over micro-batches as the policy's."""
+        sums: dict[str, float] = {}
+        finite = True
+        for part in self._micro_batches(mb, self.critic):
+            sub = mb if part is None else mb.select(part)
+            with self._forward():
+                values = action_values(self.critic, sub.sequences, sub.attention_mask, sub.num_actions)
+            vf_loss, stats = value_loss(values, sub.values, sub.returns, sub.action_mask, self.ppo.value_clip)
+            share = aggregate_share(sub.action_mask, mb.action_mask)  # value_loss is a token mean
+            vf_loss = share * vf_loss
+            for key, value in (("value_loss", vf_loss.item()), ("vf_clipfrac", float(share * stats["vf_clipfrac"]))):
+                sums[key] = sums.get(key, 0.0) + value
+            finite = self._backward(vf_loss, self.critic, self.critic_optim)
+            if not finite:
+                break
+        grad_norm = self._step(finite, vf_loss, self.critic, self.critic_optim, self.critic_sched, "critic")
+        return {**sums, "critic_grad_norm": grad_norm}
 
-    def _optimize(self, loss: torch.Tensor, model: nn.Module, optim, sched, what: str) -> float:
-        """backward -> clip -> step; returns the gradient norm.
-
-        If the loss or the gradient norm is non-finite on any rank, every rank drops its
-        gradients and skips the step (weights unchanged; counted in ``nonfinite_updates``).
-        More than ``max_nonfinite_updates`` such updates in a row end the run.
-        """
-        grad_norm = float("nan")
+    def _backward(self, loss: torch.Tensor, model: nn.Module, optim) -> bool:
+        """Backpropagate ``loss`` (gradients accumulate) if it is finite on every rank; returns whether it was."""
         finite = all_ranks_agree(bool(torch.isfinite(loss.detach())), self.device)
         if finite:
             self.strategy.backward(loss, model, optim)
+        return finite
+
+    def _step(self, finite: bool, loss: torch.Tensor, model: nn.Module, optim, sched, what: str) -> float:
+        """clip -> step after an update's backward passes; returns the gradient norm.
+
+        If a loss (``finite`` false) or the gradient norm is non-finite on any rank, every rank
+        drops its gradients and skips the step (weights unchanged; counted in ``nonfinite_updates``).
+        More than ``max_nonfinite_updates`` such updates in a row end the run.
+        """
+        grad_norm = float("nan")
+        if finite:
             grad_norm = self.strategy.clip_grad_norm(model, optim, self.trainer.max_grad_norm)
             finite = math.isfinite(grad_norm)  # computed from synchronised gradients: equal on every rank
         if finite:

@@ -92,7 +92,7 @@ def test_tree_names_and_defaults_are_the_public_contract():
                     "ppo_epochs": 1, "actor_lr": 1e-5, "critic_lr": 1e-5, "weight_decay": 0.0,
                     "lr_schedule": "constant", "warmup_steps": 0, "max_grad_norm": 1.0, "torch_threads": 1,
                     "checkpoint_every": 0, "keep_checkpoints": 2, "max_failures": 0, "pull_timeout_s": 120.0, "prefetch": True,
-                    "max_nonfinite_updates": 10, "autocast": False},
+                    "max_nonfinite_updates": 10, "max_tokens_per_microbatch": 0, "autocast": False},
         "ppo": {"kl_coef": 0.05, "kl_estimator": "k1", "kl_target": None, "kl_horizon": 10000, "policy_loss": "ppo",
                 "eps_clip": 0.2, "dual_clip": None, "value_clip": 0.2, "entropy_coef": 0.0, "gamma": 1.0, "lam": 0.95,
                 "whiten_advantages": True, "max_staleness": 1, "off_policy": "decoupled", "proximal": "forward", "tis_cap": 2.0,
