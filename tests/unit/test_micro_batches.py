@@ -96,3 +96,67 @@ def test_an_update_in_micro_batches_equals_one_pass(tiny_path, packing, advantag
         torch.testing.assert_close(split_grads[name], whole_grads[name], atol=1e-5, rtol=0, msg=name)
     for key in ("policy_loss", "entropy", "kl_loss", "clipfrac", "approx_kl") + (("value_loss",) if advantage == "gae" else ()):
         assert split[key] == pytest.approx(whole[key], abs=1e-5), key
+
+
+def _ddp_first_gradients(rank: int, port: int, budget: int, path: str, out: dict) -> None:
+    """One DDP step on a two-process gloo group, rank 1's batch longer than rank 0's, so it needs
+    more micro-batches under ``budget``; records the averaged gradients the first update applies."""
+    import os
+
+    import torch.distributed as dist
+
+    from ray_ppo.train.strategies import DDPStrategy
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RAY_PPO_CACHE=os.path.dirname(path))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        cfg = Config().with_overrides({
+            "model.pretrained": path, "maker.samples_per_prompt": 2, "maker.batch_size": 4,
+            "trainer.train_batch_size": 8, "trainer.mini_batch_size": 8, "trainer.max_tokens_per_microbatch": budget})
+        torch.manual_seed(0)
+        learner = PPOLearner(build_actor(cfg), None, DDPStrategy(), cfg, seed=0)
+        b = batch(vocab=learner.actor.module.config.vocab_size, seed=rank)
+        if rank == 0:  # one token a response: the fewest micro-batches
+            b = ExperienceBatch.merge([ExperienceItem.filled(i.prompt_ids, i.response_ids[:1], reward=0.0,
+                                                             policy_version=0, uid=i.uid) for i in b.split()], 0)
+        parts = []
+        cut = learner._micro_batches
+        learner._micro_batches = lambda mb, model: parts.append(cut(mb, model)) or parts[-1]
+        step = learner.strategy.step
+        grads = {}
+
+        def record(optim, model):
+            grads.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            step(optim, model)
+
+        learner.strategy.step = record
+        learner.train_step(b, version=0)
+        alone = micro_batches(b.sequences, b.attention_mask, b.num_actions, budget, packed=True) if budget else [0]
+        out[rank] = (len(parts[0]), len(alone), grads)
+    finally:
+        dist.destroy_process_group()
+
+
+def _ddp_run(budget: int, path: str) -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_ddp_first_gradients, args=(port, budget, path, out), nprocs=2)
+        return dict(out)
+
+
+def test_ranks_that_need_different_numbers_of_micro_batches_cut_as_many_and_match_one_pass(tiny_path):
+    whole = _ddp_run(0, tiny_path)
+    split = _ddp_run(40, tiny_path)
+    (n0, alone0, g0), (n1, alone1, g1) = split[0], split[1]
+    assert n0 == n1 == alone1 > alone0  # rank 0 cut as many as rank 1 needed, more than it needed alone
+    assert g0.keys() == whole[0][2].keys() and g0
+    for name in g0:
+        torch.testing.assert_close(g0[name], g1[name], atol=0, rtol=0)  # DDP's average, alike on both ranks
+        torch.testing.assert_close(g0[name], whole[0][2][name], atol=1e-5, rtol=0, msg=name)
