@@ -22,11 +22,16 @@ worker, GRPO on SmolLM2-135M-Instruct, 32 responses a step) with evaluation off 
   bf16_threads2  bf16 with ``trainer.torch_threads=2``
   interpolate base with ``ppo.proximal=interpolate``: no proximal forward pass over the step's
               second minibatch (AReaL's approximation, docs/estimators.md)
+  padded      base with ``model.packing=false``: every pass padded to the batch's longest prompt
+              plus its longest answer, each prompt computed once per answer (docs/packing.md)
+  padded_bf16 bf16 with ``model.packing=false``
 
 The table reads each run's ``metrics.jsonl`` from its 4th step on (its first steps wait for the
 first batches): steady samples/s (trained responses over the steps' wall time), the trainer's
 mean ``train_s`` a step and idle share, the maker's mean ``maker_generate_s`` (its seconds making
-experience between two steps: generation, scoring, the reference pass) and idle share. The variants run
+experience between two steps: generation, scoring, the reference pass) and idle share, the
+trainer's ``tokens_computed`` and ``tokens_trained`` a step and the optimizer's share of
+``train_s`` (``optimizer_s``; docs/metrics.md). The variants run
 one after another, in the order given, on an otherwise idle machine; ``benchmarks/real_model.py``'s
 ``--variants ours trl`` gives TRL's samples/s on the same work.
 """
@@ -52,6 +57,8 @@ VARIANTS = {
     "bf16": ["trainer.autocast=true", "maker.dtype=bfloat16"],
     "bf16_threads2": ["trainer.autocast=true", "maker.dtype=bfloat16", "trainer.torch_threads=2"],
     "interpolate": ["ppo.proximal=interpolate"],
+    "padded": ["model.packing=false"],
+    "padded_bf16": ["model.packing=false", "trainer.autocast=true", "maker.dtype=bfloat16"],
 }
 SKIP_STEPS = 3
 """Steps left out at the start of a run: the trainer's first steps wait for the first batches."""
@@ -64,13 +71,15 @@ def run(name: str, out: Path, budget_s: float) -> None:
 
 
 def steady(out: Path, batch: int) -> list:
-    """samples/s, trainer train_s and idle share, maker busy s and idle share over the steps after ``SKIP_STEPS``."""
+    """samples/s, trainer train_s and idle share, maker busy s and idle share, tokens computed and
+    trained, optimizer share, over the steps after ``SKIP_STEPS``."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first, last = rows[SKIP_STEPS - 1], rows[-1]
     kept = rows[SKIP_STEPS:]
     mean = lambda key: sum(r[key] for r in kept) / len(kept)  # noqa: E731
     return [len(rows), batch * len(kept) / (last["elapsed_s"] - first["elapsed_s"]), mean("train_s"),
-            mean("trainer_idle_ratio"), mean("maker_generate_s"), mean("maker_idle_ratio")]
+            mean("trainer_idle_ratio"), mean("maker_generate_s"), mean("maker_idle_ratio"), mean("tokens_computed"),
+            mean("tokens_trained"), mean("optimizer_s") / mean("train_s")]
 
 
 def main() -> None:
@@ -87,7 +96,7 @@ def main() -> None:
         batch = yaml.safe_load((out / "config.yaml").read_text())["trainer"]["train_batch_size"]
         rows.append([name, " ".join(VARIANTS[name]) or "(as shipped)", *steady(out, batch)])
         headers = ["variant", "overrides", "steps", "samples/s", "trainer train_s", "trainer idle", "maker busy s",
-                   "maker idle"]
+                   "maker idle", "tokens computed", "tokens trained", "optimizer share"]
         publish(f"real_model_speed_{args.tag}" if args.tag else "real_model_speed", headers, rows, args=args)
 
 

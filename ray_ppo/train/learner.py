@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 
 import torch
 from torch import nn
@@ -41,7 +42,7 @@ from ray_ppo.algo import (
 from ray_ppo.config import Config
 from ray_ppo.models import action_log_probs, action_values
 from ray_ppo.models.hf import action_log_probs_and_entropy
-from ray_ppo.models.packing import micro_batches, packs, prompt_groups
+from ray_ppo.models.packing import micro_batches, packs, pass_tokens, prompt_groups
 from ray_ppo.train.strategies import Strategy
 
 STALE_KL_PREFIX = "behaviour_kl_stale_"
@@ -219,6 +220,7 @@ class PPOLearner:
         self.generator = torch.Generator().manual_seed(seed)
         self.device = strategy.device
         self.nonfinite_updates = 0  # updates skipped for a non-finite loss or gradient, whole run
+        self.work = {"tokens_computed": 0.0, "tokens_trained": 0.0, "optimizer_s": 0.0}  # this step's, so far
         self.consecutive_nonfinite = 0
 
     def train_step(self, batch: ExperienceBatch, version: int | None = None,
@@ -243,6 +245,7 @@ class PPOLearner:
         Raises:
             FloatingPointError: after more than ``trainer.max_nonfinite_updates`` non-finite updates in a row.
         """
+        self.work = dict.fromkeys(self.work, 0.0)
         batch = batch.to(self.device)
         if self._whitens():
             batch.advantages = masked_whiten(batch.advantages, batch.action_mask)
@@ -269,6 +272,7 @@ class PPOLearner:
             metrics["critic_lr"] = self.critic_sched.get_last_lr()[0]
             metrics["explained_variance"] = float(explained_variance(batch.values, batch.returns, batch.action_mask))
         metrics["nonfinite_updates"] = float(self.nonfinite_updates - skipped_before)
+        metrics.update(self.work)
         return metrics
 
     def _forward(self):
@@ -301,6 +305,7 @@ class PPOLearner:
         out = []
         for start in range(0, batch.batch_size, self.trainer.mini_batch_size):
             mb = batch.select(torch.arange(start, min(start + self.trainer.mini_batch_size, batch.batch_size)))
+            self._count(mb, self.actor)
             with self._forward():
                 out.append(action_log_probs(self.actor, mb.sequences, mb.attention_mask, mb.num_actions,
                                             self.temperature))
@@ -429,6 +434,8 @@ class PPOLearner:
         losses of a minibatch's micro-batches sum to its loss, and so do their statistics."""
         p = self.ppo
         share = lambda agg: aggregate_share(mask, whole, agg)  # noqa: E731
+        self._count(mb, self.actor)
+        self.work["tokens_trained"] += float(mask.sum())
         with self._forward():
             log_probs, entropies = action_log_probs_and_entropy(self.actor, mb.sequences, mb.attention_mask,
                                                                 mb.num_actions, self.temperature, entropy=True)
@@ -455,6 +462,7 @@ class PPOLearner:
         finite = True
         for part in self._micro_batches(mb, self.critic):
             sub = mb if part is None else mb.select(part)
+            self._count(sub, self.critic)
             with self._forward():
                 values = action_values(self.critic, sub.sequences, sub.attention_mask, sub.num_actions)
             vf_loss, stats = value_loss(values, sub.values, sub.returns, sub.action_mask, self.ppo.value_clip)
@@ -467,6 +475,11 @@ class PPOLearner:
                 break
         grad_norm = self._step(finite, vf_loss, self.critic, self.critic_optim, self.critic_sched, "critic")
         return {**sums, "critic_grad_norm": grad_norm}
+
+    def _count(self, mb: ExperienceBatch, model: nn.Module) -> None:
+        """Add the tokens a pass of ``model`` over ``mb`` computes to the step's ``tokens_computed``."""
+        self.work["tokens_computed"] += pass_tokens(mb.sequences, mb.attention_mask, mb.num_actions,
+                                                    list(range(mb.batch_size)), packs(model))
 
     def _backward(self, loss: torch.Tensor, model: nn.Module, optim) -> bool:
         """Backpropagate ``loss`` (gradients accumulate) if it is finite on every rank; returns whether it was."""
@@ -482,12 +495,13 @@ class PPOLearner:
         drops its gradients and skips the step (weights unchanged; counted in ``nonfinite_updates``).
         More than ``max_nonfinite_updates`` such updates in a row end the run.
         """
-        grad_norm = float("nan")
+        grad_norm, start = float("nan"), time.perf_counter()
         if finite:
             grad_norm = self.strategy.clip_grad_norm(model, optim, self.trainer.max_grad_norm)
             finite = math.isfinite(grad_norm)  # computed from synchronised gradients: equal on every rank
         if finite:
             self.strategy.step(optim, model)
+            self.work["optimizer_s"] += time.perf_counter() - start
             self.consecutive_nonfinite = 0
         else:
             optim.zero_grad(set_to_none=True)
