@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from pathlib import Path
 
 import _common  # noqa: F401
 from _common import ROOT, median, publish, quick
@@ -135,7 +136,7 @@ def main() -> None:
         print(rows[-1], flush=True)
     publish("trainer_step" + (f"_{args.tag}" if args.tag else ""),
             ["variant", "step s (median)", "batches' spread s", "speed-up", "tokens a pass", "loss tokens"],
-            rows, args, title=f"A trainer step of {base.trainer.train_batch_size} responses ({args.config})")
+            rows, args, title=f"A trainer step of {base.trainer.train_batch_size} responses ({Path(args.config).name})")
 
 
 if __name__ == "__main__":

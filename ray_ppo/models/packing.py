@@ -17,11 +17,12 @@ are the padded pass's up to float rounding (tests/unit/test_packing.py checks th
 The vocabulary-wide logits are computed only at the positions that predict a response token
 (``logits_to_keep`` given as indices), not at every padded response column.
 
-Attention runs segment by segment through ``torch.nn.functional.scaled_dot_product_attention``
-(causal, or with a (r, p + r) mask for a shared prompt's response), which is what CPUs have;
-``enable_packing`` registers it with transformers' ``AttentionInterface`` under ``ATTENTION``.
-Outside a packed pass (``Layout.active``) that function is transformers' own SDPA, so generation
-and padded passes of the same model are unchanged.
+Attention runs through ``torch.nn.functional.scaled_dot_product_attention``, which is what CPUs
+have: one call per layer over every segment of the row, each padded to the longest, under a
+mask built once per pass (``Gather``). ``enable_packing`` registers the function with
+transformers' ``AttentionInterface`` under ``ATTENTION``. Outside a packed pass
+(``Layout.active``) that function is transformers' own SDPA, so generation and padded passes of
+the same model are unchanged.
 
 Shapes: B = rows, T = P + R columns of the padded batch, N = tokens of the packed row, K =
 response tokens (the positions whose logits are computed), H = heads, D = head size.
@@ -337,9 +338,11 @@ def enable_packing(model: nn.Module) -> str | None:
         return "its config sets attn_logit_softcapping, which packed attention does not implement"
     if not hasattr(inner, "set_attn_implementation"):
         return "its transformers version has no set_attn_implementation"
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:
+        return f"its transformers version has no attention or mask interface to register with ({e})"
     AttentionInterface.register(ATTENTION, _attention)
     AttentionMaskInterface.register(ATTENTION, _mask)
     inner.set_attn_implementation(ATTENTION)
