@@ -30,7 +30,8 @@ DOCS = "docs"
 OUTSIDE_DOCS = {"benchmarks/README.md": "benchmarks/README.md", "benchmarks/real-models.md": "benchmarks/real-models.md",
                 "benchmarks/streaming.md": "benchmarks/streaming.md",
                 "benchmarks/estimators.png": "benchmarks/estimators.png",
-                "benchmarks/long_tail.png": "benchmarks/long_tail.png", "CHANGELOG.md": "changelog.md"}
+                "benchmarks/long_tail.png": "benchmarks/long_tail.png", "benchmarks/packing.png": "benchmarks/packing.png",
+                "CHANGELOG.md": "changelog.md"}
 """Repository path of a file outside docs/ -> its path in the site."""
 REPO_PATH = {site: repo for repo, site in OUTSIDE_DOCS.items()}
 LINK = re.compile(r"(\]\()([^)\s#]+)([^)\s]*\))")
