@@ -341,7 +341,8 @@ def test_a_learner_step_ignores_whatever_sits_at_the_environment_s_tokens(tiny_p
         results.append(learner.train_step(b, version=1))
     assert results[0].keys() == results[1].keys() and "is_weight_mean" in results[0]
     for key, value in results[0].items():
-        assert results[1][key] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), key
+        if key != "optimizer_s":  # a timing
+            assert results[1][key] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), key
     assert results[2]["policy_loss"] != pytest.approx(results[0]["policy_loss"])  # the same change on actions counts
 
 

@@ -127,12 +127,15 @@ def test_speed_reads_the_steady_steps(tmp_path):
     import real_model_speed
 
     rows = [{"step": s, "elapsed_s": 10.0 * s + (30.0 if s > 1 else 0.0), "train_s": 8.0 + s, "trainer_idle_ratio": 0.1,
-             "maker_generate_s": 5.0, "maker_idle_ratio": 0.5} for s in range(1, 8)]
+             "maker_generate_s": 5.0, "maker_idle_ratio": 0.5, "tokens_computed": 100.0 * s, "tokens_trained": 40.0,
+             "optimizer_s": 1.35} for s in range(1, 8)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    steps, samples_per_s, train_s, trainer_idle, maker_s, maker_idle = real_model_speed.steady(tmp_path, 32)
+    steps, samples_per_s, train_s, trainer_idle, maker_s, maker_idle, computed, trained, optimizer = \
+        real_model_speed.steady(tmp_path, 32)
     # steps 4-7 after step 3 ended at 60 s: 4 x 32 responses in 40 s
     assert (steps, samples_per_s, train_s) == (7, 4 * 32 / 40.0, (12 + 13 + 14 + 15) / 4)
     assert (trainer_idle, maker_s, maker_idle) == (0.1, 5.0, 0.5)
+    assert (computed, trained, optimizer) == (550.0, 40.0, pytest.approx(1.35 / 13.5))
 
 
 def test_report_prints_the_table_then_whole_summary_lines():
