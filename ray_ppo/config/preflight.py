@@ -13,6 +13,7 @@ the first rows of the prompt file up to the first usable prompt are read.
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -51,6 +52,8 @@ def check_run(cfg: Config, prompts: Any = None, local: bool = False) -> None:
     m = cfg.model
     if cfg.env.cls:  # before the context check, which counts env.max_tokens: a class that is not there comes first
         load_env_checked(cfg.env.cls)
+    if cfg.agent.fn:
+        load_agent_checked(cfg.agent.fn)
     check_context(cfg, check_model_path("model.pretrained", m.pretrained))
     for key in ("critic_pretrained", "reward_pretrained"):
         if getattr(m, key):
@@ -150,6 +153,21 @@ def load_env_checked(path: str) -> type:
     try:
         return load_env_class(path)
     except EnvError as e:
+        raise PreflightError(str(e)) from None
+
+
+def load_agent_checked(path: str):
+    """The function ``agent.fn`` names, with the endpoint's packages importable; or ``PreflightError``
+    saying why not."""
+    from ray_ppo.makers.agents import AgentError, load_agent_fn
+
+    missing = [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise PreflightError(f"agent.fn={path!r}: the makers' endpoint needs {' and '.join(missing)}, which are not "
+                             f"installed; pip install 'ray_ppo[agents]' (starlette, uvicorn and openai)")
+    try:
+        return load_agent_fn(path)
+    except AgentError as e:
         raise PreflightError(str(e)) from None
 
 

@@ -52,6 +52,7 @@ from ray_ppo.config.rules import staleness_budget
 
 __all__ = [
     "ADVANTAGES",
+    "AgentConfig",
     "AlgoConfig",
     "COLOSSALAI_STRATEGIES",
     "Config",
@@ -589,6 +590,20 @@ class EnvConfig(_Section):
     """Groups a maker's episodes are cut into: one group generates while the others' environment steps run (1 = all together)."""
 
 
+class AgentConfig(_Section):
+    """Bring your own agent (``ray_ppo.makers.agents``): an agent function calls the maker's OpenAI-compatible endpoint, and each episode is trained on the exact tokens of its calls. The episode's budgets are env.max_tokens (response tokens) and env.max_turns (calls)."""
+
+    fn: Optional[str] = Field(None, pattern=_REWARD_FN, examples=["ray_ppo.tasks.calculator_agent:agent"],
+                              json_schema_extra=_null("for no agent"))
+    """Agent function (module:function, sync or async) called as fn(prompt, endpoint) once per episode; returns the episode's reward, or one reward per call; null = no agent."""
+    timeout_s: float = Field(300.0, gt=0)
+    """Seconds an episode's agent may run; past it the episode ends as a fault."""
+    call_timeout_s: float = Field(120.0, gt=0)
+    """Seconds one chat-completions call may take before the client the endpoint hands out gives up (queueing included)."""
+    host: Optional[str] = Field(None, json_schema_extra=_null("for the node's address"))
+    """Address the maker's endpoint binds to; null = the node's address (ray.util.get_node_ip_address)."""
+
+
 class ToyTaskConfig(_Section):
     """Parameters of the built-in toy task (ray_ppo.tasks.toy), used when data.path is null."""
 
@@ -629,6 +644,8 @@ class Config(_Section):
     """Held-out evaluation during training."""
     env: EnvConfig = Field(default_factory=EnvConfig)
     """Multi-turn rollouts with an environment."""
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    """Multi-turn rollouts with an agent of your own, calling an OpenAI-compatible endpoint."""
     toy: ToyTaskConfig = Field(default_factory=ToyTaskConfig)
     """Built-in toy task."""
 
@@ -701,12 +718,37 @@ class Config(_Section):
             raise ConfigError(
                 f"algo.overlong_buffer={a.overlong_buffer} must be below maker.max_new_tokens={limit} (it is the "
                 f"last tokens before the limit); set {fix}")
-        if self.env.cls is not None and (a.overlong_buffer or a.overlong_filter):
+        if self.episodes and (a.overlong_buffer or a.overlong_filter):
             key = "algo.overlong_buffer" if a.overlong_buffer else "algo.overlong_filter"
             raise ConfigError(
-                f"{key} shapes single completions cut at maker.max_new_tokens, but env.cls={self.env.cls!r} runs "
+                f"{key} shapes single completions cut at maker.max_new_tokens, but {self.episodes} runs "
                 f"multi-turn episodes; set algo.overlong_buffer=0 and algo.overlong_filter=false")
         return self
+
+    @model_validator(mode="after")
+    def _agent_settings(self) -> Config:
+        if self.agent.fn is None:
+            return self
+        if self.env.cls is not None:
+            raise ConfigError(f"agent.fn={self.agent.fn!r} and env.cls={self.env.cls!r} both write the episodes; "
+                              f"set one of them to null")
+        if not self.maker.max_running:
+            raise ConfigError(f"agent.fn={self.agent.fn!r}: the makers' endpoint serves calls through continuous "
+                              f"batching; set maker.max_running (e.g. maker.max_running=32)")
+        if self.maker.engine == "vllm" and self.eval.path:
+            raise ConfigError(f"agent.fn={self.agent.fn!r}: an evaluation runs agents on the HF model's batcher, not "
+                              f"a vLLM engine's; set eval.path=null, or maker.engine=hf")
+        return self
+
+    @property
+    def episodes(self) -> str | None:
+        """What writes multi-turn episodes, as its setting (``env.cls=...`` or ``agent.fn=...``); None
+        for single completions."""
+        if self.env.cls:
+            return f"env.cls={self.env.cls!r}"
+        if self.agent.fn:
+            return f"agent.fn={self.agent.fn!r}"
+        return None
 
     @model_validator(mode="after")
     def _dynamic_sampling_of_groups(self) -> Config:
@@ -796,9 +838,9 @@ class Config(_Section):
     @property
     def response_budget(self) -> tuple[str, int]:
         """The setting that bounds the tokens a sequence adds to its prompt, and its value: ``env.max_tokens``
-        with an environment (episodes end within it, an evaluation's too), else the larger of
+        with an environment or an agent (episodes end within it, an evaluation's too), else the larger of
         ``maker.max_new_tokens`` and, with an evaluation set, ``eval.max_new_tokens``."""
-        if self.env.cls:
+        if self.episodes:
             return "env.max_tokens", self.env.max_tokens
         budgets = [("maker.max_new_tokens", self.maker.max_new_tokens)]
         if self.eval.path and self.eval.max_new_tokens:

@@ -3,6 +3,8 @@ its environment. Shared by the synchronous local loop and the maker actors."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ray_ppo.config import Config, ConfigError
@@ -48,7 +50,13 @@ def build_experience_maker(cfg: Config, actor=None, critic=None, name: str = "ma
 
 
 def build_episode_runner(cfg: Config, tokenizer):
-    """The ``EpisodeRunner`` of ``env.cls``; None for single completions."""
+    """The ``EpisodeRunner`` of ``env.cls`` (or the ``AgentRunner`` of ``agent.fn``); None for single
+    completions."""
+    if cfg.agent.fn is not None:
+        from ray_ppo.makers.agents import AgentRunner, load_agent_fn
+
+        return AgentRunner(load_agent_fn(cfg.agent.fn), cfg.agent, cfg.env, tokenizer,
+                           model_name=Path(cfg.model.pretrained).name or "policy")
     if cfg.env.cls is None:
         return None
     from ray_ppo.env import load_env_class

@@ -189,6 +189,10 @@ class EpisodeRunner:
         rollout, scores = self._pad(episodes)
         return Episodes(episodes, rollout, scores, generate_s, time.perf_counter() - start)
 
+    def stream(self, max_new_tokens: int) -> EpisodeStream:
+        """This runner's episodes streamed through a continuous batcher (``EpisodeStream``)."""
+        return EpisodeStream(self, max_new_tokens)
+
     def open(self, prompt_ids: Sequence[int], prompt: Prompt, key: tuple) -> Episode:
         """A streamed episode (a streaming maker's), named ``key``; its first turn's context is
         ``context(episode)``."""
@@ -372,6 +376,10 @@ class EpisodeStream:
         episode = self.running[key[:3]] = self.runner.open(prompt_ids, key[4], key)
         return self._request(episode, expected_len)
 
+    def start(self, batcher, keys: Sequence[tuple], prompt_ids: list[int], expected_len: float | None = None) -> None:
+        """Open one episode per key (a prompt's samples) and queue their first turns in ``batcher``."""
+        batcher.submit(self.open(key, prompt_ids, expected_len) for key in keys)
+
     def turn(self, finished) -> None:
         """The policy's turn ``finished`` is appended to its episode, whose environment step starts."""
         episode = self.running[finished.key[:3]]
@@ -380,8 +388,8 @@ class EpisodeStream:
 
     def run(self, batcher, prompt_ids: Sequence[Sequence[int]], prompts: Sequence[Prompt]) -> list[Episode]:
         """One episode per prompt, to its end, through ``batcher``; in the prompts' order."""
-        batcher.submit(self.open((0, i, 0, None, p), list(ids)) for i, (ids, p) in enumerate(zip(prompt_ids, prompts,
-                                                                                                  strict=True)))
+        for i, (ids, p) in enumerate(zip(prompt_ids, prompts, strict=True)):
+            self.start(batcher, [(0, i, 0, None, p)], list(ids))
         ended = []
         while batcher.busy or self.stepping:
             ended += self.answered(batcher, wait=not batcher.busy)

@@ -148,6 +148,8 @@ class EvalSetup:
         preflight.check_chat_messages(tokenizer, tokenizer_path, found, self.data, "--data")
         if cfg.env.cls:
             preflight.check_env(cfg.env, found, tokenizer, tokenizer_path)
+        if cfg.agent.fn:
+            preflight.load_agent_checked(cfg.agent.fn)
         if not self.reward_fn:
             raise preflight.PreflightError("scoring the answers needs a rule reward: give --config of the run, or "
                                            "set model.reward_fn=module:function (e.g. ray_ppo.tasks.arithmetic:reward)")
@@ -314,12 +316,11 @@ class Evaluation:
         ``maker.max_running``, the episodes stream turn by turn through a ``ContinuousBatcher``, as a
         streaming maker's do (``EpisodeStream``)."""
         if self._streams(engine):
-            from ray_ppo.makers.episodes import EpisodeStream
             from ray_ppo.models.continuous import ContinuousBatcher
 
             batcher = ContinuousBatcher(actor, self.sampling, self.tokenizer.pad_token_id, ends,
                                         max_running=self.max_running, greedy=self.greedy)
-            episodes = EpisodeStream(self.episodes, self.sampling.max_new_tokens).run(batcher, prompt_ids, prompts)
+            episodes = self.episodes.stream(self.sampling.max_new_tokens).run(batcher, prompt_ids, prompts)
         else:
             def sample(contexts, max_new_tokens):
                 return self._generate(contexts, actor, engine, ends, max_new_tokens).responses(ends)

@@ -39,6 +39,7 @@ from ray_ppo.data import prompt_text
 from ray_ppo.env import Turn
 from ray_ppo.makers.experience import MakeStats
 from ray_ppo.models.continuous import Finished, Request, Slots, longest_first
+from ray_ppo.tasks.toy import reward as toy_reward
 from ray_ppo.tasks.turns import TwoTurnEnv
 
 
@@ -347,6 +348,28 @@ class FaultyEnv(SleepyEnv):
         if first == "2":
             return "garbage"
         return await super().step(response)
+
+
+async def faulty_agent(prompt, endpoint):
+    """``ray_ppo.tasks.turns.two_turn_agent`` whose tool steps sleep 50-200 ms, except on prompts whose
+    first digit is 0 (it raises after its first call), 1 (it hangs for an hour), 2 (it returns a
+    string, not a reward) or 4 (it edits the history: its second call drops the first answer)."""
+    client = endpoint.async_client()
+    text = prompt_text(prompt)
+    first = text.split()[0]
+    messages, rewards = [{"role": "user", "content": text}], []
+    for call in range(2):
+        reply = await client.chat.completions.create(model=endpoint.model, messages=messages)
+        answer = reply.choices[0].message.content or ""
+        if first == "0":
+            raise RuntimeError("the agent broke")
+        if first == "1":
+            await asyncio.sleep(3600)
+        rewards.append(0.5 * toy_reward([prompt], [answer])[0])
+        kept = [] if first == "4" else [{"role": "assistant", "content": answer}]
+        messages += [*kept, {"role": "user", "content": text}]
+        await asyncio.sleep(random.uniform(0.05, 0.2))
+    return "garbage" if first == "2" else rewards
 
 
 def coordinator_config(num_ranks: int = 1, num_makers: int = 1, buffer_size: int = 16, max_staleness: int = 1,

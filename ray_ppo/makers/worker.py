@@ -200,7 +200,8 @@ class MakerWorker:
             self.maker.actor, m, self.maker.tokenizer.pad_token_id, self.maker.stop_ids, max_running=m.max_running,
             kv_at_swap=m.kv_at_swap, version=self.version, schedule=m.schedule)
         groups: dict[tuple, list] = {}  # (batch number, prompt index) -> its finished sequences (or episodes)
-        episodes = EpisodeStream(self.maker.episodes, m.max_new_tokens)  # with env.cls: turns stream, steps beside
+        runner = self.maker.episodes  # with env.cls or agent.fn: turns stream, steps (or agents) beside
+        episodes = EpisodeStream(None, m.max_new_tokens) if runner is None else runner.stream(m.max_new_tokens)
         unreported = _Unreported()
         asked, number = self.coordinator.next_prompts.remote(self.maker_id), 0
         while asked is not None or batcher.busy or episodes.stepping:
@@ -261,7 +262,7 @@ class MakerWorker:
             expected = self.answer_lengths.get(prompt_id)
             keys = [(number, k, s, prompt_id, encoded.prompts[k]) for s in range(self.cfg.maker.samples_per_prompt)]
             if episodes.runner is not None:
-                batcher.submit(episodes.open(key, ids, expected) for key in keys)
+                episodes.start(batcher, keys, ids, expected)
             else:
                 batcher.submit(request(key, ids, expected_len=expected) for key in keys)
 

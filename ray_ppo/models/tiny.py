@@ -18,6 +18,13 @@ TINY_VLLM_NAME = "tiny-vllm"
 """The built-in tiny model in a vLLM-compatible shape: 128 wide, 2 heads of 64 (vLLM's CPU attention
 kernels reject the tiny model's head size 16)."""
 TINY_VLLM_SHAPE = {"n_embd": 128, "n_head": 2}
+TINY_CHAT_NAME = "tiny-chat"
+"""The built-in tiny model with a chat template (``DIGIT_CHAT_TEMPLATE``), for chat prompts and agents."""
+DIGIT_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ {'system': '9', 'user': '8', 'assistant': '7', 'tool': '6'}[m['role']] }} "
+    "{{ m['content'] }}<eos> {% endfor %}{% if add_generation_prompt %}7 {% endif %}")
+"""A chat template the digit tokenizer can spell: each role is a digit (system 9, user 8, assistant 7,
+tool 6), and ``<eos>`` closes a message as ChatML's ``<|im_end|>`` does."""
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 WORDS = tuple(str(d) for d in range(10))
@@ -64,6 +71,15 @@ def build_tiny_model(directory: str | Path, seed: int = 0, **shape) -> Path:
     return directory
 
 
+def build_tiny_chat_model(directory: str | Path, seed: int = 0) -> Path:
+    """The tiny causal LM, its tokenizer given ``DIGIT_CHAT_TEMPLATE``."""
+    build_tiny_model(directory, seed)
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = DIGIT_CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    return Path(directory)
+
+
 def build_tiny_reward_model(directory: str | Path, seed: int = 0) -> Path:
     """A tiny GPT-2 sequence classifier with one label (a reward model) and its tokenizer."""
     import torch
@@ -85,12 +101,13 @@ def build_tiny_vllm_model(directory: str | Path, seed: int = 0) -> Path:
 
 
 def ensure_tiny_model(kind: str = "lm", root: str | Path | None = None) -> Path:
-    """Path of the built-in tiny model (``kind`` "lm", "vllm-lm" or "reward"), building it on first use.
+    """Path of the built-in tiny model (``kind`` "lm", "chat-lm", "vllm-lm" or "reward"), building it on first use.
 
     The build goes to a temporary sibling directory that is renamed into place, so concurrent
     processes never see a half-written model.
     """
-    builders = {"lm": build_tiny_model, "vllm-lm": build_tiny_vllm_model, "reward": build_tiny_reward_model}
+    builders = {"lm": build_tiny_model, "chat-lm": build_tiny_chat_model, "vllm-lm": build_tiny_vllm_model,
+                "reward": build_tiny_reward_model}
     if kind not in builders:
         raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {sorted(builders)}")
     root = Path(root) if root is not None else cache_root()
@@ -98,7 +115,7 @@ def ensure_tiny_model(kind: str = "lm", root: str | Path | None = None) -> Path:
 
 
 def resolve_pretrained(name: str | None) -> str | None:
-    """Map ``"tiny"`` (and ``"tiny-vllm"``, ``"tiny-reward"``) to the local path of the built-in
+    """Map ``"tiny"`` (and ``"tiny-chat"``, ``"tiny-vllm"``, ``"tiny-reward"``) to the local path of the built-in
     model, a packaged model's name or a ``.gguf`` file to its converted checkpoint
     (``ray_ppo.models.gguf``); other names pass through."""
     from ray_ppo.models.gguf import ensure_gguf_model, is_gguf_source
@@ -109,6 +126,8 @@ def resolve_pretrained(name: str | None) -> str | None:
         return str(ensure_tiny_model("lm"))
     if name == TINY_VLLM_NAME:
         return str(ensure_tiny_model("vllm-lm"))
+    if name == TINY_CHAT_NAME:
+        return str(ensure_tiny_model("chat-lm"))
     if name == "tiny-reward":
         return str(ensure_tiny_model("reward"))
     return name

@@ -6,6 +6,13 @@ of its first ``TARGET_LEN`` tokens equal to the prompt's last digit), so an epis
 [0, 1], as a single toy response does, and the tiny built-in model learns it in minutes:
 
     ray-ppo train env.cls=ray_ppo.tasks.turns:TwoTurnEnv env.max_tokens=32
+
+``two_turn_agent`` is the same task as agent code (``agent.fn``, ``ray_ppo.makers.agents``): it
+talks to the maker's OpenAI-compatible endpoint with the ``openai`` client, on the tiny model with a
+chat template:
+
+    ray-ppo train model.pretrained=tiny-chat data.chat_template=true maker.max_running=16 \
+        agent.fn=ray_ppo.tasks.turns:two_turn_agent env.max_tokens=32
 """
 
 from __future__ import annotations
@@ -28,3 +35,16 @@ class TwoTurnEnv(Environment):
         if self.turn == 1:
             return Turn(observation=" " + prompt_text(self.prompt), reward=score)
         return Turn(reward=score, done=True)
+
+
+async def two_turn_agent(prompt: Prompt, endpoint) -> list[float]:
+    """``TwoTurnEnv`` as an agent: ask, show the prompt again, ask again; one reward per call."""
+    client = endpoint.async_client()
+    messages = [{"role": "user", "content": prompt_text(prompt)}]
+    rewards = []
+    for _ in range(2):
+        reply = await client.chat.completions.create(model=endpoint.model, messages=messages)
+        answer = reply.choices[0].message.content or ""
+        rewards.append(0.5 * reward([prompt], [answer])[0])
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": prompt_text(prompt)}]
+    return rewards

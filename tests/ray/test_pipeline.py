@@ -157,6 +157,33 @@ def test_streaming_makers_run_episodes_turn_by_turn(ray_session, tmp_path):
         assert m["token_lag_mean"] <= m["token_lag_max"] <= m["staleness_max"]
 
 
+def test_streaming_makers_train_agents_through_their_endpoints(ray_session, tmp_path):
+    """agent.fn: each maker serves its OpenAI-compatible endpoint and the agents (ray_ppo.makers.testing
+    .faulty_agent: two calls with the openai client, 50-200 ms between them) run beside generation.
+    Prompts starting with 0, 1, 2 or 4 make the agent raise, hang past agent.timeout_s, return no
+    number or edit its history: those episodes end alone as faults; every prompt is trained once."""
+    prompts = tmp_path / "prompts.csv"
+    texts = [(str(i % 8) if i % 8 in (0, 1, 2, 4) else "3") + t[1:] for i, t in enumerate(make_prompts(64, 6, seed=0))]
+    prompts.write_text("prompt\n" + "\n".join(texts) + "\n")
+    cfg = small_config(tmp_path, "maker.num_makers=1", f"data.path={prompts}", "maker.max_running=6",
+                       "maker.samples_per_prompt=2", "algo.advantage=grpo", "model.pretrained=tiny-chat",
+                       "data.chat_template=true", "agent.fn=ray_ppo.makers.testing:faulty_agent",
+                       "env.max_tokens=32", "agent.timeout_s=3", "logging.samples_every=1")
+    trainer = PPOTrainer(cfg, output_dir=tmp_path / "run")
+    trainer.fit()
+    history = trainer.history
+    assert [m["step"] for m in history] == list(range(1, STEPS + 1))
+    assert all(1.0 <= m["env/turns"] <= 2.0 for m in history) and any(m["env/turns"] > 1.5 for m in history)
+    assert 0 < sum(m["fault_count"] for m in history) < STEPS * BATCH
+    assert history[-1]["weights_in_sync"] == 1.0
+    counters = trainer.final_status.counters
+    assert counters.consumed == STEPS * BATCH
+    assert counters.produced == counters.consumed + counters.in_flight + counters.discarded + counters.lost_in_transit
+    samples = [json.loads(line) for line in open(tmp_path / "run" / "samples.jsonl")]
+    problems = " ".join(str(s) for s in samples)
+    assert "the agent raised RuntimeError: the agent broke" in problems or "does not extend" in problems
+
+
 @pytest.mark.parametrize("streaming", [False, True], ids=["batch", "streaming"])
 def test_dynamic_sampling_drops_uniform_groups_and_their_prompts_count_as_consumed(ray_session, tmp_path, streaming):
     """algo.dynamic_sampling: makers drop the groups whose rewards are all equal, report their prompts

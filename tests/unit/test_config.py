@@ -107,6 +107,7 @@ def test_tree_names_and_defaults_are_the_public_contract():
         "eval": {"path": None, "every": 10, "num_prompts": 100, "greedy": True, "samples_per_prompt": 1,
                  "reward_fn": None, "max_new_tokens": None},
         "env": {"cls": None, "max_turns": 4, "max_tokens": 256, "step_timeout_s": 30.0, "pipeline": 2},
+        "agent": {"fn": None, "timeout_s": 300.0, "call_timeout_s": 120.0, "host": None},
         "toy": {"num_prompts": 512, "prompt_len": 6, "seed": 0},
     }
 
@@ -468,7 +469,7 @@ def test_every_field_has_a_one_line_doc(cls):
 
 def test_dotted_field_docs_cover_the_tree():
     docs = dotted_field_docs()
-    assert len(list(_config_classes())) == 15  # the sections, algo and maker.vllm included
+    assert len(list(_config_classes())) == 16  # the sections, algo, agent and maker.vllm included
     assert docs["ppo.kl_coef"] == field_docs(PPOConfig)["kl_coef"]
     assert docs["model.lora.rank"] == field_docs(LoraConfig)["rank"]
     assert {key.split(".")[0] for key in docs} == set(field_docs(Config))

@@ -178,3 +178,19 @@ def test_a_streaming_makers_episodes_are_evaluated_turn_by_turn_as_in_a_batch(ti
     assert streams == [(4, 10)]
     assert (stream.accuracy, stream.reward_mean, stream.samples) == (batch.accuracy, batch.reward_mean, batch.samples)
     assert all(len(s["response"]) > 0 for s in stream.samples)
+
+
+def test_an_agent_is_evaluated_through_its_endpoint_as_its_environment_twin_is(tiny_model_cache, capsys):
+    """agent.fn: evaluation runs the agent against the endpoint (``ray_ppo.tasks.turns.two_turn_agent``,
+    the agent twin of ``TwoTurnEnv``); greedy, its episodes are token for token the environment's,
+    so the scores match. ``ray-ppo eval`` runs it too."""
+    chat = {"model.pretrained": "tiny-chat", "data.chat_template": True, "maker.max_running": 4, "env.max_tokens": 32}
+    cfg = load_config(TINY).with_overrides(chat)
+    env = evaluate(cfg.with_overrides({"env.cls": "ray_ppo.tasks.turns:TwoTurnEnv"}), "tiny-chat", PROMPTS, num_prompts=8)
+    agent = evaluate(cfg.with_overrides({"agent.fn": "ray_ppo.tasks.turns:two_turn_agent"}), "tiny-chat", PROMPTS,
+                     num_prompts=8)
+    assert (agent.accuracy, agent.reward_mean, agent.samples) == (env.accuracy, env.reward_mean, env.samples)
+    assert agent.reward_mean > 0
+    assert main(["eval", "tiny-chat", "--config", TINY, "--data", PROMPTS, "--num-prompts", "4",
+                 *(f"{k}={v}" for k, v in chat.items()), "agent.fn=ray_ppo.tasks.turns:two_turn_agent"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("eval: accuracy ")
