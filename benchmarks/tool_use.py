@@ -3,6 +3,12 @@ accuracy with the tool and without it, before and after training.
 
     make bench-tool-use     # = ray-ppo train --config configs/smollm2_calculator.yaml, then this script
     python benchmarks/tool_use.py --runs runs/smollm2_calculator [runs/smollm2_calculator_s1 ...]
+    python benchmarks/tool_use.py --agent --runs runs/smollm2_calculator_agent [...]   # agent.fn runs
+
+``--agent``: the runs trained ``configs/smollm2_calculator_agent.yaml`` (the same task written as
+agent code, ``ray_ppo.tasks.calculator_agent``, against the makers' endpoint); their held-out
+accuracy with the tool is the agent's, run by the evaluation through the endpoint; the table goes
+to ``tool_use_agent``.
 
 The curve is each run's own ``metrics.jsonl``: the episodes' mean reward (the share answered
 right, sampled at temperature 1, with the tool) at step 1 and at the last step within 5, 10 and 15
@@ -25,17 +31,19 @@ from pathlib import Path
 from _common import ROOT, publish
 
 CONFIG = ROOT / "configs" / "smollm2_calculator.yaml"
+AGENT_CONFIG = ROOT / "configs" / "smollm2_calculator_agent.yaml"
 MINUTES = (5, 10, 15)
 
 
-def held_out(model: str, num_prompts: int) -> tuple[float, float]:
-    """Greedy held-out accuracy of ``model`` (a name or run directory) with the tool and without."""
+def held_out(model: str, num_prompts: int, agent: bool = False) -> tuple[float, float]:
+    """Greedy held-out accuracy of ``model`` (a name or run directory) with the tool (the
+    environment's episodes, or with ``agent`` the agent's) and without."""
     from ray_ppo.config import load_config
     from ray_ppo.makers.evaluation import evaluate
 
-    cfg = load_config(str(CONFIG))
+    cfg = load_config(str(AGENT_CONFIG if agent else CONFIG))
     with_tool = evaluate(cfg, model, str(ROOT / "data" / "calculator_eval.jsonl"), num_prompts)
-    without = evaluate(cfg.with_overrides({"env.cls": None}), model,
+    without = evaluate(cfg.with_overrides({"env.cls": None, "agent.fn": None, "maker.max_running": 0}), model,
                        str(ROOT / "data" / "calculator_eval_no_tool.jsonl"), num_prompts)
     return with_tool.accuracy, without.accuracy
 
@@ -65,15 +73,17 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--runs", nargs="+", default=[str(ROOT / "runs" / "smollm2_calculator")])
     p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--agent", action="store_true", help="the runs trained the agent (smollm2_calculator_agent.yaml)")
     args = p.parse_args()
-    rows = [["base model", *[""] * 7, *held_out("smollm2-135m-instruct", args.num_prompts)]]
+    rows = [["base model", *[""] * 7, *held_out("smollm2-135m-instruct", args.num_prompts, args.agent)]]
     print(rows[-1], flush=True)
     for run in map(Path, args.runs):
-        rows.append([*curve(run), *held_out(str(run), args.num_prompts)])
+        rows.append([*curve(run), *held_out(str(run), args.num_prompts, args.agent)])
         print(rows[-1], flush=True)
-    publish("tool_use", HEADERS, rows, args,
-            title=f"SmolLM2-135M-Instruct, calculator task, multi-turn GRPO: reward = share right, sampled, with the "
-                  f"tool; held-out = greedy, {args.num_prompts} questions")
+    episodes = "written by agent code against the makers' endpoint" if args.agent else "with CalculatorEnv"
+    publish("tool_use_agent" if args.agent else "tool_use", HEADERS, rows, args,
+            title=f"SmolLM2-135M-Instruct, calculator task, multi-turn GRPO, episodes {episodes}: reward = share "
+                  f"right, sampled, with the tool; held-out = greedy, {args.num_prompts} questions")
 
 
 if __name__ == "__main__":

@@ -358,6 +358,8 @@ class AgentRunner(EpisodeRunner):
         episode.log_probs += answer.log_probs[:kept]
         episode.versions += answer.versions[:kept]
         ae.call_ends.append(len(episode.tokens))
+        calls = len(answer.message.get("tool_calls") or [])
+        episode.info["tool_calls"] = episode.info.get("tool_calls", 0.0) + calls
 
     def _answer(self, finished, call: Call) -> Answer:
         """A finished sequence as a choice: cut at the first ``stop`` string, its tool calls parsed."""

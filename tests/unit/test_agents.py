@@ -144,9 +144,11 @@ def test_an_episode_is_the_exact_tokens_of_its_calls_with_the_engine_s_log_probs
 
 
 def docs_agent():
-    """The agent of docs/multi-turn.md's "Bring your own agent", as the page shows it."""
+    """The agent of docs/multi-turn.md's "Bring your own agent", as the page shows it; the page's
+    code is ``ray_ppo.tasks.calculator_agent``'s (which configs name)."""
     text = DOCS.read_text()
     block = re.search(r"## Bring your own agent.*?```python\n(.*?)```", text, re.DOTALL).group(1)
+    assert block in (Path(__file__).parents[2] / "ray_ppo" / "tasks" / "calculator_agent.py").read_text()
     namespace = {}
     exec(compile(block, str(DOCS), "exec"), namespace)
     return namespace["agent"]
