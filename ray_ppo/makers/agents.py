@@ -49,6 +49,7 @@ import queue
 import re
 import secrets
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -97,6 +98,34 @@ def load_agent_fn(path: str) -> Callable:
     return fn
 
 
+class Connections:
+    """The HTTP connection pools a maker's agents share (``httpx``, built on first use): an
+    ``openai`` client builds its own otherwise, with an SSL context, about 40 ms each, once per
+    episode. Proxy settings of the environment are not read: the endpoint is on this node. A
+    client's ``close`` (``async with client``) leaves them open for the other episodes."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.pools: dict[str, Any] = {}
+
+    def get(self, kind: str):
+        """The shared ``httpx.Client`` (``kind`` "sync") or ``httpx.AsyncClient`` ("async")."""
+        with self.lock:
+            if kind not in self.pools:
+                import httpx
+
+                base = httpx.Client if kind == "sync" else httpx.AsyncClient
+                shared = type("Shared" + base.__name__, (base,), {"close": lambda self: None,
+                                                                   "aclose": _no_close})
+                self.pools[kind] = shared(trust_env=False, limits=httpx.Limits(max_connections=None,
+                                                                                max_keepalive_connections=256))
+            return self.pools[kind]
+
+
+async def _no_close(self) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """What an agent gets for one episode: the URL and key of its maker's endpoint."""
@@ -107,20 +136,22 @@ class Endpoint:
     model: str
     """The name the endpoint answers as (any name is accepted in a request)."""
     call_timeout_s: float
+    connections: Connections | None = field(default=None, repr=False, compare=False)
 
     def client(self):
         """An ``openai.OpenAI`` client for this episode. It does not retry: a retried call would be a
         second call of the episode."""
         import openai
 
-        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, timeout=self.call_timeout_s, max_retries=0)
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, timeout=self.call_timeout_s, max_retries=0,
+                             http_client=self.connections.get("sync") if self.connections else None)
 
     def async_client(self):
         """An ``openai.AsyncOpenAI`` client for this episode (no retries, as ``client``)."""
         import openai
 
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, timeout=self.call_timeout_s,
-                                  max_retries=0)
+                                  max_retries=0, http_client=self.connections.get("async") if self.connections else None)
 
 
 @dataclass
@@ -181,6 +212,7 @@ class AgentRunner(EpisodeRunner):
         self.ids = itertools.count()
         self.base_url: str | None = None
         self.server = None
+        self.connections = Connections()
 
     # -- the maker's side ---------------------------------------------------------------------------
     def stream(self, max_new_tokens: int) -> AgentStream:
@@ -203,7 +235,7 @@ class AgentRunner(EpisodeRunner):
 
     async def _run_agent(self, ae: AgentEpisode) -> None:
         endpoint = Endpoint(f"{self.base_url}/episodes/{ae.id}/v1", self.api_key, self.model_name,
-                            self.agent.call_timeout_s)
+                            self.agent.call_timeout_s, self.connections)
         episode = ae.episode
         try:
             call = self.fn(episode.prompt, endpoint) if inspect.iscoroutinefunction(self.fn) else \

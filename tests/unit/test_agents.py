@@ -218,7 +218,8 @@ def test_bad_calls_get_a_4xx_with_a_message_and_the_key_is_required(chat_maker):
             found["json"] = (r.status_code, r.json()["error"]["message"])
         with pytest.raises(openai.AuthenticationError):
             await openai.AsyncOpenAI(base_url=endpoint.base_url, api_key="nope", max_retries=0).models.list()
-        models = await endpoint.async_client().models.list()
+        async with endpoint.async_client() as client:  # closing it leaves the shared connections open
+            models = await client.models.list()
         reply = await endpoint.async_client().chat.completions.create(model=models.data[0].id, **good)
         return float(len(reply.choices[0].token_ids) > 0)
 
