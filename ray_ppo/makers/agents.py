@@ -204,9 +204,9 @@ class AgentRunner(EpisodeRunner):
     episode alone. ``stream`` gives the ``AgentStream`` a maker (or an evaluation) drives."""
 
     def __init__(self, fn: Callable, cfg: AgentConfig, env: EnvConfig, tokenizer, model_name: str = "policy",
-                 chat_template: bool = True):
-        super().__init__(None, env, tokenizer, chat_template)
-        self.fn, self.agent, self.model_name = fn, cfg, model_name
+                 max_prompt_len: int = 512):
+        super().__init__(None, env, tokenizer, chat_template=True)
+        self.fn, self.agent, self.model_name, self.max_prompt_len = fn, cfg, model_name, max_prompt_len
         self.api_key = secrets.token_urlsafe(24)
         self.live: dict[str, AgentEpisode] = {}
         self.ids = itertools.count()
@@ -328,7 +328,12 @@ class AgentRunner(EpisodeRunner):
             self._commit(ae, self._extends(ae, call))
             return None
         if ae.messages is None:
-            episode.prompt_ids = self._render(call)
+            prompt_ids = self._render(call)
+            if len(prompt_ids) > self.max_prompt_len:  # the episode keeps its encoded prompt
+                raise BadCall(f"the first call's messages render to {len(prompt_ids)} tokens, more than "
+                              f"data.max_prompt_len={self.max_prompt_len} (an episode's prompt); shorten them, or "
+                              f"raise data.max_prompt_len", param="messages", code="context_length_exceeded")
+            episode.prompt_ids = prompt_ids
         else:
             chosen = self._extends(ae, call)
             self._commit(ae, chosen)

@@ -56,7 +56,7 @@ def build_episode_runner(cfg: Config, tokenizer):
         from ray_ppo.makers.agents import AgentRunner, load_agent_fn
 
         return AgentRunner(load_agent_fn(cfg.agent.fn), cfg.agent, cfg.env, tokenizer,
-                           model_name=Path(cfg.model.pretrained).name or "policy")
+                           model_name=Path(cfg.model.pretrained).name or "policy", max_prompt_len=cfg.data.max_prompt_len)
     if cfg.env.cls is None:
         return None
     from ray_ppo.env import load_env_class

@@ -200,7 +200,7 @@ def test_tool_calls_come_back_as_openai_tool_calls_and_are_matched_as_json():
 
 def test_bad_calls_get_a_4xx_with_a_message_and_the_key_is_required(chat_maker):
     """From inside a live episode: a wrong key, a body that is not JSON, fields out of range, an
-    unknown episode, then one good call."""
+    unknown episode, a prompt longer than data.max_prompt_len, then one good call."""
     found = {}
 
     async def agent(prompt, endpoint):
@@ -210,7 +210,8 @@ def test_bad_calls_get_a_4xx_with_a_message_and_the_key_is_required(chat_maker):
             bad = {"no key": (url, good, {}), "wrong key": (url, good, {"Authorization": "Bearer nope"}),
                    "n": (url, {**good, "n": 0}, key), "messages": (url, {"messages": []}, key),
                    "stop": (url, {**good, "stop": [""]}, key), "stream": (url, {**good, "stream": True}, key),
-                   "episode": (url.replace("/episodes/", "/episodes/x"), good, key)}
+                   "episode": (url.replace("/episodes/", "/episodes/x"), good, key),
+                   "long": (url, {"messages": [{"role": "user", "content": " ".join(["1"] * 600)}]}, key)}
             for name, (where, body, headers) in bad.items():
                 r = await http.post(where, json=body, headers=headers)
                 found[name] = (r.status_code, r.json()["error"]["message"])
@@ -232,6 +233,7 @@ def test_bad_calls_get_a_4xx_with_a_message_and_the_key_is_required(chat_maker):
     assert found["stream"][0] == 400 and "stream" in found["stream"][1]
     assert found["episode"][0] == 404 and "no running episode" in found["episode"][1]
     assert found["json"][0] == 400 and "not JSON" in found["json"][1]
+    assert found["long"][0] == 400 and "more than data.max_prompt_len=512" in found["long"][1]
 
 
 def test_a_call_that_edits_the_history_is_refused_and_ends_only_its_episode(chat_maker):
