@@ -25,7 +25,7 @@ the answer the next call repeats (the first, if none follows). Only the policy's
 ``top_k``; greedy in a greedy evaluation), which the behaviour log-probs and the trainer assume; a
 call's own ``temperature`` and ``top_p`` are counted in ``sampling_overridden`` where they differ.
 ``max_tokens`` caps the answer below ``maker.max_new_tokens`` and the episode's room
-(``env.max_tokens``); ``stop`` strings cut it (the tokens after the cut are dropped from the episode).
+(``env.max_tokens``); ``stop`` strings end its text (its tokens after the string are dropped from the episode).
 Past the episode's budget (``env.max_turns`` calls, or no room left in ``env.max_tokens``) every
 call gets an empty answer cut at its length (``calls_past_budget``): the episode ends there, as an
 environment's does.
@@ -379,6 +379,7 @@ class AgentRunner(EpisodeRunner):
                    f"Episodes are trained on the exact tokens of their calls, so each call must repeat the last "
                    f"call's messages and the answer it got, then add messages; this episode ends here")
         ae.closed = True
+        ae.episode.info["history_edited"] = 1.0
         self._commit(ae, 0)  # what came before the edit stays in the episode
         self._fault(ae.episode, message)
         raise BadCall(message, param="messages", code="history_edited")
@@ -402,11 +403,12 @@ class AgentRunner(EpisodeRunner):
         """A finished sequence as a choice: cut at the first ``stop`` string, its tool calls parsed."""
         tokens, stopped, reason = list(finished.tokens), finished.stopped, "stop" if finished.stopped else "length"
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        cut = min((text.index(s) for s in call.stop if s in text), default=None)
-        if cut is not None:
+        cut = min(((text.index(s), s) for s in call.stop if s in text), default=None)
+        if cut is not None:  # the tokens through the stop string stay (the policy wrote it), the text ends before it
+            end = cut[0] + len(cut[1])
             keep = next(k for k in range(1, len(tokens) + 1)
-                        if len(self.tokenizer.decode(tokens[:k], skip_special_tokens=True)) > cut)
-            tokens, stopped, reason, text = tokens[:keep], False, "stop", text[:cut]
+                        if len(self.tokenizer.decode(tokens[:k], skip_special_tokens=True)) >= end)
+            tokens, stopped, reason, text = tokens[:keep], False, "stop", text[:cut[0]]
         message = {"role": "assistant", "content": text}
         calls = self._tool_calls(text) if call.tools else None
         if calls:

@@ -47,8 +47,8 @@ def byte_tokenizer():
 
 
 class Scripted(Slots):
-    """A batcher that answers each request with ``script(context text)`` and the EOS, every token at
-    log-prob -0.5: for answers the tiny model cannot give (a tool call)."""
+    """A batcher that answers each request with ``script(context text, choice)`` and the EOS, every
+    token at log-prob -0.5: for answers the tiny model cannot give (a tool call), or not on demand."""
 
     def __init__(self, tokenizer, script):
         super().__init__(max_running=8, kv_at_swap="keep", schedule="fifo", version=0)
@@ -58,7 +58,8 @@ class Scripted(Slots):
         done = []
         while self.waiting:
             r = self.waiting.popleft()
-            ids = self.tokenizer(self.script(self.tokenizer.decode(r.prompt)), add_special_tokens=False)["input_ids"]
+            text = self.script(self.tokenizer.decode(r.prompt), r.key[-1])
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             ids = [*ids, self.tokenizer.eos_token_id][:r.max_new_tokens]
             done.append(Finished(r.key, list(r.prompt), ids, [-0.5] * len(ids), [0] * len(ids), True, 0))
         return done
@@ -160,7 +161,7 @@ def test_the_docs_calculator_agent_round_trips_a_tool_call():
     the exact tokens: the template's rendering of the tool message between the two answers."""
     tokenizer = byte_tokenizer()
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "347 * 29"}}</tool_call>'
-    batcher = Scripted(tokenizer, lambda context: "The answer is 10063." if "<|im_start|>tool" in context else call)
+    batcher = Scripted(tokenizer, lambda context, _: "The answer is 10063." if "<|im_start|>tool" in context else call)
     prompt = [{"role": "user", "content": "What is 347 times 29? Give the answer as a number."}]
     [episode] = run_agent(docs_agent(), tokenizer, batcher, [prompt], max_new_tokens=128, max_tokens=256)
     assert episode.fault is None and episode.reward == 1.0 and episode.turns == 2
@@ -175,7 +176,7 @@ def test_tool_calls_come_back_as_openai_tool_calls_and_are_matched_as_json():
     tokenizer = byte_tokenizer()
     seen = []
     call = '<tool_call>{"name": "f", "arguments": {"a": 1, "b": [2, 3]}}</tool_call>'
-    batcher = Scripted(tokenizer, lambda context: "done" if "<|im_start|>tool" in context else call)
+    batcher = Scripted(tokenizer, lambda context, _: "done" if "<|im_start|>tool" in context else call)
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
     async def agent(prompt, endpoint):
@@ -236,6 +237,32 @@ def test_bad_calls_get_a_4xx_with_a_message_and_the_key_is_required(chat_maker):
     assert found["long"][0] == 400 and "more than data.max_prompt_len=512" in found["long"][1]
 
 
+def test_sync_and_async_agents_run_many_episodes_at_once(chat_maker):
+    """32 episodes at once on 4 slots: async agents on the runner's event loop, plain functions in
+    its threads (with ``endpoint.client()``, the sync client); each gets its own URL, and every
+    episode is whole."""
+    urls = set()
+
+    def sync_agent(prompt, endpoint):
+        urls.add(endpoint.base_url)
+        reply = endpoint.client().chat.completions.create(model=endpoint.model,
+                                                          messages=[{"role": "user", "content": prompt}])
+        return float(reply.choices[0].finish_reason in ("stop", "length"))
+
+    async def async_agent(prompt, endpoint):
+        urls.add(endpoint.base_url)
+        await asyncio.sleep(0.05)  # a tool, while the other episodes generate
+        reply = await endpoint.async_client().chat.completions.create(model=endpoint.model,
+                                                                      messages=[{"role": "user", "content": prompt}])
+        return float(reply.choices[0].finish_reason in ("stop", "length"))
+
+    prompts = [f"{i % 10} 1 4" for i in range(32)]
+    for fn in (sync_agent, async_agent):
+        ended = run_agent(fn, chat_maker.tokenizer, tiny_batcher(chat_maker), prompts)
+        assert [e.fault for e in ended] == [None] * 32 and all(e.turns == 1 and e.reward == 1.0 for e in ended)
+    assert len(urls) == 64
+
+
 def test_a_call_that_edits_the_history_is_refused_and_ends_only_its_episode(chat_maker):
     async def agent(prompt, endpoint):
         client = endpoint.async_client()
@@ -250,7 +277,7 @@ def test_a_call_that_edits_the_history_is_refused_and_ends_only_its_episode(chat
 
     edited, kept = run_agent(agent, chat_maker.tokenizer, tiny_batcher(chat_maker), ["4 1 1", "3 1 1"])
     assert "call 2 of this episode does not extend call 1: it has 2 messages" in edited.fault
-    assert edited.turns == 1  # what it had before the edit stays, and is all it trains on
+    assert edited.turns == 1 and edited.info["history_edited"] == 1.0  # what it had before the edit stays
     assert kept.fault is None and kept.turns == 2 and kept.reward == 1.0
 
 
@@ -270,10 +297,10 @@ def test_faulty_agents_end_their_episodes_alone(chat_maker):
             raise RuntimeError("the agent broke")
         return {"2": "garbage", "4": [1.0, 2.0], "5": 0.5}[prompt] if reply.choices else 0.0
 
-    ended = run_agent(agent, chat_maker.tokenizer, tiny_batcher(chat_maker), list("012345"), timeout_s=2)
+    ended = run_agent(agent, chat_maker.tokenizer, tiny_batcher(chat_maker), list("012345"), timeout_s=8)
     faults = {e.prompt: e.fault for e in ended}
     assert "the agent raised RuntimeError: the agent broke" in faults["0"]
-    assert "longer than agent.timeout_s=2 s" in faults["1"]
+    assert "longer than agent.timeout_s=8 s" in faults["1"]
     assert "not a finite reward" in faults["2"]
     assert "made no call" in faults["3"]
     assert "2 rewards for 1 calls" in faults["4"]
@@ -284,40 +311,33 @@ def test_faulty_agents_end_their_episodes_alone(chat_maker):
     assert all(torch.all(it.advantages == 0) for it in items[:5])  # neutral: the group's mean reward
 
 
-def test_stop_strings_cut_answers_and_the_next_call_picks_one_of_n_choices(chat_maker):
+def test_stop_strings_cut_answers_and_the_next_call_picks_one_of_n_choices():
     """``n=2``: the episode goes on with the answer the next call repeats (the second here); ``stop``
-    cuts an answer before the string, and the tokens after it leave the episode."""
-    got = {}
+    ends the reply's text before the string, and the answer's tokens after it leave the episode
+    (the string's own stay: the policy wrote it)."""
+    tokenizer = byte_tokenizer()
+    answers = {0: "first answer", 1: "second END and more"}
+    batcher = Scripted(tokenizer, lambda context, choice: "last" if "<|im_start|>user\ngo on" in context
+                       else answers[choice])
+    got = []
 
     async def agent(prompt, endpoint):
         client = endpoint.async_client()
         messages = [{"role": "user", "content": prompt}]
-        reply = await client.chat.completions.create(model=endpoint.model, messages=messages, n=2, stop=["3"],
-                                                     max_tokens=4)
-        got[prompt] = reply
-        messages += [reply.choices[1].message.model_dump(exclude_none=True), {"role": "user", "content": "9"}]
-        await client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=2)
+        reply = await client.chat.completions.create(model=endpoint.model, messages=messages, n=2, stop=["END"])
+        got.append(reply)
+        messages += [reply.choices[1].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+        await client.chat.completions.create(model=endpoint.model, messages=messages)
         return 1.0
 
-    batcher = tiny_batcher(chat_maker, seed=3)
-    ended = run_agent(agent, chat_maker.tokenizer, batcher, ["5 5 5", "6 6 6", "7 7 7", "8 8 8"], max_new_tokens=8)
-    tokenizer = chat_maker.tokenizer
-    cut = distinct = 0
-    for e in ended:
-        reply = got[e.prompt]
-        assert e.fault is None and e.turns == 2 and len(reply.choices) == 2
-        first, second = reply.choices
-        if first.message.content != second.message.content:  # alike, the first is taken: either fits
-            distinct += 1
-            assert e.tokens[:len(second.token_ids)] == second.token_ids
-        assert "3" not in second.message.content
-        engine = next(f for f in batcher.finished if f.key[4] == e.prompt and f.key[-2:] == (1, 1))
-        if "3" in tokenizer.decode(engine.tokens, skip_special_tokens=True):  # cut: up to the first "3"
-            cut += 1
-            three = tokenizer.convert_tokens_to_ids("3")
-            assert second.finish_reason == "stop" and engine.tokens[len(second.token_ids) - 1] == three
-            assert engine.tokens[:len(second.token_ids)] == second.token_ids
-    assert cut > 0 and distinct > 0, "some answer holds a 3 to cut at, and some choices differ"
+    [e] = run_agent(agent, tokenizer, batcher, ["hi"], max_new_tokens=64, max_tokens=256)
+    [reply] = got
+    assert [c.message.content for c in reply.choices] == ["first answer", "second "]
+    assert [c.finish_reason for c in reply.choices] == ["stop", "stop"]
+    assert e.fault is None and e.turns == 2
+    assert tokenizer.decode(e.tokens) == ("second END<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n"
+                                          "<|im_start|>assistant\nlast<|im_end|>")
+    assert e.actions.count(True) == len("second END") + len("last") + 1  # a byte a token, and the EOS
 
 
 def test_calls_past_the_episode_s_budget_get_empty_answers(chat_maker):
