@@ -278,8 +278,8 @@ class AgentRunner(EpisodeRunner):
         refused call raised because of it)."""
         if episode.fault is not None:
             return
-        episode.fault, episode.done = f"{problem} (agent.fn={getattr(self.fn, '__name__', self.fn)}, " \
-                                      f"prompt {episode.prompt!r:.120})", True
+        name = f"{getattr(self.fn, '__module__', '?')}:{getattr(self.fn, '__qualname__', self.fn)}"
+        episode.fault, episode.done = f"{problem} (agent.fn={name}, prompt {episode.prompt!r:.120})", True
 
     # -- a call ---------------------------------------------------------------------------------------
     async def complete(self, episode_id: str, body: Any) -> dict:
