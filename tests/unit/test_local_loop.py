@@ -52,6 +52,17 @@ def test_run_local_reports_every_step():
         assert 1 <= metrics["response_length"] <= 6
 
 
+def test_run_local_trains_an_agent_through_its_endpoint():
+    """``ray-ppo local`` with agent.fn: the synchronous loop streams each step's groups through the
+    endpoint as a maker does (``ray_ppo.tasks.turns.two_turn_agent``, two calls an episode)."""
+    cfg = Config().with_overrides({**SMALL, "model.pretrained": "tiny-chat", "data.chat_template": True,
+                                   "maker.max_running": 8, "maker.samples_per_prompt": 2, "algo.advantage": "grpo",
+                                   "agent.fn": "ray_ppo.tasks.turns:two_turn_agent", "env.max_tokens": 24})
+    history = run_local(cfg, prompts=toy.make_prompts(24, 4))
+    assert [m["step"] for m in history] == [1, 2, 3]
+    assert all(m["env/turns"] == 2.0 and m["env/fault"] == 0.0 for m in history)
+
+
 def test_first_update_starts_at_ratio_one():
     cfg = Config().with_overrides({**SMALL, "trainer.total_steps": 1, "trainer.mini_batch_size": 8})
     (metrics,) = run_local(cfg)  # one step, one epoch, one minibatch: a single update at the behaviour policy
