@@ -179,7 +179,8 @@ class AgentEpisode:
     tools: list | None = None
     answers: list[Answer] = field(default_factory=list)
     call_ends: list[int] = field(default_factory=list)
-    """Per call in the episode: the index after its answer's last token."""
+    """Per call in the episode: the index after its answer's last token (a call past the budget:
+    after the episode's last token)."""
     busy: bool = False
     closed: bool = False
     full: bool = False
@@ -299,6 +300,7 @@ class AgentRunner(EpisodeRunner):
             if context is None:  # past the episode's budget: an empty answer, cut at its length
                 ae.full = True
                 episode.info["calls_past_budget"] = episode.info.get("calls_past_budget", 0.0) + 1
+                ae.call_ends.append(len(episode.tokens))  # a call all the same: its reward lands on the last token
                 empty = Answer([], [], [], False, {"role": "assistant", "content": ""}, "length")
                 return self._response(ae, [empty], len(self.context(episode)), episode.turns + 1, call.logprobs)
             cap = min(call.max_tokens or ae.stream.max_new_tokens, ae.stream.max_new_tokens, self.room(episode))

@@ -342,7 +342,8 @@ def test_stop_strings_cut_answers_and_the_next_call_picks_one_of_n_choices():
 
 def test_calls_past_the_episode_s_budget_get_empty_answers(chat_maker):
     """env.max_turns calls, then every further call gets an empty answer cut at its length (the
-    episode ends there, as an environment's does), counted in calls_past_budget."""
+    episode ends there, as an environment's does), counted in calls_past_budget; a reward per call
+    counts those calls too."""
     reasons = []
 
     async def agent(prompt, endpoint):
@@ -352,11 +353,12 @@ def test_calls_past_the_episode_s_budget_get_empty_answers(chat_maker):
             reply = await client.chat.completions.create(model=endpoint.model, messages=messages)
             reasons.append((reply.choices[0].finish_reason, reply.choices[0].message.content))
             messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "9"}]
-        return 1.0
+        return [0.125, 0.25, 0.5, 1.0]  # one reward per call, the empty ones too
 
     [e] = run_agent(agent, chat_maker.tokenizer, tiny_batcher(chat_maker), ["3 1 4"], max_turns=2, max_tokens=64)
     assert e.fault is None and e.turns == 2 and e.info["calls_past_budget"] == 2.0
     assert reasons[2:] == [("length", "")] * 2
+    assert e.scores[-1] == 0.25 + 0.5 + 1.0 and e.reward == 1.875  # the empty calls' rewards on the last token
 
 
 def test_config_refuses_an_agent_with_an_environment_or_without_streaming():

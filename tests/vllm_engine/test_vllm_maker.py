@@ -161,6 +161,45 @@ def test_episodes_stream_turn_by_turn_through_the_engines_batcher(worker):
         assert all((lp < 0) == action for lp, action in zip(e.log_probs, e.actions))
 
 
+def test_agents_call_through_the_engines_batcher(worker):
+    """agent.fn on a vLLM maker: each chat-completions call of an agent (``two_turn_agent``, through
+    the endpoint with the openai client) is a request of the engine's batcher, and the episode holds
+    the engine's tokens and log-probs, the sampler's on the policy's tokens only."""
+    import copy
+
+    from ray_ppo.config import AgentConfig, EnvConfig
+    from ray_ppo.makers.agents import AgentRunner
+    from ray_ppo.models.tiny import DIGIT_CHAT_TEMPLATE
+    from ray_ppo.tasks.turns import two_turn_agent
+
+    maker = worker.maker
+    chat = copy.deepcopy(maker.tokenizer)
+    chat.chat_template = DIGIT_CHAT_TEMPLATE
+    prompts = [maker.tokenizer.decode(p) for p in PROMPTS]
+    runner = AgentRunner(two_turn_agent, AgentConfig(host="127.0.0.1"), EnvConfig(max_tokens=16), chat,
+                         max_prompt_len=16)
+    batcher = worker.engine.continuous_batcher(worker.float_policy, worker.cfg.maker, maker.tokenizer.pad_token_id,
+                                               maker.stop_ids, max_running=2, version=worker.version)
+    finished, step = [], batcher.step
+
+    def recording(admit: bool = True):
+        out = step(admit)
+        finished.extend(out)
+        return out
+
+    batcher.step = recording
+    try:
+        episodes = runner.stream(worker.cfg.maker.max_new_tokens).run(batcher, PROMPTS, prompts)
+    finally:
+        worker.engine.batcher = None
+        runner.close()
+    assert [e.fault for e in episodes] == [None] * len(PROMPTS) and any(e.turns == 2 for e in episodes)
+    for e in episodes:
+        first = next(f for f in finished if f.key[4] == e.prompt and f.key[-2] == 1)
+        assert e.tokens[:len(first.tokens)] == first.tokens and e.log_probs[:len(first.tokens)] == first.log_probs
+        assert all((lp < 0) == action for lp, action in zip(e.log_probs, e.actions, strict=True))
+
+
 def test_the_engine_holds_an_evaluations_longest_answer(worker):
     """eval.max_new_tokens (12) above maker.max_new_tokens (8): the engine's context is
     data.max_prompt_len + 12 (``Config.max_context``, pre-flight's bound), so the longest prompt's
