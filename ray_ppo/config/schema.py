@@ -601,7 +601,7 @@ class AgentConfig(_Section):
     call_timeout_s: float = Field(120.0, gt=0)
     """Seconds one chat-completions call may take before the client the endpoint hands out gives up (queueing included)."""
     host: Optional[str] = Field(None, json_schema_extra=_null("for the node's address"))
-    """Address the maker's endpoint binds to; null = the node's address (ray.util.get_node_ip_address)."""
+    """Address the makers' endpoint binds to; null = the maker's node address (ray.util.get_node_ip_address; 127.0.0.1 for an evaluation in the driver)."""
 
 
 class ToyTaskConfig(_Section):

@@ -211,6 +211,9 @@ class AgentRunner(EpisodeRunner):
         self.api_key = secrets.token_urlsafe(24)
         self.live: dict[str, AgentEpisode] = {}
         self.ids = itertools.count()
+        self.host = cfg.host or "127.0.0.1"
+        """Where the endpoint binds: ``agent.host``; a maker's Ray shell sets its node's address
+        where that is null (``ray_ppo.makers.worker``), an evaluation in the driver binds loopback."""
         self.base_url: str | None = None
         self.server = None
         self.connections = Connections()
@@ -456,10 +459,10 @@ class AgentRunner(EpisodeRunner):
 
     # -- the server -----------------------------------------------------------------------------------
     def _serve(self) -> None:
-        """Start the endpoint on the event loop, bound to ``agent.host`` (the node's address) on a free port."""
+        """Start the endpoint on the event loop, bound to ``host`` on a free port."""
         import uvicorn
 
-        host = self.agent.host or _node_address()
+        host = self.host
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
@@ -671,17 +674,6 @@ def endpoint_app(runner: AgentRunner):
 def _resolve(future: asyncio.Future, finished: list) -> None:
     if not future.done():
         future.set_result(finished)
-
-
-def _node_address() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return "127.0.0.1"
 
 
 def _finite(value: Any) -> bool:

@@ -201,6 +201,8 @@ class MakerWorker:
             kv_at_swap=m.kv_at_swap, version=self.version, schedule=m.schedule)
         groups: dict[tuple, list] = {}  # (batch number, prompt index) -> its finished sequences (or episodes)
         runner = self.maker.episodes  # with env.cls or agent.fn: turns stream, steps (or agents) beside
+        if self.cfg.agent.fn and self.cfg.agent.host is None:  # the endpoint binds to this node's address
+            runner.host = ray.util.get_node_ip_address()
         episodes = EpisodeStream(None, m.max_new_tokens) if runner is None else runner.stream(m.max_new_tokens)
         unreported = _Unreported()
         asked, number = self.coordinator.next_prompts.remote(self.maker_id), 0
