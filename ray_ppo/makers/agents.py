@@ -56,7 +56,7 @@ from typing import Any, Callable, Sequence
 
 from ray_ppo.config import AgentConfig, EnvConfig
 from ray_ppo.data import Prompt
-from ray_ppo.makers.episodes import Episode, EpisodeRunner
+from ray_ppo.makers.episodes import Episode, EpisodeRunner, run_stream
 from ray_ppo.models.continuous import Request
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -564,15 +564,7 @@ class AgentStream:
 
     def run(self, batcher, prompt_ids: Sequence[Sequence[int]], prompts: Sequence[Prompt]) -> list[Episode]:
         """One episode per prompt, to its end, through ``batcher``; in the prompts' order."""
-        for i, (ids, p) in enumerate(zip(prompt_ids, prompts, strict=True)):
-            self.start(batcher, [(0, i, 0, None, p)], list(ids))
-        ended = []
-        while batcher.busy or self.stepping:
-            ended += self.answered(batcher, wait=not batcher.busy)
-            if batcher.busy:
-                for turn in batcher.step():
-                    self.turn(turn)
-        return sorted(ended, key=lambda e: e.key[1])
+        return run_stream(self, batcher, prompt_ids, prompts)
 
 
 @dataclass

@@ -388,15 +388,7 @@ class EpisodeStream:
 
     def run(self, batcher, prompt_ids: Sequence[Sequence[int]], prompts: Sequence[Prompt]) -> list[Episode]:
         """One episode per prompt, to its end, through ``batcher``; in the prompts' order."""
-        for i, (ids, p) in enumerate(zip(prompt_ids, prompts, strict=True)):
-            self.start(batcher, [(0, i, 0, None, p)], list(ids))
-        ended = []
-        while batcher.busy or self.stepping:
-            ended += self.answered(batcher, wait=not batcher.busy)
-            if batcher.busy:
-                for turn in batcher.step():
-                    self.turn(turn)
-        return sorted(ended, key=lambda e: e.key[1])
+        return run_stream(self, batcher, prompt_ids, prompts)
 
     def answered(self, batcher, wait: bool) -> list[Episode]:
         """Take the environment steps that are done (with ``wait``, and none done, wait a moment for
@@ -419,3 +411,18 @@ class EpisodeStream:
     def _request(self, episode: Episode, expected_len: float | None = None) -> Request:
         return Request(episode.key, self.runner.context(episode),
                        max_new_tokens=min(self.runner.room(episode), self.max_new_tokens), expected_len=expected_len)
+
+
+def run_stream(stream, batcher, prompt_ids: Sequence[Sequence[int]], prompts: Sequence[Prompt]) -> list[Episode]:
+    """Drive ``stream`` (an ``EpisodeStream``, or any stream of its interface: ``start``,
+    ``answered``, ``turn``, ``stepping``) alone through ``batcher`` until one episode per prompt has
+    ended; the episodes in the prompts' order (evaluation, ``ray-ppo local``)."""
+    for i, (ids, p) in enumerate(zip(prompt_ids, prompts, strict=True)):
+        stream.start(batcher, [(0, i, 0, None, p)], list(ids))
+    ended = []
+    while batcher.busy or stream.stepping:
+        ended += stream.answered(batcher, wait=not batcher.busy)
+        if batcher.busy:
+            for turn in batcher.step():
+                stream.turn(turn)
+    return sorted(ended, key=lambda e: e.key[1])
