@@ -73,18 +73,26 @@ class EnvError(ValueError):
 
 def load_env_class(path: str) -> type:
     """The class named by ``module:Class`` (``env.cls``)."""
-    module_name, _, name = path.partition(":")
-    if not module_name or not name:
-        raise EnvError(f"env.cls={path!r} is not of the form module:Class (e.g. ray_ppo.tasks.calculator:CalculatorEnv)")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise EnvError(f"env.cls={path!r}: cannot import module {module_name!r} ({e}); check the name, and that "
-                       f"the module is in the current directory, on PYTHONPATH or installed (on every node)") from e
-    cls = getattr(module, name, None)
+    cls, module_name, name = import_named(path, "env.cls", "module:Class", "ray_ppo.tasks.calculator:CalculatorEnv",
+                                          EnvError)
     if cls is None or not callable(getattr(cls, "step", None)):
         raise EnvError(f"env.cls={path!r}: module {module_name!r} has no class {name!r} with a step method")
     return cls
+
+
+def import_named(path: str, key: str, form: str, example: str, error: type[Exception]) -> tuple[Any, str, str]:
+    """(what ``module:name`` names, or None if the module has no such name; the module's name; the
+    name), for the setting ``key`` (``env.cls``, ``agent.fn``); ``error`` saying why not where
+    ``path`` is not of the ``form`` (e.g. ``example``) or its module does not import."""
+    module_name, _, name = path.partition(":")
+    if not module_name or not name:
+        raise error(f"{key}={path!r} is not of the form {form} (e.g. {example})")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise error(f"{key}={path!r}: cannot import module {module_name!r} ({e}); check the name, and that "
+                    f"the module is in the current directory, on PYTHONPATH or installed (on every node)") from e
+    return getattr(module, name, None), module_name, name
 
 
 def check_turn(turn: Any) -> Turn:

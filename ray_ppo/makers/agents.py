@@ -56,6 +56,7 @@ from typing import Any, Callable, Sequence
 
 from ray_ppo.config import AgentConfig, EnvConfig
 from ray_ppo.data import Prompt
+from ray_ppo.env import import_named
 from ray_ppo.makers.episodes import Episode, EpisodeRunner, run_stream
 from ray_ppo.models.continuous import Request
 
@@ -81,18 +82,8 @@ class BadCall(Exception):
 
 def load_agent_fn(path: str) -> Callable:
     """The function named by ``module:function`` (``agent.fn``)."""
-    module_name, _, name = path.partition(":")
-    if not module_name or not name:
-        raise AgentError(f"agent.fn={path!r} is not of the form module:function (e.g. "
-                         f"ray_ppo.tasks.calculator_agent:agent)")
-    import importlib
-
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise AgentError(f"agent.fn={path!r}: cannot import module {module_name!r} ({e}); check the name, and that "
-                         f"the module is in the current directory, on PYTHONPATH or installed (on every node)") from e
-    fn = getattr(module, name, None)
+    fn, module_name, name = import_named(path, "agent.fn", "module:function", "ray_ppo.tasks.calculator_agent:agent",
+                                         AgentError)
     if not callable(fn):
         raise AgentError(f"agent.fn={path!r}: module {module_name!r} has no function {name!r}")
     return fn
