@@ -72,6 +72,11 @@ def _evaluate(node: ast.AST) -> int | float:
     raise ToolError(f"{type(node).__name__} is not arithmetic (numbers, + - * / // % ** and parentheses only)")
 
 
+def without_tool_calls(text: str) -> str:
+    """``text`` with its ``<tool_call>...</tool_call>`` blocks taken out, stripped."""
+    return _CALL.sub("", text).strip()
+
+
 def parse_tool_calls(text: str) -> list[dict]:
     """Every ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in ``text``, in order, as
     ``{"name", "arguments"}``; a call that is not such JSON comes back as ``{"name": None, "error": ...}``."""

@@ -46,7 +46,6 @@ import json
 import math
 import numbers
 import queue
-import re
 import secrets
 import socket
 import threading
@@ -59,8 +58,7 @@ from ray_ppo.data import Prompt
 from ray_ppo.env import import_named
 from ray_ppo.makers.episodes import Episode, EpisodeRunner, run_stream
 from ray_ppo.models.continuous import Request
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+from ray_ppo.tools import parse_tool_calls, without_tool_calls
 
 
 class AgentError(ValueError):
@@ -408,25 +406,21 @@ class AgentRunner(EpisodeRunner):
         message = {"role": "assistant", "content": text}
         calls = self._tool_calls(text) if call.tools else None
         if calls:
-            rest = _TOOL_CALL.sub("", text).strip()
+            rest = without_tool_calls(text)
             message, reason = {"role": "assistant", "content": rest or None, "tool_calls": calls}, "tool_calls"
         return Answer(tokens, list(finished.log_probs[:len(tokens)]), list(finished.versions[:len(tokens)]),
                       stopped, message, reason)
 
     def _tool_calls(self, text: str) -> list[dict] | None:
         """The ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks of ``text`` (the
-        Hermes format, which Qwen's and SmolLM's templates and ``ray_ppo.tools`` use) as OpenAI tool
-        calls; None if there is none, or one does not parse (the text is then the answer's content)."""
-        calls = []
-        for i, block in enumerate(_TOOL_CALL.findall(text)):
-            try:
-                parsed = json.loads(block)
-                name, arguments = parsed["name"], parsed.get("arguments", {})
-            except (ValueError, KeyError, TypeError):
-                return None
-            calls.append({"id": f"call_{i}", "type": "function",
-                          "function": {"name": name, "arguments": json.dumps(arguments)}})
-        return calls or None
+        Hermes format, which Qwen's and SmolLM's templates use), as ``ray_ppo.tools.parse_tool_calls``
+        reads them, as OpenAI tool calls; None if there is none, or one is malformed (the text is
+        then the answer's content)."""
+        calls = parse_tool_calls(text)
+        if not calls or any(c["name"] is None for c in calls):
+            return None
+        return [{"id": f"call_{i}", "type": "function",
+                 "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}} for i, c in enumerate(calls)]
 
     def _response(self, ae: AgentEpisode, answers: list[Answer], prompt_tokens: int, number: int,
                   logprobs: bool) -> dict:
