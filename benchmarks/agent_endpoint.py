@@ -66,11 +66,22 @@ def batcher(maker, slots: int):
     return b
 
 
-def runner(cfg, maker, fn):
+def run_agents(cfg, maker, fn, questions: list, slots: int):
+    """(wall s, the ended episodes, the batcher) of one agent ``fn`` per question, through a maker's
+    endpoint and a batcher of ``slots``; every episode must end without a fault."""
     from ray_ppo.makers.agents import AgentRunner
 
-    return AgentRunner(fn, cfg.agent.model_copy(update={"host": "127.0.0.1"}), cfg.env, maker.tokenizer,
-                       max_prompt_len=cfg.data.max_prompt_len)
+    r = AgentRunner(fn, cfg.agent.model_copy(update={"host": "127.0.0.1"}), cfg.env, maker.tokenizer,
+                    max_prompt_len=cfg.data.max_prompt_len)
+    stream, b = r.stream(cfg.maker.max_new_tokens), batcher(maker, slots)
+    try:
+        start = time.perf_counter()
+        ended = stream.run(b, [[0]] * len(questions), questions)
+        wall = time.perf_counter() - start
+    finally:
+        r.close()
+    assert all(e.fault is None for e in ended), [e.fault for e in ended if e.fault]
+    return wall, ended, b
 
 
 def direct(cfg, maker, questions: list, slots: int) -> tuple[float, int]:
@@ -96,15 +107,7 @@ def through_endpoint(cfg, maker, questions: list, slots: int) -> tuple[float, in
                                                                       tools=[CALCULATOR])
         return float(len(reply.choices[0].token_ids))
 
-    r = runner(cfg, maker, one_call)
-    stream, b = r.stream(cfg.maker.max_new_tokens), batcher(maker, slots)
-    try:
-        start = time.perf_counter()
-        ended = stream.run(b, [[0]] * len(questions), questions)
-        wall = time.perf_counter() - start
-    finally:
-        r.close()
-    assert all(e.fault is None for e in ended), [e.fault for e in ended if e.fault]
+    wall, ended, _ = run_agents(cfg, maker, one_call, questions, slots)
     return wall, int(sum(e.reward for e in ended))
 
 
@@ -119,15 +122,7 @@ def utilisation(cfg, maker, questions: list, sleep_s: tuple[float, float] | None
                 await asyncio.sleep(random.uniform(*sleep_s))
         return 1.0
 
-    r = runner(cfg, maker, three_calls)
-    stream, b = r.stream(cfg.maker.max_new_tokens), batcher(maker, 16)
-    try:
-        start = time.perf_counter()
-        ended = stream.run(b, [[0]] * len(questions), questions)
-        wall = time.perf_counter() - start
-    finally:
-        r.close()
-    assert all(e.fault is None for e in ended), [e.fault for e in ended if e.fault]
+    wall, _, b = run_agents(cfg, maker, three_calls, questions, 16)
     return b.busy_s / wall, wall
 
 
