@@ -358,7 +358,7 @@ async def faulty_agent(prompt, endpoint):
     text = prompt_text(prompt)
     first = text.split()[0]
     messages, rewards = [{"role": "user", "content": text}], []
-    for call in range(2):
+    for _ in range(2):
         reply = await client.chat.completions.create(model=endpoint.model, messages=messages)
         answer = reply.choices[0].message.content or ""
         if first == "0":
