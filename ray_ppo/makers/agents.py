@@ -177,7 +177,7 @@ class AgentEpisode:
 
 
 @dataclass
-class _Call:
+class _Pending:
     """A call in the batcher: its choices as they finish, and the future its handler awaits."""
 
     future: asyncio.Future
@@ -300,7 +300,7 @@ class AgentRunner(EpisodeRunner):
             number = episode.turns + 1
             requests = [Request((*episode.key, ae.id, number, c), context, max_new_tokens=cap)
                         for c in range(call.n)]
-            ae.stream.submit(_Call(future, call.n), requests)
+            ae.stream.submit(_Pending(future, call.n), requests)
             finished = await future
             if ae.closed:
                 raise BadCall("the episode ended while this call ran (its agent returned or timed out)", 404)
@@ -478,7 +478,7 @@ class AgentStream:
         self.runner, self.max_new_tokens = runner, max_new_tokens
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # batcher requests the calls made
         self.ended: queue.SimpleQueue = queue.SimpleQueue()  # the AgentEpisodes whose agents returned
-        self.calls: dict[tuple, _Call] = {}  # (episode id, call number) -> the call
+        self.calls: dict[tuple, _Pending] = {}  # (episode id, call number) -> the call
         self.fillers: dict[tuple, Episode] = {}  # (episode id, 0) -> an ended episode awaiting its first answer
         self.done: list[Episode] = []  # ended episodes not yet returned by ``answered``
         self.alive = 0
@@ -505,7 +505,7 @@ class AgentStream:
         batcher.submit([Request((*episode.key, ae.id, 0, 0), list(episode.prompt_ids),
                                 max_new_tokens=min(self.max_new_tokens, self.runner.room(episode)))])
 
-    def submit(self, call: _Call, requests: list[Request]) -> None:
+    def submit(self, call: _Pending, requests: list[Request]) -> None:
         """From the event loop: queue a call's requests for the maker's thread."""
         for r in requests:
             self.calls[r.key[-3:-1]] = call
