@@ -411,21 +411,15 @@ class PPOLearner:
         return [None] if len(parts) == 1 else [torch.tensor(p, dtype=torch.long, device=self.device) for p in parts]
 
     def _actor_update(self, mb: ExperienceBatch, proximal: Proximal, idx: torch.Tensor) -> dict[str, float]:
-        """One policy update on minibatch ``mb`` (rows ``idx`` of the step's batch), its gradient
-        accumulated over micro-batches (``trainer.max_tokens_per_microbatch``)."""
+        """One policy update on minibatch ``mb`` (rows ``idx`` of the step's batch)."""
         mask = self._loss_mask(mb)
-        sums: dict[str, float] = {}
-        finite = True
-        for part in self._micro_batches(mb, self.actor):
-            sub, rows, sub_mask = (mb, idx, mask) if part is None else (mb.select(part), idx[part], mask[part])
-            loss, stats = self._actor_loss(sub, proximal, rows, sub_mask, mask)
-            for key, value in stats.items():
-                sums[key] = sums.get(key, 0.0) + value
-            finite = self._backward(loss, self.actor, self.actor_optim)
-            if not finite:
-                break
-        grad_norm = self._step(finite, loss, self.actor, self.actor_optim, self.actor_sched, "actor")
-        return {**sums, "actor_grad_norm": grad_norm}
+
+        def loss_of(part: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+            if part is None:
+                return self._actor_loss(mb, proximal, idx, mask, mask)
+            return self._actor_loss(mb.select(part), proximal, idx[part], mask[part], mask)
+
+        return self._update(mb, loss_of, self.actor, self.actor_optim, self.actor_sched, "actor")
 
     def _actor_loss(self, mb: ExperienceBatch, proximal: Proximal, idx: torch.Tensor, mask: torch.Tensor,
                     whole: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
@@ -457,24 +451,34 @@ class PPOLearner:
         return loss, out
 
     def _critic_update(self, mb: ExperienceBatch) -> dict[str, float]:
-        """One value update on minibatch ``mb``, accumulated over micro-batches as the policy's."""
-        sums: dict[str, float] = {}
-        finite = True
-        for part in self._micro_batches(mb, self.critic):
+        """One value update on minibatch ``mb``."""
+
+        def loss_of(part: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
             sub = mb if part is None else mb.select(part)
             self._count(sub, self.critic)
             with self._forward():
                 values = action_values(self.critic, sub.sequences, sub.attention_mask, sub.num_actions)
             vf_loss, stats = value_loss(values, sub.values, sub.returns, sub.action_mask, self.ppo.value_clip)
             share = aggregate_share(sub.action_mask, mb.action_mask)  # value_loss is a token mean
-            vf_loss = share * vf_loss
-            for key, value in (("value_loss", vf_loss.item()), ("vf_clipfrac", float(share * stats["vf_clipfrac"]))):
+            return share * vf_loss, {"value_loss": float(share * vf_loss), "vf_clipfrac": float(share * stats["vf_clipfrac"])}
+
+        return self._update(mb, loss_of, self.critic, self.critic_optim, self.critic_sched, "critic")
+
+    def _update(self, mb: ExperienceBatch, loss_of, model: nn.Module, optim, sched, what: str) -> dict[str, float]:
+        """One optimizer update of ``model`` on minibatch ``mb``, its gradient accumulated over the
+        micro-batches of ``trainer.max_tokens_per_microbatch``: ``loss_of(part)`` gives a part's loss,
+        already weighted by its share of the minibatch, and its statistics, which sum over the parts."""
+        sums: dict[str, float] = {}
+        finite = True
+        for part in self._micro_batches(mb, model):
+            loss, stats = loss_of(part)
+            for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value
-            finite = self._backward(vf_loss, self.critic, self.critic_optim)
+            finite = self._backward(loss, model, optim)
             if not finite:
                 break
-        grad_norm = self._step(finite, vf_loss, self.critic, self.critic_optim, self.critic_sched, "critic")
-        return {**sums, "critic_grad_norm": grad_norm}
+        grad_norm = self._step(finite, loss, model, optim, sched, what)
+        return {**sums, f"{what}_grad_norm": grad_norm}
 
     def _count(self, mb: ExperienceBatch, model: nn.Module) -> None:
         """Add the tokens a pass of ``model`` over ``mb`` computes to the step's ``tokens_computed``."""
