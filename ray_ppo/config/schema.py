@@ -259,10 +259,6 @@ class MakerConfig(SamplingParams):
             raise ConfigError(
                 f"maker.quantization={self.quantization!r} quantizes float32 weights, but maker.dtype={self.dtype!r}; "
                 f"set one of them to null")
-        if self.max_running and self.quantization:
-            raise ConfigError(
-                f"maker.max_running={self.max_running} generates with the float weights, but maker.quantization="
-                f"{self.quantization!r}; set one of them off (maker.max_running=0 or maker.quantization=null)")
         if self.engine == "vllm" and self.dtype is not None:
             raise ConfigError(
                 f"maker.dtype={self.dtype!r} sets an HF maker's weights, but maker.engine='vllm'; set the engine's "

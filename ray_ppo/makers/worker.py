@@ -393,11 +393,12 @@ class MakerWorker:
             start = time.perf_counter()
             for swap in swaps:
                 swap.apply()
-            if self.batcher is not None:  # in flight: the running sequences go on under the new weights
-                self.batcher.swap(lambda: None, version)
-                self.swap_waiting.clear()
-            if self.cfg.maker.quantization:
+            if self.cfg.maker.quantization:  # a fresh int8 copy of the new float weights generates from here
                 self.maker.actor = quantize_for_generation(self.float_policy, self.cfg.maker.quantization)
+            if self.batcher is not None:  # in flight: the running sequences go on under the new weights
+                generator = self.maker.actor  # the float policy (swapped in place above) or its new int8 copy
+                self.batcher.swap(lambda: setattr(self.batcher, "model", generator), version)
+                self.swap_waiting.clear()
             if self.engine is not None:  # after the HF copy swapped in the push, load it into the engine
                 self.engine.load(hf_weights(self.float_policy).items(), version)
             self.version, self.kl_coef = version, header.kl_coef

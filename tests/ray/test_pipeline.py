@@ -330,16 +330,18 @@ def test_runs_get_separate_namespaces(ray_session, tmp_path):
     assert a.namespace != b.namespace and a.namespace.startswith("ray_ppo.tiny.")
 
 
-def test_lora_only_pushes_into_an_int8_maker_in_a_run_its_time_budget_ends(ray_session, tmp_path):
+def test_lora_only_pushes_into_a_streaming_int8_maker_in_a_run_its_time_budget_ends(ray_session, tmp_path):
     """Three paths of their own in one fit (a fit costs ~30 s of start-up on 2 cores):
-    - pushes carry the LoRA adapters alone (sync.lora_only) into a maker that generates from an
-      int8 copy of its float model (maker.quantization), rebuilt with the adapters merged after
-      each push (a full push into an int8 maker: tests/unit/test_quantize.py);
+    - pushes carry the LoRA adapters alone (sync.lora_only) into a streaming maker
+      (maker.max_running) that generates from an int8 copy of its float model
+      (maker.quantization), rebuilt with the adapters merged after each push and swapped in
+      between two decode steps (a full push into an int8 maker, batch by batch and streaming:
+      tests/unit/test_quantize.py);
     - trainer.time_budget_s ends the run, and trainer.prefetch (the default) has pulled the next
       step's batch while the last step trained: that batch goes back untrained, and every count
       still adds up to the steps that ran."""
     overrides = ["model.lora.rank=4", "model.lora.critic=true", "sync.lora_only=true", "maker.quantization=int8",
-                 "trainer.total_steps=1000", "trainer.time_budget_s=4"]
+                 "maker.max_running=8", "trainer.total_steps=1000", "trainer.time_budget_s=4"]
     trainer = PPOTrainer(small_config(tmp_path, "maker.num_makers=1", *overrides))  # one maker: a process less to start
     trainer.fit()
     steps = len(trainer.history)

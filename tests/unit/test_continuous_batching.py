@@ -162,15 +162,6 @@ def test_finished_groups_become_experience_with_the_sampler_log_probs_and_the_ol
         maker.experience_of(finished[:3])
 
 
-def test_what_does_not_stream_yet_is_refused_in_one_line():
-    from ray_ppo.config import ConfigError
-
-    with pytest.raises(ConfigError, match="maker.quantization='int8'") as refused:
-        Config().with_overrides({"maker.max_running": 8, "maker.quantization": "int8"})
-    assert "maker.max_running=0" in str(refused.value) and "\n" not in str(refused.value)
-    Config().with_overrides({"maker.max_running": 8, "env.cls": "ray_ppo.tasks.turns:TwoTurnEnv"})  # episodes stream
-
-
 def test_the_lag_of_trained_tokens_counts_each_token_at_its_own_version():
     from ray_ppo.algo import ExperienceItem
     from ray_ppo.algo.metrics import experience_metrics
