@@ -12,6 +12,10 @@ Rows:
     Models: the built-in tiny model (with the tiny reward model, and with LoRA) and a
     GPT-2-small-shaped actor (random weights from ``GPT2Config(n_layer=12, n_embd=768,
     n_head=12)``, saved with ``save_pretrained`` and loaded from there: nothing is downloaded).
+  - ``packing varlen``: a packed pass on CUDA in bfloat16 runs its attention through PyTorch's
+    FlashAttention variable-length kernel (``ray_ppo.models.packing``); its log-probs and
+    gradients against the padded pass's (SDPA with a mask), on a small random Llama (rotary
+    positions, grouped-query attention) and uneven rows that share prompts, and both passes timed.
   - ``trainer fsdp``: ``scripts/gpu_check_colossalai.py``'s child process for ``fsdp``:
     ``PPOLearner`` train steps of a GPT-2-small actor and critic on CUDA, world size 1, nccl.
   - ``trainer colossalai_zero2`` (only with ``--colossalai-site DIR``): the same child with DIR
@@ -70,6 +74,7 @@ def main() -> int:
     for label, overrides in maker_models(Path(os.environ["RAY_PPO_CACHE"])):
         rows.append(guarded(f"maker {label}", maker_row, overrides, args.device, args.batch, args.new_tokens))
     if args.device == "cuda":
+        rows.append(guarded("packing varlen", packing_row))
         rows.append(trainer_row(trainer_check, "fsdp", args.steps))
         if args.colossalai_site:
             rows.append(trainer_row(trainer_check, "colossalai_zero2", args.steps, args.colossalai_site))
@@ -179,6 +184,61 @@ def synchronize(device) -> None:
 
 
 # -- trainer --------------------------------------------------------------------------------------
+
+
+def packing_row(rows: int = 32, repeats: int = 5) -> dict:
+    """Packed (varlen kernel) against padded: one forward and backward of a small random Llama in
+    bfloat16 over ``rows`` uneven rows, 4 answers a prompt; ok if the kernel ran, the log-probs
+    agree within bfloat16's rounding and so do the gradients (relative norm of the difference)."""
+    import copy
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ray_ppo.algo import ExperienceItem
+    from ray_ppo.algo.experience import ExperienceBatch
+    from ray_ppo.models import action_log_probs, packing
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                         attn_implementation="sdpa")
+    padded = LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+    packed = copy.deepcopy(padded)
+    if (why := packing.enable_packing(packed)) is not None:
+        return {"ok": False, "detail": f"the model cannot pack: {why}"}
+    items = []
+    for i in range(rows):
+        prompt = torch.randint(1, 4096, (32 + 16 * (i // 4 % 3),), generator=torch.Generator().manual_seed(i // 4))
+        items.append(ExperienceItem.filled(prompt, torch.randint(1, 4096, (8 + 37 * i % 200,)), reward=0.0,
+                                           policy_version=0, uid=str(i)))
+    b = ExperienceBatch.merge(items, pad_token_id=0).to(torch.device("cuda"))
+    weights = torch.randn(b.action_mask.shape, device="cuda") * b.action_mask
+    calls = []
+    kernel = packing._varlen_attn
+    packing._varlen_attn = lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    try:
+        out = {}
+        for name, model in (("padded", padded), ("packed", packed)):
+            times = []
+            for _ in range(repeats):
+                model.zero_grad(set_to_none=True)
+                synchronize(torch.device("cuda"))
+                start = time.perf_counter()
+                log_probs = action_log_probs(model, b.sequences, b.attention_mask, b.num_actions)
+                (log_probs.float() * weights).sum().backward()
+                synchronize(torch.device("cuda"))
+                times.append(time.perf_counter() - start)
+            grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+            out[name] = (log_probs.detach().float() * b.action_mask, grads, sorted(times)[len(times) // 2])
+    finally:
+        packing._varlen_attn = kernel
+    (lp_a, g_a, t_a), (lp_b, g_b, t_b) = out["padded"], out["packed"]
+    lp_err = float((lp_a - lp_b).abs().max())
+    grad_err = float((g_a - g_b).norm() / g_a.norm())
+    ok = bool(calls) and lp_err < 0.1 and grad_err < 0.05
+    return {"ok": ok, "detail": f"{len(calls)} varlen calls, log-prob max diff {lp_err:.3g}, grad rel diff "
+                                f"{grad_err:.3g}, fwd+bwd padded {t_a * 1e3:.1f} ms, packed {t_b * 1e3:.1f} ms"}
 
 
 def trainer_check_module():

@@ -19,7 +19,11 @@ The vocabulary-wide logits are computed only at the positions that predict a res
 
 Attention runs through ``torch.nn.functional.scaled_dot_product_attention``, which is what CPUs
 have: one call per layer over every segment of the row, each padded to the longest, under a
-mask built once per pass (``Gather``). ``enable_packing`` registers the function with
+mask built once per pass (``Gather``). On a GPU, in float16 or bfloat16, it runs through
+PyTorch's FlashAttention variable-length kernel instead (``torch.nn.attention.varlen``, where
+the installed torch has it): the queries are the packed row as it is, each segment's keys its
+prompt's and its own, with causal attention aligned at the bottom right, so nothing is padded.
+``enable_packing`` registers the function with
 transformers' ``AttentionInterface`` under ``ATTENTION``. Outside a packed pass
 (``Layout.active``) that function is transformers' own SDPA, so generation and padded passes of
 the same model are unchanged.
@@ -74,9 +78,17 @@ class Gather:
     earlier tokens; a padding query sees key 0 only, so no row is all False (no NaN)."""
     back: torch.Tensor
     """(N,) int64, where each packed position's output lies in the (S * Lq) flattened queries."""
+    flat_keys: torch.Tensor
+    """(Nk,) int64, the packed positions of every segment's keys, segment after segment (varlen)."""
+    cu_queries: torch.Tensor
+    """(S + 1,) int32, where each segment's queries start in the packed row (varlen)."""
+    cu_keys: torch.Tensor
+    """(S + 1,) int32, where each segment's keys start in ``flat_keys`` (varlen)."""
 
     @classmethod
     def of(cls, segments: tuple[Segment, ...], size: int) -> Gather:
+        if [s.start for s in segments] != [0, *(s.stop for s in segments[:-1])] or segments[-1].stop != size:
+            raise ValueError("the segments must cover the packed row in order")  # what varlen's queries assume
         keys = [s.keys() for s in segments]
         lq, lk = max(s.stop - s.start for s in segments), max(k.numel() for k in keys)
         queries = torch.zeros(len(segments), lq, dtype=torch.long)
@@ -90,10 +102,18 @@ class Gather:
             key_index[i, :k.numel()] = k
             visible[i, 0, :n, :k.numel()] = torch.ones(n, k.numel(), dtype=torch.bool).tril(before)
             back[s.start:s.stop] = torch.arange(i * lq, i * lq + n)
-        return cls(queries, key_index, visible, back)
+        cumulative = lambda lengths: torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)  # noqa: E731
+        return cls(queries, key_index, visible, back, torch.cat(keys),
+                   cumulative([s.stop - s.start for s in segments]), cumulative([k.numel() for k in keys]))
+
+    @property
+    def longest(self) -> tuple[int, int]:
+        """(Lq, Lk): the most queries and keys of one segment."""
+        return self.queries.shape[1], self.keys.shape[1]
 
     def to(self, device: torch.device) -> Gather:
-        return Gather(*(t.to(device) for t in (self.queries, self.keys, self.visible, self.back)))
+        return Gather(*(t.to(device) for t in (self.queries, self.keys, self.visible, self.back, self.flat_keys,
+                                               self.cu_queries, self.cu_keys)))
 
 
 @dataclass(frozen=True)
@@ -256,6 +276,11 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     g = layout.gather
+    if _uses_varlen(query, dropout if module.training else 0.0):
+        k, v = (t[0][:, g.flat_keys].transpose(0, 1) for t in (key, value))  # (Nk, Hkv, D)
+        out = _varlen_attn(query[0].transpose(0, 1), k, v, g.cu_queries, g.cu_keys, *g.longest, scale=scaling,
+                           window_size=(-1, 0), enable_gqa=k.shape[1] != query.shape[1])  # (N, H, D)
+        return out.unsqueeze(0), None
     q = query[0][:, g.queries].transpose(0, 1)  # (S, H, Lq, D)
     k, v = (t[0][:, g.keys].transpose(0, 1) for t in (key, value))  # (S, Hkv, Lk, D)
     if k.shape[1] != q.shape[1]:  # grouped-query attention: SDPA's enable_gqa is torch>=2.5 only
@@ -264,6 +289,20 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
                                                            dropout_p=dropout if module.training else 0.0, scale=scaling)
     out = out.transpose(0, 1).flatten(1, 2)[:, g.back]  # (H, N, D)
     return out.transpose(0, 1).unsqueeze(0), None  # (1, N, H, D)
+
+
+try:  # PyTorch's FlashAttention variable-length kernel (CUDA only); absent from older torch
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:
+    _varlen_attn = None
+
+
+def _uses_varlen(query: torch.Tensor, dropout: float) -> bool:
+    """Whether a packed pass's attention runs through ``_varlen_attn``: a CUDA query in float16 or
+    bfloat16 (FlashAttention's dtypes), a torch that has the kernel, and no attention dropout
+    (which the kernel does not take)."""
+    return (_varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+            and dropout == 0.0)
 
 
 def _mask(*args, **kwargs):

@@ -97,6 +97,70 @@ def test_packed_log_probs_entropies_and_gradients_equal_the_padded_pass(which, t
     assert_close(padded_grads, packed_grads)
 
 
+def varlen_reference(calls: list):
+    """``torch.nn.attention.varlen.varlen_attn`` written from its documentation, in plain torch: the
+    kernel itself (FlashAttention) runs on CUDA only, and this machine has none. Segment i's queries
+    are ``q[cu_q[i]:cu_q[i+1]]``, its keys and values ``k[cu_k[i]:cu_k[i+1]]``; ``window_size=(-1, 0)``
+    is causal attention aligned at the bottom right (query j of Lq sees keys up to j + Lk - Lq, as
+    PyTorch's ``causal_lower_right`` bias); with ``enable_gqa`` each key/value head serves
+    H_q / H_kv consecutive query heads."""
+
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        calls.append((cu_q.dtype, cu_k.dtype, window_size))
+        assert window_size == (-1, 0) and enable_gqa == (k.shape[1] != q.shape[1])
+        out = []
+        for i in range(cu_q.numel() - 1):
+            qi, ki, vi = q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+            assert qi.shape[0] <= max_q and ki.shape[0] <= max_k
+            if enable_gqa:
+                ki, vi = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (ki, vi))
+            lq, lk = qi.shape[0], ki.shape[0]
+            bias = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)  # causal, aligned at the bottom right
+            o = torch.nn.functional.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1),
+                                                                 vi.transpose(0, 1), attn_mask=bias, scale=scale)
+            out.append(o.transpose(0, 1))
+        return torch.cat(out)
+
+    return attend
+
+
+@pytest.mark.parametrize("which", ["gpt2", "llama"])
+def test_the_varlen_kernel_path_gives_the_padded_pass(which, tiny_path, llama_path, monkeypatch):
+    """On a GPU in half precision a packed pass's attention is one variable-length FlashAttention
+    call (queries: the packed row; keys: each segment's prompt and itself). Its arguments, given to
+    a plain-torch twin of the kernel here, give the padded pass's log-probs and gradients."""
+    from ray_ppo.models import packing
+
+    calls: list = []
+    monkeypatch.setattr(packing, "_varlen_attn", varlen_reference(calls))
+    monkeypatch.setattr(packing, "_uses_varlen", lambda query, dropout: dropout == 0.0)
+    path = tiny_path if which == "gpt2" else llama_path
+    b = batch(vocab=load_actor(path).config.vocab_size, seed=3)
+    w = weights_of(b)
+
+    def run(model):
+        log_probs = action_log_probs(model, b.sequences, b.attention_mask, b.num_actions)
+        return log_probs * b.action_mask, (log_probs * w).sum()
+
+    (padded, padded_grads), (packed, packed_grads) = padded_and_packed(lambda: load_actor(path), run)
+    torch.testing.assert_close(packed, padded, atol=ATOL, rtol=0)
+    assert_close(padded_grads, packed_grads)
+    layers = load_actor(path).config.num_hidden_layers
+    assert len(calls) == layers and calls[0] == (torch.int32, torch.int32, (-1, 0))  # one call a layer, packed only
+
+
+def test_only_a_cuda_half_precision_query_takes_the_varlen_kernel():
+    from ray_ppo.models import packing
+
+    assert not packing._uses_varlen(torch.zeros(1, 2, 3, 4, dtype=torch.bfloat16), 0.0)  # CPU: SDPA with its mask
+    if packing._varlen_attn is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    if torch.cuda.is_available():
+        query = torch.zeros(1, 2, 3, 4, device="cuda")
+        assert not packing._uses_varlen(query, 0.0)  # float32: FlashAttention has no float32 kernel
+        assert packing._uses_varlen(query.bfloat16(), 0.0) and not packing._uses_varlen(query.bfloat16(), 0.1)
+
+
 def test_packed_critic_values_and_gradients_equal_the_padded_pass(llama_path):
     torch.manual_seed(0)
     b = batch(vocab=64)
