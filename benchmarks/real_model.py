@@ -5,6 +5,9 @@
     python benchmarks/real_model.py --runs DIR [DIR ...]    # the table of finished runs (either side)
     python benchmarks/real_model.py --runs DIR [DIR ...] --plot curves.png  # and their accuracy curves
     python benchmarks/real_model.py --seeds 0 1 2 --config configs/smollm2_ppo.yaml --tag ppo  # the critic's curve
+    python benchmarks/real_model.py --seeds 0 1 2 --tag dynamic algo.dynamic_sampling=true  # an option's runs
+    python benchmarks/real_model.py --runs runs/real_model_packing/seed_* runs/real_model_dynamic/seed_* --reach 0.75
+                                                            # time to an accuracy, per directory, against the first
     make bench-real-peer                                    # builds .venv-trl, then the second command
 
 Ours, per seed: one ``ray-ppo train --config configs/smollm2_grpo.yaml seed=S`` (GRPO, one maker and
@@ -32,6 +35,11 @@ the gain; then, with both sides, the goal of issue 40: ours reaches TRL's final 
 median over TRL's seeds) in <= 0.75x TRL's wall time (the median of its runs' last step times;
 ours: the median over seeds of the first evaluation at or above that accuracy), at >= 1.2x its
 samples/s (medians).
+
+With ``--reach A`` the table gets each run's time to accuracy A (its first evaluation at or above
+A), and a line per group of runs (the runs of one directory, e.g. ``real_model_dynamic``, one side)
+gives the median over its seeds and its ratio to the first group's: how two settings compare in
+time to an accuracy.
 """
 
 from __future__ import annotations
@@ -182,12 +190,33 @@ def goal(ours: list[Run], trl: list[Run]) -> Goal:
                 / statistics.median(r.samples_per_s for r in trl))
 
 
-def rows(runs: list[Run]) -> list[list]:
+def rows(runs: list[Run], reach: float | None = None) -> list[list]:
     """One table row a run: side, seed, accuracy at step 0, at each of ``MARKS_S``, the last, its
-    step and time, the gain and samples/s."""
+    step and time, the gain and samples/s; with ``reach``, the time to that accuracy."""
     return [[r.side, r.seed, r.points[0][2], *(at(r.points, s) for s in MARKS_S), r.last[2],
              f"{r.last[1]} ({r.last[0]:.0f} s)", f"{r.gain:+.3f}", r.samples_per_s,
-             *(("", "", "") if r.idle is None else (f"{x:.3f}" for x in r.idle))] for r in runs]
+             *(("", "", "") if r.idle is None else (f"{x:.3f}" for x in r.idle)),
+             *(() if reach is None else (_seconds(reach_s(r.points, reach)),))] for r in runs]
+
+
+def _seconds(t: float) -> str:
+    return "never" if t == float("inf") else f"{t:.0f} s"
+
+
+def reach_lines(groups: dict[str, list[Run]], accuracy: float) -> list[str]:
+    """Per group of runs, the median over its seeds of the time to ``accuracy`` and its ratio to
+    the first group's (inf where the median run never reached it)."""
+    lines: list[str] = []
+    first = float("nan")
+    for name, group in groups.items():
+        times = [reach_s(r.points, accuracy) for r in group]
+        median = statistics.median(times)
+        first = median if not lines else first
+        comparable = lines and 0 < first < float("inf") and median < float("inf")
+        ratio = f", {median / first:.2f}x the first group's" if comparable else ""
+        lines.append(f"{name}: reaches {accuracy:.3f} at median {_seconds(median)} over {len(times)} seeds "
+                     f"({', '.join(_seconds(t) for t in times)}){ratio}")
+    return lines
 
 
 HEADERS = ["side", "seed", "step 0", *(f"<= {s // 60} min" for s in MARKS_S), "last", "last step (time)", "gain",
@@ -248,6 +277,8 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=CONFIG, help="the config both sides train (default %(default)s)")
     parser.add_argument("--tag", default="", help="the table goes to results/real_model_TAG.json (beside the comparison's)")
     parser.add_argument("--plot", type=Path, default=None, help="also draw every run's accuracy curve to this PNG")
+    parser.add_argument("--reach", type=float, default=None,
+                        help="also each run's time to this held-out accuracy, and per directory its median")
     parser.epilog = "key=value arguments (anywhere) override the config on both sides, e.g. trainer.time_budget_s=60"
     argv = sys.argv[1:]
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]  # key=value anywhere, as ray-ppo's
@@ -265,8 +296,14 @@ def main() -> None:
             runs.append(output / f"trl_seed_{seed}")
             train_trl(seed, runs[-1], overrides, args.trl_python, args.config)
     read = [read_run(run) for run in runs]
-    publish(name, HEADERS, rows(read), args=args)
+    headers = HEADERS + ([] if args.reach is None else [f"reach {args.reach:g}"])
+    publish(name, headers, rows(read, args.reach), args=args)
     print("\n".join(["", *summary(read)]))
+    if args.reach is not None:
+        groups: dict[str, list[Run]] = {}
+        for run, where in zip(read, runs, strict=True):
+            groups.setdefault(f"{where.resolve().parent.name} ({run.side})", []).append(run)
+        print("\n".join(reach_lines(groups, args.reach)))
     if args.plot:
         plot(read, runs, args.plot, f"{args.config.stem}: held-out accuracy")
 

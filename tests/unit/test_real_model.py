@@ -53,6 +53,19 @@ def test_goal_is_missed_when_either_bound_fails(change):
         assert g.ours_s == float("inf") and "reaches it at never" in g.line()
 
 
+def test_reach_lines_give_each_group_s_median_time_and_its_ratio_to_the_first():
+    run = lambda seed, t: Run("ours", seed, [(0.0, 0, 0.5), (t, 10, 0.8)], 1.0)  # noqa: E731
+    never = Run("ours", 9, [(0.0, 0, 0.5), (900.0, 70, 0.7)], 1.0)
+    base = [run(0, 400.0), run(1, 500.0), run(2, 900.0)]
+    lines = real_model.reach_lines({"base": base, "option": [run(0, 200.0), never, run(2, 400.0)],
+                                    "worse": [never, never, run(1, 100.0)]}, 0.75)
+    assert lines == ["base: reaches 0.750 at median 500 s over 3 seeds (400 s, 500 s, 900 s)",
+                     "option: reaches 0.750 at median 400 s over 3 seeds (200 s, never, 400 s), 0.80x the first group's",
+                     "worse: reaches 0.750 at median never over 3 seeds (never, never, 100 s)"]
+    row, = real_model.rows([never], reach=0.75)
+    assert row[-1] == "never" and real_model.rows(base, reach=0.75)[0][-1] == "400 s"
+
+
 def test_rows_give_the_accuracy_at_each_mark_and_the_last():
     row, = real_model.rows([Run("ours", 3, CURVE, 1.5)])
     assert row == ["ours", 3, 0.5, 0.6, 0.7, 0.7, 0.65, "31 (910 s)", "+0.150", 1.5, "", "", ""]
