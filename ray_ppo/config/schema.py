@@ -29,6 +29,7 @@ from ray_ppo.config.choices import (
     COLOSSALAI_STRATEGIES,
     STRATEGIES,
     Advantage,
+    Balance,
     DataFormat,
     Dtype,
     Engine,
@@ -508,6 +509,8 @@ class TopologyConfig(_Section):
     """Per-rank buffer capacity in items; 0 = 2 * trainer.train_batch_size."""
     transport: Transport = "inline"
     """How a maker's packed batch reaches a rank: inline (through the coordinator's calls) or ref (read from the maker's object store)."""
+    balance: Balance = "tokens"
+    """With several trainer ranks and round_robin routing, how arriving groups are dealt to the ranks: tokens (each rank's next step holds as many items as the others' and about as many tokens: a group goes to the rank whose step so far has the fewest) or count (to the rank with the most free buffer space)."""
 
 
 class LoggingConfig(_Section):

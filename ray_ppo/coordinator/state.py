@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -49,7 +50,8 @@ if TYPE_CHECKING:
 
 class RankBuffers:
     """Responsibilities: hold each trainer rank's chunks (FIFO, at most ``buffer_size`` items),
-    place arriving chunks by free space, hand out and take back items, drop stale ones, count.
+    deal arriving chunks' groups to the ranks (by tokens or by free space), hand out and take back
+    items, drop stale ones, count.
 
     Stored counters: ``produced`` (items makers sent), ``pulled`` (items ranks took for a step),
     ``discarded`` (dropped as too stale), ``lost_in_transit`` (pulled, but their payload died with
@@ -57,11 +59,15 @@ class RankBuffers:
     cannot drift.
     """
 
-    def __init__(self, num_ranks: int, buffer_size: int):
+    def __init__(self, num_ranks: int, buffer_size: int, step_items: int = 0, balance: str = "count"):
+        """``step_items``: the items a rank pulls for a step (``trainer.train_batch_size``); with
+        ``balance="tokens"`` and more than one rank, groups are dealt so that each rank's next
+        ``step_items`` items hold about as many tokens as the other ranks' (``topology.balance``)."""
         self.buffer_size = buffer_size
         self.queues: list[collections.deque[ExperienceChunk]] = [collections.deque() for _ in range(num_ranks)]
         self.produced = self.pulled = self.discarded = self.lost_in_transit = 0
         self._rr = 0
+        self.step_items, self.balance = step_items, balance
 
     @property
     def consumed(self) -> int:
@@ -88,7 +94,10 @@ class RankBuffers:
         """Place as many of the chunk's groups as fit, each on the target rank with the most free
         space (ties round-robin), as one slice per rank; returns the slice that did not fit. A
         group (``chunk.group_size`` items, the responses to one prompt) is never split: buffer
-        sizes and batch sizes are multiples of it (``Config._groups_stay_whole``)."""
+        sizes and batch sizes are multiples of it (``Config._groups_stay_whole``). Dealt by tokens
+        instead where ``_deals_tokens``."""
+        if self._deals_tokens(chunk, targets):
+            return self._deal_tokens(chunk, targets)
         load = {r: self.buffered(r) for r in targets}
         shares = dict.fromkeys(targets, 0)
         g = chunk.group_size
@@ -103,6 +112,79 @@ class RankBuffers:
                 head, chunk = chunk.split(n)
                 self.queues[rank].append(head)
         return chunk
+
+    def _deals_tokens(self, chunk: ExperienceChunk, targets: list[int]) -> bool:
+        """Deal by tokens: asked for, several ranks, every rank a target (round_robin routing; the
+        modulo rule ties a maker to its ranks), and the chunk's lengths known."""
+        return (self.balance == "tokens" and len(self.queues) > 1 and self.step_items > 0
+                and len(set(targets)) == len(self.queues) and chunk.lengths is not None)
+
+    def _deal_tokens(self, chunk: ExperienceChunk, targets: list[int]) -> ExperienceChunk:
+        """Each group in turn goes to a rank with free space: one whose buffer holds the fewest
+        whole steps (``step_items`` items each, so the ranks fill their steps together), of those
+        the one with the fewest tokens in the step it is filling (ties round-robin). When a group
+        completes the step on every rank, and no rank's pull has taken any of it yet, that step's
+        groups are dealt again, longest first, each to the rank with the fewest tokens that still
+        needs a group (``_redeal``). A rank pulls its buffer in order, a step at a time, so the
+        steps it trains are the ones dealt here. Returns the groups that did not fit, as ``route``."""
+        g, n, placed = chunk.group_size, self.step_items, []
+        load = {r: self.buffered(r) for r in targets}
+        filling = {r: self._last_tokens(r, load[r] % n) for r in targets}  # tokens of the step being filled
+        for tokens in chunk.group_tokens():
+            open_ranks = [r for r in targets if load[r] < self.buffer_size]
+            if not open_ranks:
+                break
+            self._rr += 1
+            order = open_ranks[self._rr % len(open_ranks):] + open_ranks[:self._rr % len(open_ranks)]
+            rank = min(order, key=lambda r: (load[r] // n, filling[r]))
+            load[rank] += g
+            filling[rank] = 0 if load[rank] % n == 0 else filling[rank] + tokens
+            placed.append(rank)
+        start = chunk.start
+        for rank, run in itertools.groupby(placed):  # consecutive groups of one rank: one slice
+            stop = start + g * len(list(run))
+            self.queues[rank].append(dataclasses.replace(chunk, start=start, stop=stop))
+            start = stop
+        if placed and all(load[r] % n == 0 and load[r] >= n for r in targets):
+            self._redeal(targets)
+        return dataclasses.replace(chunk, start=start)
+
+    def _redeal(self, targets: list[int]) -> None:
+        """The last ``step_items`` items of every rank's buffer (the step just completed, which no
+        pull has touched) dealt again: groups longest first, each to the rank with the fewest tokens
+        of those still short of the step's groups; each group a slice of its own."""
+        n, groups = self.step_items, []
+        for r in targets:
+            k = n
+            while k:
+                chunk = self.queues[r].pop()
+                if chunk.count > k:
+                    keep, chunk = chunk.split(chunk.count - k)
+                    self.queues[r].append(keep)
+                k -= chunk.count
+                g = chunk.group_size
+                tokens_of = chunk.group_tokens() or [0] * (chunk.count // g)  # unknown lengths count 0
+                groups += [(tokens, dataclasses.replace(chunk, start=chunk.start + i * g, stop=chunk.start + (i + 1) * g))
+                           for i, tokens in enumerate(tokens_of)]
+        per_rank = len(groups) // len(targets)
+        total, count = dict.fromkeys(targets, 0), dict.fromkeys(targets, 0)
+        for tokens, group in sorted(groups, key=lambda tg: -tg[0]):
+            rank = min((r for r in targets if count[r] < per_rank), key=total.__getitem__)
+            self.queues[rank].append(group)
+            total[rank] += tokens
+            count[rank] += 1
+
+    def _last_tokens(self, rank: int, k: int) -> int:
+        """The tokens of the last ``k`` items of ``rank``'s buffer (items of unknown length count 0)."""
+        total = 0
+        for chunk in reversed(self.queues[rank]):
+            if k <= 0:
+                break
+            take = min(k, chunk.count)
+            if chunk.lengths is not None:
+                total += int(chunk.lengths[chunk.stop - take:chunk.stop].sum())
+            k -= take
+        return total
 
     def _pick(self, targets: list[int], load: dict[int, int]) -> int:
         """The target rank with the least ``load`` (the most free space); ties go round-robin."""
@@ -404,9 +486,9 @@ class CoordinatorState:
     def __init__(self, num_ranks: int, num_makers: int, buffer_size: int, max_staleness: int,
                  items_per_version: int, routing: str = "round_robin", prompt_batch_size: int = 16,
                  samples_per_prompt: int = 1, initial_version: int = 0, ledger: PromptLedger | None = None,
-                 feed: PromptFeed | None = None):
+                 feed: PromptFeed | None = None, step_items: int = 0, balance: str = "count"):
         self.num_ranks, self.num_makers, self.routing = num_ranks, num_makers, routing
-        self.buffers = RankBuffers(num_ranks, buffer_size)
+        self.buffers = RankBuffers(num_ranks, buffer_size, step_items, balance)
         self.admission = Admission(num_makers, max_staleness, items_per_version, prompt_batch_size,
                                    samples_per_prompt, initial_version)
         self.book = MakerBook(num_makers)
@@ -431,7 +513,7 @@ class CoordinatorState:
         return cls(cfg.trainer.num_workers, cfg.maker.num_makers, cfg.buffer_size, cfg.ppo.max_staleness,
                    cfg.items_per_version, routing=cfg.topology.routing, prompt_batch_size=cfg.maker.batch_size,
                    samples_per_prompt=cfg.maker.samples_per_prompt, initial_version=initial_version,
-                   ledger=ledger, feed=feed)
+                   ledger=ledger, feed=feed, step_items=cfg.trainer.train_batch_size, balance=cfg.topology.balance)
 
     def on_register(self, maker_ids: list[int]) -> None:
         self.maker_ids = sorted(maker_ids)

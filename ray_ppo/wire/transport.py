@@ -45,6 +45,9 @@ class ExperienceChunk:
     readable without fetching the payload; None for items made outside a prompt stream."""
     group_size: int = 1
     """Items per group; a chunk is only ever cut at a group boundary, so a group never splits."""
+    lengths: Any = None
+    """(N,) int64 NumPy array: the tokens of each item of the payload (prompt and response), readable
+    without fetching the payload (the coordinator deals groups to ranks by them); None if unknown."""
 
     @property
     def count(self) -> int:
@@ -53,6 +56,13 @@ class ExperienceChunk:
     def item_prompt_ids(self) -> list[int]:
         """The prompt ids of items ``start:stop`` (empty if the payload carries none)."""
         return [] if self.prompt_ids is None else self.prompt_ids[self.start:self.stop].tolist()
+
+    def group_tokens(self) -> list[int] | None:
+        """The tokens of each whole group of items ``start:stop``, in order; None if ``lengths`` is."""
+        if self.lengths is None:
+            return None
+        g = self.group_size
+        return [int(self.lengths[i:i + g].sum()) for i in range(self.start, self.stop, g)]
 
     def split(self, n: int) -> tuple[ExperienceChunk, ExperienceChunk]:
         """The first ``n`` items and the rest, as two chunks of the same payload. ``n`` must be a
@@ -74,14 +84,15 @@ class ExperienceChunk:
 
     @classmethod
     def inline(cls, items: Sequence[ExperienceItem]) -> ExperienceChunk:
-        return cls(PackedItems.pack(items), _version(items), 0, len(items), _prompt_ids(items))
+        return cls(PackedItems.pack(items), _version(items), 0, len(items), _prompt_ids(items), lengths=_lengths(items))
 
     @classmethod
     def stored(cls, items: Sequence[ExperienceItem], put: Callable[[Any], Any] | None) -> ExperienceChunk:
         """``items`` packed and stored with ``put`` (value -> ref); the chunk carries the ref."""
         if put is None:
             raise ValueError("transport 'ref' needs put=, the object store's put (ray_ppo.cluster.handles.put_object)")
-        return cls([put(PackedItems.pack(items))], _version(items), 0, len(items), _prompt_ids(items))
+        return cls([put(PackedItems.pack(items))], _version(items), 0, len(items), _prompt_ids(items),
+                   lengths=_lengths(items))
 
 
 def _version(items: Sequence[ExperienceItem]) -> int:
@@ -95,6 +106,12 @@ def _prompt_ids(items: Sequence[ExperienceItem]):
     import numpy as np
 
     return np.array([it.prompt_id for it in items], dtype=np.int64)
+
+
+def _lengths(items: Sequence[ExperienceItem]):
+    import numpy as np
+
+    return np.array([it.prompt_ids.numel() + it.response_ids.numel() for it in items], dtype=np.int64)
 
 
 class Fetched(NamedTuple):

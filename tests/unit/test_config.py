@@ -101,7 +101,7 @@ def test_tree_names_and_defaults_are_the_public_contract():
         "algo": {"advantage": "gae", "group_norm_std": True, "overlong_buffer": 0, "overlong_penalty": 1.0,
                  "overlong_filter": False, "dynamic_sampling": False, "dynamic_sampling_max_draws": 3},
         "sync": {"bucket_mb": 256.0, "lora_only": False, "zero_copy": True},
-        "topology": {"routing": "round_robin", "buffer_size": 0, "transport": "inline"},
+        "topology": {"routing": "round_robin", "buffer_size": 0, "transport": "inline", "balance": "tokens"},
         "logging": {"output_dir": None, "progress": True, "tensorboard": True, "report_every": 10,
                     "wandb": False, "mlflow": False, "project": "ray_ppo", "samples_every": 10},
         "eval": {"path": None, "every": 10, "num_prompts": 100, "greedy": True, "samples_per_prompt": 1,

@@ -16,7 +16,7 @@ from ray_ppo.coordinator.ledger import PromptLedger
 from ray_ppo.coordinator.state import Admission, CoordinatorState, MakerBook, PushRelay, RankBuffers
 from ray_ppo.makers.testing import coordinator_config
 from ray_ppo.wire.messages import LastPush, MakerStats, MakerStatus, PushHeader
-from ray_ppo.wire.transport import ExperienceChunk
+from ray_ppo.wire.transport import ExperienceChunk, resolve
 from tests.unit.test_coordinator import item, items
 
 
@@ -79,9 +79,10 @@ def test_drop_stale_counts_and_names_the_dropped_prompts():
     assert b.drop_stale(0, oldest_allowed=2) == []
 
 
-def test_the_counter_identity_holds_through_any_sequence():
+@pytest.mark.parametrize("balance", ["count", "tokens"])
+def test_the_counter_identity_holds_through_any_sequence(balance):
     rng = random.Random(0)
-    b = RankBuffers(num_ranks=2, buffer_size=8)
+    b = RankBuffers(num_ranks=2, buffer_size=8, step_items=4, balance=balance)
     waiting: list[ExperienceChunk] = []
     for step in range(300):
         action = rng.choice(["send", "route", "pull", "lost", "stale"])
@@ -102,6 +103,114 @@ def test_the_counter_identity_holds_through_any_sequence():
             b.drop_stale(rng.randint(0, 1), oldest_allowed=step // 20 - 1)
         assert identity_holds(b), (step, action)
         assert b.in_flight == b.buffered(0) + b.buffered(1) + sum(c.count for c in waiting)
+
+
+def groups_chunk(tokens: list[int], group_size: int = 2, prefix: str = "g") -> ExperienceChunk:
+    """A chunk of ``len(tokens)`` groups of ``group_size`` items; group k's items hold ``tokens[k]``
+    tokens between them (a 2-token prompt and the rest as responses)."""
+    import torch
+
+    from ray_ppo.algo import ExperienceItem
+
+    out = []
+    for k, total in enumerate(tokens):
+        each = total // group_size
+        for i in range(group_size):
+            out.append(ExperienceItem.filled(torch.tensor([3, 4]), torch.ones(each - 2, dtype=torch.long), reward=0.0,
+                                             policy_version=0, uid=f"{prefix}{k}-{i}"))
+    return ExperienceChunk.of(out, "inline", group_size=group_size)
+
+
+def step_tokens(b: RankBuffers, rank: int, n: int) -> tuple[int, list[str]]:
+    """Pull ``n`` items of ``rank`` (a step): their tokens and uids."""
+    out: list[ExperienceChunk] = []
+    assert b.take(rank, n, out) == n
+    b.commit(n)
+    got = resolve(out).items
+    return sum(it.prompt_ids.numel() + it.response_ids.numel() for it in got), [it.uid for it in got]
+
+
+def test_chunks_carry_each_item_s_tokens_and_sum_them_per_group():
+    chunk = groups_chunk([10, 40, 6], group_size=2)
+    assert chunk.lengths.tolist() == [5, 5, 20, 20, 3, 3] and chunk.group_tokens() == [10, 40, 6]
+    head, rest = chunk.split(2)
+    assert (head.group_tokens(), rest.group_tokens()) == ([10], [40, 6])
+    assert ExperienceChunk([object()], 0, 0, 2).group_tokens() is None  # lengths unknown
+
+
+def test_dealing_by_tokens_gives_each_rank_s_step_as_many_items_and_about_as_many_tokens():
+    """Two ranks, steps of 8 items (4 groups of 2): the long groups arrive first, one chunk at a
+    time as streaming makers send them. Dealt by free space, rank 0's step takes 3 of the 4 long
+    groups; dealt by tokens, each step holds 2 long and 2 short, and no item is lost or repeated."""
+    arrivals = [[100], [100], [100], [10], [100], [10], [10], [10]]
+    spread = {}
+    for balance in ("count", "tokens"):
+        b = RankBuffers(num_ranks=2, buffer_size=16, step_items=8, balance=balance)
+        for k, tokens in enumerate(arrivals):
+            chunk = groups_chunk(tokens, prefix=f"c{k}.")
+            b.accept(chunk.count)
+            assert b.route(chunk, [0, 1]).count == 0
+        assert b.buffered(0) == b.buffered(1) == 8
+        (t0, u0), (t1, u1) = step_tokens(b, 0, 8), step_tokens(b, 1, 8)
+        assert sorted(u0 + u1) == sorted(f"c{k}.0-{i}" for k in range(8) for i in range(2))
+        spread[balance] = abs(t0 - t1)
+        assert identity_holds(b)
+    assert spread == {"count": 180, "tokens": 0}
+
+
+@pytest.mark.parametrize("pulled_early", [False, True])
+def test_a_completed_step_is_dealt_again_longest_first_unless_a_pull_took_part_of_it(pulled_early):
+    """Groups of 10, 20, 30 and 100 tokens, one at a time, to two ranks of two groups a step. As
+    they come, 10 and 30 go to one rank and 20 and 100 to the other (40 against 120). Dealt again
+    longest first: 100 and 10 against 30 and 20 (110 against 50), the best split of two groups
+    each. If a rank's pull took its first group before the step was complete, that step stays."""
+    b = RankBuffers(num_ranks=2, buffer_size=8, step_items=4, balance="tokens")
+    taken: list[ExperienceChunk] = []
+    for k, tokens in enumerate([10, 20, 30, 100]):
+        chunk = groups_chunk([tokens], prefix=f"c{k}.")
+        b.accept(chunk.count)
+        assert b.route(chunk, [0, 1]).count == 0
+        if pulled_early and k == 0:
+            rank = next(r for r in (0, 1) if b.buffered(r))
+            b.take(rank, 4, taken)  # a waiting pull takes the group at once
+    if pulled_early:
+        assert b.take(rank, 2, taken) == 2
+        b.commit(4)
+        held = sum(it.prompt_ids.numel() + it.response_ids.numel() for it in resolve(taken).items)
+        other = step_tokens(b, 1 - rank, 4)[0]
+        assert sorted([held, other]) == [40, 120]
+    else:
+        assert sorted([step_tokens(b, 0, 4)[0], step_tokens(b, 1, 4)[0]]) == [50, 110]
+    assert identity_holds(b)
+
+
+def test_dealing_by_tokens_fills_the_emptier_rank_s_steps_first_and_respects_free_space():
+    b = RankBuffers(num_ranks=2, buffer_size=8, step_items=4, balance="tokens")
+    first = groups_chunk([50, 50, 50, 50])
+    b.accept(8)
+    b.route(first, [0, 1])
+    assert (b.buffered(0), b.buffered(1)) == (4, 4)
+    step_tokens(b, 0, 4)  # rank 0 trained its step
+    more = groups_chunk([10, 10, 10, 10, 10, 10], prefix="m")
+    b.accept(12)
+    rest = b.route(more, [0, 1])
+    assert (b.buffered(0), b.buffered(1), rest.count) == (8, 8, 0)  # rank 0's two steps filled first
+    again = groups_chunk([10, 10], prefix="x")
+    b.accept(4)
+    assert b.route(again, [0, 1]).count == 4 and identity_holds(b)  # no space: nothing placed
+
+
+@pytest.mark.parametrize("targets, with_lengths", [([0], True), ([0, 1], False)])
+def test_dealing_falls_back_to_free_space_where_tokens_cannot_decide(targets, with_lengths):
+    """The modulo rule (a maker's ranks, not all) and chunks of unknown lengths: by free space."""
+    b = RankBuffers(num_ranks=2, buffer_size=16, step_items=4, balance="tokens")
+    chunk = groups_chunk([10, 90, 10, 90])
+    if not with_lengths:
+        chunk = dataclasses.replace(chunk, lengths=None)
+    b.accept(chunk.count)
+    b.route(chunk, targets)
+    assert [b.buffered(r) for r in (0, 1)] == ([8, 0] if targets == [0] else [4, 4])
+    assert [c.count for c in b.queues[0]] == [8 if targets == [0] else 4]  # one slice, in order
 
 
 # -- Admission ----------------------------------------------------------------------------------
