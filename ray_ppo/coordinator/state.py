@@ -68,6 +68,8 @@ class RankBuffers:
         self.produced = self.pulled = self.discarded = self.lost_in_transit = 0
         self._rr = 0
         self.step_items, self.balance = step_items, balance
+        self.taken = [0] * num_ranks  # items each rank's pulls took (net of put-backs): where its buffer starts
+        self.taken_tokens = [0] * num_ranks  # of those, the tokens of the step a pull is taking now
 
     @property
     def consumed(self) -> int:
@@ -120,34 +122,42 @@ class RankBuffers:
                 and len(set(targets)) == len(self.queues) and chunk.lengths is not None)
 
     def _deal_tokens(self, chunk: ExperienceChunk, targets: list[int]) -> ExperienceChunk:
-        """Each group in turn goes to a rank with free space: one whose buffer holds the fewest
-        whole steps (``step_items`` items each, so the ranks fill their steps together), of those
-        the one with the fewest tokens in the step it is filling (ties round-robin). When a group
-        completes the step on every rank, and no rank's pull has taken any of it yet, that step's
-        groups are dealt again, longest first, each to the rank with the fewest tokens that still
-        needs a group (``_redeal``). A rank pulls its buffer in order, a step at a time, so the
-        steps it trains are the ones dealt here. Returns the groups that did not fit, as ``route``."""
+        """Each group in turn goes to a rank with free space: one that has been dealt the fewest
+        whole steps (``step_items`` items each, counting what its pulls took, so the ranks fill
+        the same step together), of those the one with the fewest tokens in that step so far
+        (ties round-robin). When a group completes the same step on every rank, and no pull has
+        taken any of it yet, that step's groups are dealt again, longest first (``_redeal``). A
+        rank pulls its buffer in order, a step at a time, so the steps it trains are the ones
+        dealt here. Returns the groups that did not fit, as ``route``."""
         g, n, placed = chunk.group_size, self.step_items, []
         load = {r: self.buffered(r) for r in targets}
-        filling = {r: self._last_tokens(r, load[r] % n) for r in targets}  # tokens of the step being filled
+        dealt = {r: self.taken[r] + load[r] for r in targets}
+        filling = {r: self._filling_tokens(r, dealt[r] % n, load[r]) for r in targets}
         for tokens in chunk.group_tokens():
             open_ranks = [r for r in targets if load[r] < self.buffer_size]
             if not open_ranks:
                 break
             self._rr += 1
             order = open_ranks[self._rr % len(open_ranks):] + open_ranks[:self._rr % len(open_ranks)]
-            rank = min(order, key=lambda r: (load[r] // n, filling[r]))
+            rank = min(order, key=lambda r: (dealt[r] // n, filling[r]))
             load[rank] += g
-            filling[rank] = 0 if load[rank] % n == 0 else filling[rank] + tokens
+            dealt[rank] += g
+            filling[rank] = 0 if dealt[rank] % n == 0 else filling[rank] + tokens
             placed.append(rank)
         start = chunk.start
         for rank, run in itertools.groupby(placed):  # consecutive groups of one rank: one slice
             stop = start + g * len(list(run))
             self.queues[rank].append(dataclasses.replace(chunk, start=start, stop=stop))
             start = stop
-        if placed and all(load[r] % n == 0 and load[r] >= n for r in targets):
+        steps = {dealt[r] // n for r in targets}
+        if placed and len(steps) == 1 and all(dealt[r] % n == 0 and load[r] >= n for r in targets):
             self._redeal(targets)
         return dataclasses.replace(chunk, start=start)
+
+    def _filling_tokens(self, rank: int, partial: int, buffered: int) -> int:
+        """The tokens of the ``partial`` items of ``rank``'s step being filled: the last of its
+        buffer, and before them those its pull already took."""
+        return self._last_tokens(rank, min(partial, buffered)) + (self.taken_tokens[rank] if partial > buffered else 0)
 
     def _redeal(self, targets: list[int]) -> None:
         """The last ``step_items`` items of every rank's buffer (the step just completed, which no
@@ -204,11 +214,22 @@ class RankBuffers:
                 buffer.appendleft(rest)
             out.append(chunk)
             taken += chunk.count
+            self._took(rank, chunk, 1)
         return taken
 
     def put_back(self, rank: int, taken: list[ExperienceChunk]) -> None:
         """Return chunks ``take`` moved out (a pull that gave up) to the head of the buffer, in order."""
         self.queues[rank].extendleft(reversed(taken))
+        for chunk in taken:
+            self._took(rank, chunk, -1)
+
+    def _took(self, rank: int, chunk: ExperienceChunk, sign: int) -> None:
+        """Count ``chunk`` as taken from (1) or put back to (-1) ``rank``'s buffer, for the deal by tokens."""
+        self.taken[rank] += sign * chunk.count
+        if self.step_items and self.taken[rank] % self.step_items == 0:
+            self.taken_tokens[rank] = 0  # a step's pull is complete, or none has begun
+        else:
+            self.taken_tokens[rank] += sign * sum(chunk.group_tokens() or [0])
 
     def commit(self, n: int) -> None:
         """A rank leaves with ``n`` taken items."""

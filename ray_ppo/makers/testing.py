@@ -374,7 +374,8 @@ async def faulty_agent(prompt, endpoint):
 
 def coordinator_config(num_ranks: int = 1, num_makers: int = 1, buffer_size: int = 16, max_staleness: int = 1,
                        items_per_version: int = 8, routing: str = "round_robin", prompt_batch_size: int = 16,
-                       samples_per_prompt: int = 1, shuffle: bool = True, seed: int = 0) -> Config:
+                       samples_per_prompt: int = 1, shuffle: bool = True, seed: int = 0,
+                       balance: str = "tokens") -> Config:
     """A config whose coordinator (``CoordinatorState.of_config``) has these quantities:
     ``trainer.num_workers`` ranks training ``items_per_version`` items per version between them
     (``trainer.update_steps`` 1), ``maker.num_makers`` makers of ``maker.batch_size`` prompts, and
@@ -388,7 +389,7 @@ def coordinator_config(num_ranks: int = 1, num_makers: int = 1, buffer_size: int
         "trainer": {"num_workers": num_ranks, "update_steps": 1, "train_batch_size": batch, "mini_batch_size": batch},
         "maker": {"num_makers": num_makers, "batch_size": prompt_batch_size, "samples_per_prompt": samples_per_prompt},
         "ppo": {"max_staleness": max_staleness},
-        "topology": {"routing": routing, "buffer_size": buffer_size},
+        "topology": {"routing": routing, "buffer_size": buffer_size, "balance": balance},
         "data": {"shuffle": shuffle},
     }
     return cfg.model_copy(update={"seed": seed, **{name: getattr(cfg, name).model_copy(update=fields)

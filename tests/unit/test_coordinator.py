@@ -298,9 +298,9 @@ def test_finish_releases_a_blocked_send():
 # -- routing ------------------------------------------------------------------------------------
 
 
-def test_round_robin_balances_items_between_ranks():
+def test_round_robin_by_free_space_fills_the_emptier_rank_first():
     async def main():
-        coord = coordinator(num_ranks=2, buffer_size=8)
+        coord = coordinator(num_ranks=2, buffer_size=8, balance="count")
         await coord.send(0, items(6), NO_STATS)
         assert coord.status().buffered == (3, 3,)
         await coord.pull(PullRequest(rank=0, n=3, trainer_version=0, timeout_s=1.0))

@@ -184,6 +184,27 @@ def test_a_completed_step_is_dealt_again_longest_first_unless_a_pull_took_part_o
     assert identity_holds(b)
 
 
+def test_a_group_a_pull_took_still_counts_in_its_rank_s_step():
+    """Makers set the pace: a rank's waiting pull takes each group as it comes. The next group
+    goes to the other rank, whose step has fewer tokens, though both buffers are empty; a pull
+    that gives its group back leaves the counts as they were."""
+    b = RankBuffers(num_ranks=2, buffer_size=8, step_items=4, balance="tokens")
+    long = groups_chunk([100], prefix="long")
+    b.accept(2)
+    b.route(long, [0, 1])
+    x = next(r for r in (0, 1) if b.buffered(r))
+    out: list[ExperienceChunk] = []
+    assert b.take(x, 4, out) == 2 and (b.taken[x], b.taken_tokens[x]) == (2, 100)
+    for k in range(3):  # whichever way round-robin would break a tie, the short groups go to the other rank
+        short = groups_chunk([10], prefix=f"short{k}.")
+        b.accept(2)
+        b.route(short, [0, 1])
+        if k == 0:
+            assert (b.buffered(x), b.buffered(1 - x)) == (0, 2)
+    b.put_back(x, out)
+    assert (b.taken[x], b.taken_tokens[x], b.buffered(x)) == (0, 0, 4) and identity_holds(b)
+
+
 def test_dealing_by_tokens_fills_the_emptier_rank_s_steps_first_and_respects_free_space():
     b = RankBuffers(num_ranks=2, buffer_size=8, step_items=4, balance="tokens")
     first = groups_chunk([50, 50, 50, 50])
