@@ -137,9 +137,7 @@ class RankBuffers:
             open_ranks = [r for r in targets if load[r] < self.buffer_size]
             if not open_ranks:
                 break
-            self._rr += 1
-            order = open_ranks[self._rr % len(open_ranks):] + open_ranks[:self._rr % len(open_ranks)]
-            rank = min(order, key=lambda r: (dealt[r] // n, filling[r]))
+            rank = min(self._rotated(open_ranks), key=lambda r: (dealt[r] // n, filling[r]))
             load[rank] += g
             dealt[rank] += g
             filling[rank] = 0 if dealt[rank] % n == 0 else filling[rank] + tokens
@@ -198,9 +196,12 @@ class RankBuffers:
 
     def _pick(self, targets: list[int], load: dict[int, int]) -> int:
         """The target rank with the least ``load`` (the most free space); ties go round-robin."""
+        return min(self._rotated(targets), key=load.__getitem__)
+
+    def _rotated(self, ranks: list[int]) -> list[int]:
+        """``ranks`` rotated one further at each call, so that ``min`` breaks ties round-robin."""
         self._rr += 1
-        order = targets[self._rr % len(targets):] + targets[:self._rr % len(targets)]
-        return min(order, key=load.__getitem__)
+        return ranks[self._rr % len(ranks):] + ranks[:self._rr % len(ranks)]
 
     def take(self, rank: int, n: int, out: list[ExperienceChunk]) -> int:
         """Move up to ``n`` items from the head of ``rank``'s buffer to ``out`` (splitting a chunk if
