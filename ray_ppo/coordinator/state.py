@@ -189,8 +189,7 @@ class RankBuffers:
             if k <= 0:
                 break
             take = min(k, chunk.count)
-            if chunk.lengths is not None:
-                total += int(chunk.lengths[chunk.stop - take:chunk.stop].sum())
+            total += chunk.tokens(chunk.stop - take, chunk.stop)
             k -= take
         return total
 
@@ -230,7 +229,7 @@ class RankBuffers:
         if self.step_items and self.taken[rank] % self.step_items == 0:
             self.taken_tokens[rank] = 0  # a step's pull is complete, or none has begun
         else:
-            self.taken_tokens[rank] += sign * sum(chunk.group_tokens() or [0])
+            self.taken_tokens[rank] += sign * chunk.tokens()
 
     def commit(self, n: int) -> None:
         """A rank leaves with ``n`` taken items."""

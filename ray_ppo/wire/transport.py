@@ -57,6 +57,13 @@ class ExperienceChunk:
         """The prompt ids of items ``start:stop`` (empty if the payload carries none)."""
         return [] if self.prompt_ids is None else self.prompt_ids[self.start:self.stop].tolist()
 
+    def tokens(self, start: int | None = None, stop: int | None = None) -> int:
+        """The tokens of items ``start:stop`` of the payload (default: this chunk's ``start:stop``);
+        0 if ``lengths`` is None."""
+        if self.lengths is None:
+            return 0
+        return int(self.lengths[self.start if start is None else start:self.stop if stop is None else stop].sum())
+
     def group_tokens(self) -> list[int] | None:
         """The tokens of each whole group of items ``start:stop``, in order; None if ``lengths`` is."""
         if self.lengths is None:

@@ -135,7 +135,9 @@ def test_chunks_carry_each_item_s_tokens_and_sum_them_per_group():
     assert chunk.lengths.tolist() == [5, 5, 20, 20, 3, 3] and chunk.group_tokens() == [10, 40, 6]
     head, rest = chunk.split(2)
     assert (head.group_tokens(), rest.group_tokens()) == ([10], [40, 6])
+    assert (head.tokens(), rest.tokens(), rest.tokens(rest.stop - 1, rest.stop)) == (10, 46, 3)
     assert ExperienceChunk([object()], 0, 0, 2).group_tokens() is None  # lengths unknown
+    assert ExperienceChunk([object()], 0, 0, 2).tokens() == 0
 
 
 def test_dealing_by_tokens_gives_each_rank_s_step_as_many_items_and_about_as_many_tokens():
