@@ -73,9 +73,11 @@ def commit() -> str:
         return "unknown"
 
 
-def publish(name: str, headers: list[str], rows: list[list], args: object = None, title: str = "") -> Path:
+def publish(name: str, headers: list[str], rows: list[list], args: object = None, title: str = "",
+            extra: dict | None = None) -> Path:
     """Print the table (after ``title``, if given) and write it with its provenance to
-    ``results_dir()/NAME.json``, atomically; returns the file."""
+    ``results_dir()/NAME.json``, atomically; returns the file. ``extra``: more keys for the file
+    (what the table was computed from, where a script can read it back: ``real_model.py``'s curves)."""
     if title:
         print(f"\n{title}\n", flush=True)
     print(table(headers, rows), flush=True)
@@ -84,7 +86,7 @@ def publish(name: str, headers: list[str], rows: list[list], args: object = None
         "command": " ".join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
         "args": dict(vars(args)) if args is not None else {},
         "quick": quick(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": commit(), "machine": machine(), "headers": headers, "rows": rows,
+        "commit": commit(), "machine": machine(), "headers": headers, "rows": rows, **(extra or {}),
     }
     out = results_dir() / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@
     python benchmarks/real_model.py --seeds 0 1 2 --variants ours trl  # and TRL's GRPOTrainer, seed after seed
     python benchmarks/real_model.py --runs DIR [DIR ...]    # the table of finished runs (either side)
     python benchmarks/real_model.py --runs DIR [DIR ...] --plot curves.png  # and their accuracy curves
+    python benchmarks/real_model.py --runs benchmarks/results/real_model_TAG.json DIR  # a published table's runs, and more
     python benchmarks/real_model.py --seeds 0 1 2 --config configs/smollm2_ppo.yaml --tag ppo  # the critic's curve
     python benchmarks/real_model.py --seeds 0 1 2 --tag dynamic algo.dynamic_sampling=true  # an option's runs
     python benchmarks/real_model.py --runs runs/real_model_packing/seed_* runs/real_model_dynamic/seed_* --reach 0.75
@@ -40,11 +41,17 @@ With ``--reach A`` the table gets each run's time to accuracy A (its first evalu
 A), and a line per group of runs (the runs of one directory, e.g. ``real_model_dynamic``, one side)
 gives the median over its seeds and its ratio to the first group's: how two settings compare in
 time to an accuracy.
+
+The results file stores, beside the table, every run's evaluations, samples/s and idle shares
+(``runs``, each with its directory), so ``--runs`` takes a results file as it takes a run directory:
+a table, a ``--reach`` or a plot can be redrawn, or runs added to, after ``runs/`` is gone (it is
+not committed, and a new machine starts without it).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -171,6 +178,28 @@ def read_run(run: Path) -> Run:
     return read_trl(run) if (run / "trl.json").is_file() else read_ours(run)
 
 
+def stored(runs: list[tuple[Path, Run]]) -> list[dict]:
+    """The runs as the results file keeps them (``read_runs`` reads them back): each one's fields and
+    its directory, relative to the repository where it lies inside it."""
+    def where(path: Path) -> str:
+        return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+    return [{"dir": where(path), **dataclasses.asdict(run)} for path, run in runs]
+
+
+def read_runs(path: Path) -> list[tuple[Path, Run]]:
+    """A run directory, or a results file's stored runs (``stored``), each with its directory (absolute)."""
+    if path.is_dir():
+        return [(path.resolve(), read_run(path))]
+    if path.suffix != ".json" or not path.is_file():
+        raise SystemExit(f"--runs {path}: neither a run directory nor a results file (benchmarks/results/*.json)")
+    record = json.loads(path.read_text())
+    if "runs" not in record:
+        raise SystemExit(f"--runs {path}: the file holds the table only (published before the runs were stored "
+                         f"beside it); pass the run directories themselves, or rerun them")
+    return [(ROOT / r["dir"], Run(r["side"], r["seed"], [tuple(p) for p in r["points"]], r["samples_per_s"],
+                                 None if r["idle"] is None else tuple(r["idle"]))) for r in record["runs"]]
+
+
 def at(points: list[Point], seconds: float) -> float:
     """The accuracy of the last evaluation at or before ``seconds``."""
     return [acc for t, _, acc in points if t <= seconds][-1]
@@ -268,7 +297,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--seeds", type=int, nargs="+")
-    group.add_argument("--runs", type=Path, nargs="+", help="finished run directories of either side")
+    group.add_argument("--runs", type=Path, nargs="+",
+                       help="finished run directories of either side, or results files that stored their runs")
     parser.add_argument("--variants", nargs="+", choices=("ours", "trl"), default=["ours"],
                         help="the sides --seeds trains, one seed after another")
     parser.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
@@ -287,25 +317,25 @@ def main() -> None:
         raise SystemExit(f"{args.trl_python} not found: `make .venv-trl/.installed` builds it (trl==1.12.0)")
     name = f"real_model_{args.tag}" if args.tag else "real_model"
     output = args.output or RUNS.parent / name
-    runs = list(args.runs or [])
+    pairs = [pair for path in args.runs or [] for pair in read_runs(path)]
     for seed in args.seeds or []:
         if "ours" in args.variants:
-            runs.append(output / f"seed_{seed}")
-            train_ours(seed, runs[-1], overrides, args.config)
+            train_ours(seed, output / f"seed_{seed}", overrides, args.config)
+            pairs += read_runs(output / f"seed_{seed}")
         if "trl" in args.variants:
-            runs.append(output / f"trl_seed_{seed}")
-            train_trl(seed, runs[-1], overrides, args.trl_python, args.config)
-    read = [read_run(run) for run in runs]
+            train_trl(seed, output / f"trl_seed_{seed}", overrides, args.trl_python, args.config)
+            pairs += read_runs(output / f"trl_seed_{seed}")
+    dirs, read = [where for where, _ in pairs], [run for _, run in pairs]
     headers = HEADERS + ([] if args.reach is None else [f"reach {args.reach:g}"])
-    publish(name, headers, rows(read, args.reach), args=args)
+    publish(name, headers, rows(read, args.reach), args=args, extra={"runs": stored(pairs)})
     print("\n".join(["", *summary(read)]))
     if args.reach is not None:
         groups: dict[str, list[Run]] = {}
-        for run, where in zip(read, runs, strict=True):
-            groups.setdefault(f"{where.resolve().parent.name} ({run.side})", []).append(run)
+        for where, run in pairs:
+            groups.setdefault(f"{where.parent.name} ({run.side})", []).append(run)
         print("\n".join(reach_lines(groups, args.reach)))
     if args.plot:
-        plot(read, runs, args.plot, f"{args.config.stem}: held-out accuracy")
+        plot(read, dirs, args.plot, f"{args.config.stem}: held-out accuracy")
 
 
 if __name__ == "__main__":

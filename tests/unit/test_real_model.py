@@ -79,25 +79,63 @@ def test_idle_split_sets_step_1_and_the_steps_after_an_evaluation_apart():
     assert (first, after, other) == (0.9, (0.3 + 0.4) / 2, (0.1 + 0.0 + 0.5 + 0.2) / 4)
 
 
-def test_read_run_tells_the_sides_apart(tmp_path):
-    ours = tmp_path / "seed_1"
-    ours.mkdir()
+def _run_dirs(root: Path) -> tuple[Path, Path]:
+    """An ours run directory (seed 1, an evaluation at step 2 that failed) and a TRL one, as each side writes them."""
+    ours, trl = root / "seed_1", root / "trl_seed_1"
+    ours.mkdir(parents=True)
     (ours / "config.yaml").write_text(yaml.safe_dump({"seed": 1, "trainer": {"train_batch_size": 32}}))
     (ours / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "elapsed_s": 40.0 * s,
                                                            "trainer_idle_ratio": 0.1 * s}) + "\n"
                                                 for s in (1, 2, 3)))
     (ours / "eval.jsonl").write_text("".join(json.dumps({"step": s, "accuracy": a, "error": e}) + "\n" for s, a, e in
                                              ((0, 0.5, None), (2, 0.0, "maker lost"), (3, 0.6, None))))
-    run = real_model.read_run(ours)
-    assert (run.side, run.seed, run.points, run.samples_per_s) == ("ours", 1, [(0.0, 0, 0.5), (120.0, 3, 0.6)],
-                                                                   3 * 32 / 120.0)
-    assert run.idle == pytest.approx((0.1, 0.3, 0.2))  # evaluations at steps 0, 2 (which failed) and 3
-    trl = tmp_path / "trl_seed_1"
     trl.mkdir()
     (trl / "trl.json").write_text(json.dumps({"seed": 1, "samples_per_s": 0.7}))
     (trl / "eval.jsonl").write_text("".join(json.dumps({"step": s, "elapsed_s": t, "accuracy": a}) + "\n"
                                             for s, t, a in ((0, 0.0, 0.5), (10, 300.0, 0.55))))
+    return ours, trl
+
+
+def test_read_run_tells_the_sides_apart(tmp_path):
+    ours, trl = _run_dirs(tmp_path)
+    run = real_model.read_run(ours)
+    assert (run.side, run.seed, run.points, run.samples_per_s) == ("ours", 1, [(0.0, 0, 0.5), (120.0, 3, 0.6)],
+                                                                   3 * 32 / 120.0)
+    assert run.idle == pytest.approx((0.1, 0.3, 0.2))  # evaluations at steps 0, 2 (which failed) and 3
     assert real_model.read_run(trl) == Run("trl", 1, [(0.0, 0, 0.5), (300.0, 10, 0.55)], 0.7)
+
+
+def test_a_results_file_gives_back_its_runs_after_their_directories_are_gone(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    results = tmp_path / "results"
+    monkeypatch.setenv("RAY_PPO_BENCH_RESULTS", str(results))
+    ours, trl = _run_dirs(tmp_path / "real_model_x")
+    monkeypatch.setattr(sys, "argv", ["real_model.py", "--runs", str(ours), str(trl), "--tag", "x", "--reach", "0.55"])
+    real_model.main()
+    first = json.loads((results / "real_model_x.json").read_text())
+    ours, trl = ours.resolve(), trl.resolve()
+    assert [(r["dir"], r["side"], r["points"]) for r in first["runs"]] == \
+        [(str(ours), "ours", [[0.0, 0, 0.5], [120.0, 3, 0.6]]), (str(trl), "trl", [[0.0, 0, 0.5], [300.0, 10, 0.55]])]
+    expected = [(ours, real_model.read_run(ours)), (trl, real_model.read_run(trl))]
+    shutil.rmtree(tmp_path / "real_model_x")
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["real_model.py", "--runs", str(results / "real_model_x.json"), "--tag", "y",
+                                      "--reach", "0.55"])
+    real_model.main()
+    again = json.loads((results / "real_model_y.json").read_text())
+    assert again["rows"] == first["rows"] and again["runs"] == first["runs"]
+    assert "real_model_x (ours): reaches 0.550 at median 120 s over 1 seeds" in capsys.readouterr().out
+    assert real_model.read_runs(results / "real_model_x.json") == expected
+
+
+def test_a_results_file_without_its_runs_says_so(tmp_path):
+    table_only = tmp_path / "real_model_old.json"
+    table_only.write_text(json.dumps({"headers": real_model.HEADERS, "rows": []}))
+    with pytest.raises(SystemExit, match="holds the table only"):
+        real_model.read_runs(table_only)
+    with pytest.raises(SystemExit, match="neither a run directory nor a results file"):
+        real_model.read_runs(tmp_path / "missing")
 
 
 def test_trl_settings_carry_the_grpo_config():
