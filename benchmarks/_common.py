@@ -40,10 +40,17 @@ def results_dir() -> Path:
     return RESULTS / "quick" if quick() else RESULTS
 
 
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+"""The CPU flags a figure depends on: two CPUs of one model name may differ in them (an AMD EPYC with
+avx512_bf16 trains in bfloat16 faster than in float32; one without emulates bfloat16, several times slower)."""
+
+
 def machine() -> dict:
     """The machine a figure was measured on."""
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpuinfo = _read("/proc/cpuinfo").splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+               platform.processor())
+    flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), []))
     mem_kb = next((int(line.split()[1]) for line in _read("/proc/meminfo").splitlines() if line.startswith("MemTotal")), 0)
     versions = {}
     for package in ("torch", "ray", "transformers"):
@@ -51,7 +58,8 @@ def machine() -> dict:
             versions[package] = __import__(package).__version__
         except Exception:  # not installed in this environment
             pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_kb / 2**20, 1),
+    return {"cpu": cpu, "cpu_features": [f for f in CPU_FEATURES if f in flags], "cores": os.cpu_count(),
+            "memory_gib": round(mem_kb / 2**20, 1),
             "load_average_1m": round(os.getloadavg()[0], 2), "python": platform.python_version(), **versions}
 
 
@@ -67,7 +75,9 @@ def commit() -> str:
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "ray_ppo", "benchmarks"], cwd=ROOT).returncode
+        # Not benchmarks/results: a script that publishes its table as it goes has changed its own file by then.
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "ray_ppo", "benchmarks", ":!benchmarks/results"],
+                               cwd=ROOT).returncode
         return rev + ("+changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

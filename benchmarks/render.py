@@ -36,7 +36,8 @@ ATTR = re.compile(r'(\w+)="([^"]*)"')
 def provenance(record: dict) -> str:
     """One line: the command, when and where it ran, and the file the table comes from."""
     m = record["machine"]
-    where = f"{m['cores']} cores ({m['cpu']}), load average {m['load_average_1m']:g} at the end"
+    cpu = ", ".join([m["cpu"], *m.get("cpu_features", [])])  # files written before 2026-12-07 name no features
+    where = f"{m['cores']} cores ({cpu}), load average {m['load_average_1m']:g} at the end"
     return (f"`{record['command']}`: {record['date']}, commit {record['commit']}, {where}; "
             f"`benchmarks/results/{record['benchmark']}.json`")
 

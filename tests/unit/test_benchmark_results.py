@@ -26,6 +26,11 @@ def test_publish_prints_the_table_and_writes_it_with_its_provenance(tmp_path, mo
     assert record["command"] == "python benchmarks/coordinator_scale.py --repeats 1"
     assert record["args"] == {"repeats": 1} and record["rows"] == [["inline", 7284.5]]
     assert record["machine"]["cores"] >= 1 and "torch" in record["machine"] and record["commit"]
+    assert set(record["machine"]["cpu_features"]) <= set(_common.CPU_FEATURES)
+    m = record["machine"] | {"cpu": "AMD EPYC", "cpu_features": ["avx2"], "cores": 2, "load_average_1m": 1.5}
+    assert "2 cores (AMD EPYC, avx2), load average 1.5" in render.provenance(record | {"machine": m})
+    del m["cpu_features"]  # a file written before the features were recorded
+    assert "2 cores (AMD EPYC), load average 1.5" in render.provenance(record | {"machine": m})
 
 
 def test_a_quick_run_writes_where_the_readme_never_reads(monkeypatch):
