@@ -217,7 +217,7 @@ class MakerConfig(SamplingParams):
     quantization: Optional[Quantization] = Field(None, examples=["int8"], json_schema_extra=_null("for no quantization"))
     """Weight quantization of the maker's models: null (none) or "int8" (CPU makers only: maker.num_gpus=0)."""
     dtype: Optional[Dtype] = Field(None, examples=["bfloat16"], json_schema_extra=_null("to use model.dtype"))
-    """Weight dtype of a detached HF maker's models (actor, critic, reference): pushes are cast to it; bfloat16 generates faster on GPUs and AMX CPUs."""
+    """Weight dtype of a detached HF maker's models (actor, critic, reference): pushes are cast to it; bfloat16 generates faster on GPUs and on CPUs with AMX or avx512_bf16, and far slower on a CPU with neither (torch emulates it; the maker warns: SlowDtypeWarning)."""
     num_cpus: float = Field(0.5, ge=0)
     """CPUs reserved by each maker actor."""
     num_gpus: float = Field(0.0, ge=0)
@@ -341,7 +341,7 @@ class TrainerConfig(_Section):
     max_tokens_per_microbatch: int = Field(0, ge=0)
     """Cut each minibatch into micro-batches of at most this many computed tokens (packed: each shared prompt once plus its responses; padded: rows x padded width), gradients accumulated over them into one optimizer update, with the same loss; a prompt's group larger than the budget is split by rows, and a row larger than it goes alone. With several ranks, every rank cuts into as many micro-batches as the rank that needs most. 0 = one pass per minibatch."""
     autocast: bool = False
-    """Mixed precision: the trainer's forward passes run under torch.autocast in bfloat16, weights, gradients and optimizer states stay float32 (faster on GPUs and on CPUs with AMX)."""
+    """Mixed precision: the trainer's forward passes run under torch.autocast in bfloat16, weights, gradients and optimizer states stay float32 (faster on GPUs and on CPUs with AMX or avx512_bf16; far slower on a CPU with neither, where torch emulates bfloat16 and the trainer warns: SlowDtypeWarning)."""
 
     @model_validator(mode="after")
     def _mini_batches_divide_the_batch(self) -> TrainerConfig:

@@ -66,3 +66,39 @@ def test_autocast_refuses_colossalai_which_sets_its_own_precision(monkeypatch):
     monkeypatch.setattr(config_module, "check_strategy_available", lambda strategy: None)  # as on a CUDA machine
     with pytest.raises(ConfigError, match=r"trainer\.autocast=true with trainer\.strategy='colossalai_zero2'"):
         load_config(None, ["trainer.autocast=true", "trainer.strategy=colossalai_zero2", "trainer.use_gpu=true"])
+
+
+def test_cpu_has_bfloat16_reads_what_the_cpu_reports():
+    from pathlib import Path
+
+    from ray_ppo.models.build import cpu_has_bfloat16
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        pytest.skip("no /proc/cpuinfo to check torch's probe against (not Linux)")
+    flags = {flag for line in cpuinfo.read_text().splitlines() if line.startswith("flags")
+             for flag in line.split(":", 1)[1].split()}
+    assert cpu_has_bfloat16() == bool(flags & {"avx512_bf16", "amx_tile"})
+
+
+@pytest.mark.parametrize("has", [False, True, None])
+def test_bfloat16_on_a_cpu_without_bfloat16_arithmetic_warns_once_per_role(tiny_path, monkeypatch, has):
+    import warnings
+
+    from ray_ppo.models import build as model_build
+
+    monkeypatch.setattr(model_build, "cpu_has_bfloat16", lambda: has)
+    cfg = load_config(None, [f"model.pretrained={tiny_path}", "trainer.autocast=true", "maker.dtype=bfloat16"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        PPOLearner(build_actor(cfg), None, LocalStrategy(), cfg)
+        build_experience_maker(cfg)
+        build_experience_maker(cfg.model_copy(update={"maker": cfg.maker.model_copy(update={"dtype": None})}))
+    slow = [str(w.message) for w in caught if issubclass(w.category, model_build.SlowDtypeWarning)]
+    if has is not False:  # a CPU with bfloat16 arithmetic, or one torch cannot tell about: nothing to say
+        assert slow == []
+        return
+    assert len(slow) == 2  # the learner's autocast and the maker's bfloat16 weights; float32 makers say nothing
+    assert slow[0].startswith("trainer.autocast=true computes in bfloat16, but this CPU has no bfloat16 arithmetic")
+    assert slow[1].startswith("maker.dtype='bfloat16' computes in bfloat16")
+    assert all("use float32 on this machine (maker.dtype=float32, trainer.autocast=false" in m for m in slow)
