@@ -43,8 +43,8 @@ def main() -> None:
 
     import torch
 
+    from ray_ppo.config.preflight import cpu_has_bfloat16
     from ray_ppo.models import load_actor
-    from ray_ppo.models.build import cpu_has_bfloat16
     from ray_ppo.models.tiny import resolve_pretrained
 
     torch.set_num_threads(1)

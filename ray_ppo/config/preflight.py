@@ -6,7 +6,8 @@
 Each failed check raises ``PreflightError``, a ``ConfigError`` whose message is one line naming
 the bad value and the fix; the CLI prints it and exits with status 2 before ``ray.init``. A key
 the run will not use (``model.reward_fn`` beside a reward model) gives a ``ConfigWarning``, one
-line too, and the run goes on. The checks are cheap: a model's ``config.json`` and its tokenizer
+line too, and the run goes on (as does a ``SlowDtypeWarning``: bfloat16 on a CPU that emulates
+it). The checks are cheap: a model's ``config.json`` and its tokenizer
 are loaded (never its weights), the reward function answers one small probe batch, and at most
 the first rows of the prompt file up to the first usable prompt are read.
 """
@@ -47,6 +48,7 @@ def check_run(cfg: Config, prompts: Any = None, local: bool = False) -> None:
     the function is only imported, and the makers' first batch checks its answers."""
     if local:
         check_local_loop(cfg)
+    warn_slow_bfloat16_run(cfg)
     if prompts is not None:
         check_prompt_column(prompts, cfg.data.prompt_column)
     m = cfg.model
@@ -76,6 +78,50 @@ def check_run(cfg: Config, prompts: Any = None, local: bool = False) -> None:
         eval_prompts = probe_prompts(cfg.eval.path, None, cfg.data.prompt_column, "eval.path")
         check_chat_messages(tokenizer, tokenizer_path, eval_prompts, cfg.eval.path, "eval.path")
         check_reward_fn(cfg.eval_reward_fn, eval_prompts, "eval.reward_fn" if cfg.eval.reward_fn else "model.reward_fn")
+
+
+class SlowDtypeWarning(ConfigWarning):
+    """A setting that computes in bfloat16 on a CPU without bfloat16 arithmetic: the run is right but
+    slow. One line: the setting, the machine, the fix (a ``ConfigWarning``: the CLI prints it as
+    ``ray-ppo COMMAND: warning: ...``)."""
+
+
+def cpu_has_bfloat16() -> bool | None:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (avx512_bf16 or AMX); None where
+    torch cannot tell (a build without ``torch.cpu``'s probes)."""
+    import torch
+
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if any(probe is None for probe in probes):
+        return None
+    return any(probe() for probe in probes)
+
+
+def warn_slow_bfloat16(device: str, setting: str) -> None:
+    """Warn (``SlowDtypeWarning``) that ``setting`` (e.g. ``maker.dtype='bfloat16'``) computes in
+    bfloat16 on ``device`` (a ``torch.device``'s type: "cpu", "cuda"), when that is a CPU without
+    bfloat16 arithmetic: torch emulates it there, several times slower than float32
+    (``benchmarks/bf16_cpu.py``: 5x a forward pass, 11x a forward and backward pass of SmolLM2-135M
+    on an AMD EPYC with AVX2 only)."""
+    if device != "cpu" or cpu_has_bfloat16() is not False:
+        return
+    import torch
+
+    warnings.warn(f"{setting} computes in bfloat16, but this CPU has no bfloat16 arithmetic (no avx512_bf16 or "
+                  f"AMX; torch's kernels here: {torch.backends.cpu.get_cpu_capability()}), so torch emulates it, "
+                  f"several times slower than float32; use float32 on this machine (maker.dtype=float32, "
+                  f"trainer.autocast=false, model.dtype=float32)", SlowDtypeWarning, stacklevel=3)
+
+
+def warn_slow_bfloat16_run(cfg: Config) -> None:
+    """Pre-flight's ``warn_slow_bfloat16`` for a run's roles that compute in bfloat16 on the CPU (the
+    trainer with ``trainer.autocast`` or bfloat16 weights and no GPU, HF makers with bfloat16 weights
+    and no GPU), judged by this process's CPU: the cluster a command starts runs on it. Each role
+    checks its own CPU again as it builds its models (lines in Ray's worker logs, for other nodes)."""
+    if not cfg.trainer.use_gpu and (cfg.trainer.autocast or cfg.model.dtype == "bfloat16"):
+        warn_slow_bfloat16("cpu", "trainer.autocast=true" if cfg.trainer.autocast else "model.dtype='bfloat16'")
+    if cfg.maker.engine == "hf" and cfg.maker.num_gpus <= 0 and cfg.maker_dtype == "bfloat16":
+        warn_slow_bfloat16("cpu", f"{'maker' if cfg.maker.dtype else 'model'}.dtype='bfloat16'")
 
 
 PROBE_RESPONSE = "1"

@@ -222,11 +222,11 @@ def evaluate_setup(setup: EvalSetup) -> EvalResult:
 def _evaluate_at(cfg: Config, path: str, model: str, data: str, num_prompts: int | None, samples_per_prompt: int,
                  greedy: bool, reward_fn: str | None, max_new_tokens: int | None) -> EvalResult:
     """``evaluate`` of the model directory ``path``, reported under the name ``model``."""
+    from ray_ppo.config.preflight import warn_slow_bfloat16
     from ray_ppo.models import load_actor, load_tokenizer
-    from ray_ppo.models.build import warn_slow_bfloat16
 
     if cfg.model.dtype == "bfloat16":
-        warn_slow_bfloat16(torch.device("cpu"), "model.dtype='bfloat16'")
+        warn_slow_bfloat16("cpu", "model.dtype='bfloat16'")
     tokenizer = load_tokenizer(_tokenizer_source(cfg, path))
     evaluation = Evaluation(cfg, tokenizer, data, num_prompts, greedy, samples_per_prompt, reward_fn, max_new_tokens)
     return evaluation.run(load_actor(path, cfg.model.dtype).eval(), model=str(model))

@@ -8,10 +8,8 @@ around them).
 from __future__ import annotations
 
 import logging
-import warnings
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from ray_ppo.algo import needs_critic
@@ -23,33 +21,6 @@ from ray_ppo.models.packing import enable_packing
 from ray_ppo.models.tiny import resolve_pretrained
 
 logger = logging.getLogger(__name__)
-
-
-class SlowDtypeWarning(UserWarning):
-    """A setting that computes in bfloat16 on a CPU without bfloat16 arithmetic: the run is right but
-    slow. One line: the setting, the machine, the fix."""
-
-
-def cpu_has_bfloat16() -> bool | None:
-    """Whether this CPU multiplies bfloat16 matrices in hardware (avx512_bf16 or AMX); None where
-    torch cannot tell (a build without ``torch.cpu``'s probes)."""
-    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    if any(probe is None for probe in probes):
-        return None
-    return any(probe() for probe in probes)
-
-
-def warn_slow_bfloat16(device: torch.device, setting: str) -> None:
-    """Warn (``SlowDtypeWarning``) that ``setting`` (e.g. ``maker.dtype='bfloat16'``) computes in
-    bfloat16 on ``device``, when that is a CPU without bfloat16 arithmetic: torch emulates it there,
-    several times slower than float32 (``benchmarks/bf16_cpu.py``: 5x a forward pass, 11x a forward
-    and backward pass of SmolLM2-135M on an AMD EPYC with AVX2 only)."""
-    if device.type != "cpu" or cpu_has_bfloat16() is not False:
-        return
-    warnings.warn(f"{setting} computes in bfloat16, but this CPU has no bfloat16 arithmetic (no avx512_bf16 or "
-                  f"AMX; torch's kernels here: {torch.backends.cpu.get_cpu_capability()}), so torch emulates it, "
-                  f"several times slower than float32; use float32 on this machine (maker.dtype=float32, "
-                  f"trainer.autocast=false, model.dtype=float32)", SlowDtypeWarning, stacklevel=3)
 
 
 def resolve_config(cfg: Config) -> Config:

@@ -71,7 +71,7 @@ def test_autocast_refuses_colossalai_which_sets_its_own_precision(monkeypatch):
 def test_cpu_has_bfloat16_reads_what_the_cpu_reports():
     from pathlib import Path
 
-    from ray_ppo.models.build import cpu_has_bfloat16
+    from ray_ppo.config.preflight import cpu_has_bfloat16
 
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.is_file():
@@ -85,16 +85,16 @@ def test_cpu_has_bfloat16_reads_what_the_cpu_reports():
 def test_bfloat16_on_a_cpu_without_bfloat16_arithmetic_warns_once_per_role(tiny_path, monkeypatch, has):
     import warnings
 
-    from ray_ppo.models import build as model_build
+    from ray_ppo.config import preflight
 
-    monkeypatch.setattr(model_build, "cpu_has_bfloat16", lambda: has)
+    monkeypatch.setattr(preflight, "cpu_has_bfloat16", lambda: has)
     cfg = load_config(None, [f"model.pretrained={tiny_path}", "trainer.autocast=true", "maker.dtype=bfloat16"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         PPOLearner(build_actor(cfg), None, LocalStrategy(), cfg)
         build_experience_maker(cfg)
         build_experience_maker(cfg.model_copy(update={"maker": cfg.maker.model_copy(update={"dtype": None})}))
-    slow = [str(w.message) for w in caught if issubclass(w.category, model_build.SlowDtypeWarning)]
+    slow = [str(w.message) for w in caught if issubclass(w.category, preflight.SlowDtypeWarning)]
     if has is not False:  # a CPU with bfloat16 arithmetic, or one torch cannot tell about: nothing to say
         assert slow == []
         return
@@ -102,3 +102,24 @@ def test_bfloat16_on_a_cpu_without_bfloat16_arithmetic_warns_once_per_role(tiny_
     assert slow[0].startswith("trainer.autocast=true computes in bfloat16, but this CPU has no bfloat16 arithmetic")
     assert slow[1].startswith("maker.dtype='bfloat16' computes in bfloat16")
     assert all("use float32 on this machine (maker.dtype=float32, trainer.autocast=false" in m for m in slow)
+
+
+def test_pre_flight_names_each_role_that_computes_in_bfloat16_on_the_cpu(monkeypatch):
+    import warnings
+
+    from ray_ppo.config import ConfigWarning, preflight
+
+    monkeypatch.setattr(preflight, "cpu_has_bfloat16", lambda: False)
+
+    def said(*overrides):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            preflight.warn_slow_bfloat16_run(load_config(None, list(overrides)))
+        assert all(issubclass(w.category, ConfigWarning) for w in caught)  # the CLI prints each as one line
+        return [str(w.message).split(" computes")[0] for w in caught]
+
+    assert said() == []
+    assert said("trainer.autocast=true", "maker.dtype=bfloat16") == ["trainer.autocast=true", "maker.dtype='bfloat16'"]
+    assert said("model.dtype=bfloat16") == ["model.dtype='bfloat16'", "model.dtype='bfloat16'"]  # trainer and makers
+    assert said("trainer.autocast=true", "trainer.use_gpu=true") == []
+    assert said("maker.dtype=bfloat16", "maker.num_gpus=1") == []
