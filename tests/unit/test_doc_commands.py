@@ -50,12 +50,12 @@ def _command(text: str) -> str | None:
     """``text`` as a command to check, or None: a synopsis, an output line, a fragment."""
     text = text.split("#")[0].strip().removeprefix("$ ")
     text = re.sub(r"\s+\[[^\]]*\]", "", text)  # optional parts of a synopsis
-    if not COMMAND.match(text):
+    if not COMMAND.match(text) or re.match(r"\S+ \S+:", text):  # an output line: `ray-ppo train: warning: ...`
         return None
     words = shlex.split(text)
     if len(words) < 3 and words[-1] != "--version":  # a command named in prose: `ray-ppo train`
         return None
-    if words[1].endswith(":") or any(PLACEHOLDER.search(w) for w in words):
+    if any(PLACEHOLDER.search(w) for w in words):
         return None
     return " ".join(shlex.quote(w) for w in words)
 
