@@ -113,15 +113,31 @@ def warn_slow_bfloat16(device: str, setting: str) -> None:
                   f"trainer.autocast=false, model.dtype=float32)", SlowDtypeWarning, stacklevel=3)
 
 
+def trainer_bfloat16(cfg: Config) -> str | None:
+    """The setting that makes the trainer compute in bfloat16 (``trainer.autocast`` or bfloat16
+    weights), as ``warn_slow_bfloat16`` names it; None if none does."""
+    if cfg.trainer.autocast:
+        return "trainer.autocast=true"
+    return "model.dtype='bfloat16'" if cfg.model.dtype == "bfloat16" else None
+
+
+def maker_bfloat16(cfg: Config) -> str | None:
+    """The setting that gives an HF maker's own models bfloat16 weights (``maker.dtype``, else
+    ``model.dtype``), as ``warn_slow_bfloat16`` names it; None if none does."""
+    if cfg.maker_dtype != "bfloat16":
+        return None
+    return f"{'maker' if cfg.maker.dtype else 'model'}.dtype='bfloat16'"
+
+
 def warn_slow_bfloat16_run(cfg: Config) -> None:
     """Pre-flight's ``warn_slow_bfloat16`` for a run's roles that compute in bfloat16 on the CPU (the
-    trainer with ``trainer.autocast`` or bfloat16 weights and no GPU, HF makers with bfloat16 weights
-    and no GPU), judged by this process's CPU: the cluster a command starts runs on it. Each role
-    checks its own CPU again as it builds its models (lines in Ray's worker logs, for other nodes)."""
-    if not cfg.trainer.use_gpu and (cfg.trainer.autocast or cfg.model.dtype == "bfloat16"):
-        warn_slow_bfloat16("cpu", "trainer.autocast=true" if cfg.trainer.autocast else "model.dtype='bfloat16'")
-    if cfg.maker.engine == "hf" and cfg.maker.num_gpus <= 0 and cfg.maker_dtype == "bfloat16":
-        warn_slow_bfloat16("cpu", f"{'maker' if cfg.maker.dtype else 'model'}.dtype='bfloat16'")
+    trainer without a GPU, HF makers without one), judged by this process's CPU: the cluster a
+    command starts runs on it. Each role checks its own CPU again as it builds its models (lines in
+    Ray's worker logs, for other nodes)."""
+    if not cfg.trainer.use_gpu and (setting := trainer_bfloat16(cfg)):
+        warn_slow_bfloat16("cpu", setting)
+    if cfg.maker.engine == "hf" and cfg.maker.num_gpus <= 0 and (setting := maker_bfloat16(cfg)):
+        warn_slow_bfloat16("cpu", setting)
 
 
 PROBE_RESPONSE = "1"

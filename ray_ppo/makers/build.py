@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ray_ppo.config import Config, ConfigError
-from ray_ppo.config.preflight import warn_slow_bfloat16
+from ray_ppo.config.preflight import maker_bfloat16, warn_slow_bfloat16
 from ray_ppo.makers.experience import ExperienceMaker
 from ray_ppo.models import RewardModel, load_reward_fn, load_tokenizer
 from ray_ppo.models.build import build_actor, build_critic, has_critic, tokenizer_path
@@ -34,8 +34,8 @@ def build_experience_maker(cfg: Config, actor=None, critic=None, name: str = "ma
     pass ``actor``/``critic`` to share models with a learner (local loop: its device). No critic
     for the critic-free estimators. The models it builds itself are in ``cfg.maker_dtype``."""
     device = device if device is not None else maker_device(cfg)
-    if actor is None and cfg.maker_dtype == "bfloat16":
-        warn_slow_bfloat16(device.type, f"{'maker' if cfg.maker.dtype else 'model'}.dtype='bfloat16'")
+    if actor is None and (setting := maker_bfloat16(cfg)):
+        warn_slow_bfloat16(device.type, setting)
     own = cfg if actor is not None else cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": cfg.maker_dtype})})
     actor = (actor if actor is not None else build_actor(own)).to(device)
     critic = (critic if critic is not None else build_critic(own)).to(device) if has_critic(cfg) else None

@@ -40,7 +40,7 @@ from ray_ppo.algo import (
     value_loss,
 )
 from ray_ppo.config import Config
-from ray_ppo.config.preflight import warn_slow_bfloat16
+from ray_ppo.config.preflight import trainer_bfloat16, warn_slow_bfloat16
 from ray_ppo.models import action_log_probs, action_values
 from ray_ppo.models.hf import action_log_probs_and_entropy
 from ray_ppo.models.packing import micro_batches, packs, pass_tokens, prompt_groups
@@ -220,8 +220,8 @@ class PPOLearner:
         self.kl_coef = 0.0
         self.generator = torch.Generator().manual_seed(seed)
         self.device = strategy.device
-        if t.autocast or cfg.model.dtype == "bfloat16":
-            warn_slow_bfloat16(self.device.type, "trainer.autocast=true" if t.autocast else "model.dtype='bfloat16'")
+        if setting := trainer_bfloat16(cfg):
+            warn_slow_bfloat16(self.device.type, setting)
         self.nonfinite_updates = 0  # updates skipped for a non-finite loss or gradient, whole run
         self.work = {"tokens_computed": 0.0, "tokens_trained": 0.0, "optimizer_s": 0.0}  # this step's, so far
         self.consecutive_nonfinite = 0
