@@ -67,11 +67,12 @@ def start_local_cluster(num_cpus: int | None = None, sweep: bool = False, label:
     # No dashboard for one run: the run's placement groups end with the job. A sweep needs it:
     # Tune ends an early-stopped trial's process, its Ray Train controller dies with it, and only
     # the dashboard's state API lets Ray Train see that and free the worker group's CPUs.
-    from ray_ppo.cluster.startup import StartupWatch, start_lock
+    from ray_ppo.cluster.startup import StartupWatch, start_lock, start_once_more_if_node_timed_out
 
     if not sweep:
         with start_lock(label), StartupWatch(label, on_give_up=on_give_up):
-            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, **init_kwargs)
+            start_once_more_if_node_timed_out(lambda: ray.init(
+                address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, **init_kwargs), label)
         return
     port = free_port()
     _dashboard_startup_bound()
@@ -81,8 +82,9 @@ def start_local_cluster(num_cpus: int | None = None, sweep: bool = False, label:
     # cluster's processes inherit, it reaches this cluster (a value the caller set is kept).
     with scoped_env(API_SERVER_ENV, f"http://127.0.0.1:{port}", users_wins=True), start_lock(label), \
             StartupWatch(label, on_give_up=on_give_up):
-        ray.init(address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-                 dashboard_port=port, log_to_driver=False, **init_kwargs)
+        start_once_more_if_node_timed_out(lambda: ray.init(
+            address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+            dashboard_port=port, log_to_driver=False, **init_kwargs), label)
     from ray_ppo.cluster.readiness import wait_for_state_api
 
     wait_for_state_api()

@@ -17,6 +17,10 @@ is not seen, and nothing bounds the wait. Two guards:
   line: the cluster processes it began are stopped, ``on_give_up`` undoes what the run had
   written (``RunDirClaim.release``), and the process exits with 130 (Ctrl-C), 143 (SIGTERM) or
   1 (the bound).
+
+Inside them, ``start_once_more_if_node_timed_out`` gives a start a second try when Ray itself gave
+up on it: Ray waits a fixed 30 s for its new node to register with the GCS (in its private node module,
+not configurable), which a loaded 2-core machine can exceed.
 """
 
 from __future__ import annotations
@@ -168,6 +172,41 @@ class StartupWatch:
             self._exit(code)
 
 
+NODE_TIMED_OUT = "timed out during startup"
+"""Part of the error ``ray.init`` raises when its new node did not register within Ray's fixed 30 s."""
+
+
+def start_once_more_if_node_timed_out(start: Callable[[], None], label: str = "ray_ppo") -> None:
+    """Call ``start`` (a ``ray.init`` of a new local cluster); if Ray gives up on its node's registration,
+    stop the processes that attempt started, say so in one line and call ``start`` once more. A second
+    such failure raises a RuntimeError that names the cause and the fix; any other error passes through."""
+    import ray
+
+    before = {child.pid for child in _children()}
+    try:
+        start()
+        return
+    except Exception as error:  # Ray raises a bare Exception here
+        if NODE_TIMED_OUT not in str(error):
+            raise
+    with contextlib.suppress(Exception):
+        ray.shutdown()
+    _stop([child for child in _children() if child.pid not in before])
+    print(f"{label}: Ray's node did not register within Ray's fixed 30 s (a busy machine); stopped it, "
+          f"starting the local Ray cluster once more", file=sys.stderr, flush=True)
+    try:
+        start()
+    except Exception as error:
+        if NODE_TIMED_OUT not in str(error):
+            raise
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        _stop([child for child in _children() if child.pid not in before])
+        raise RuntimeError(f"{label}: the local Ray cluster did not start, twice: Ray's node did not register "
+                           f"within Ray's fixed 30 s (the machine is too busy); nothing was trained; run the "
+                           f"command again when fewer programs compete for its cores") from error
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -196,9 +235,13 @@ def _session_logs() -> str | None:
 
 def _stop_children(grace_s: float = 3.0) -> None:
     """End the processes this process started (a half-started cluster): SIGTERM, then SIGKILL."""
+    _stop(_children(), grace_s)
+
+
+def _stop(children: list, grace_s: float = 3.0) -> None:
+    """SIGTERM each of ``children`` (psutil processes), then SIGKILL those still alive after ``grace_s``."""
     import psutil
 
-    children = _children()
     for child in children:
         with contextlib.suppress(psutil.Error):
             child.terminate()

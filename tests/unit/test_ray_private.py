@@ -34,3 +34,12 @@ def test_a_constant_is_raised_never_lowered(monkeypatch):
     assert ray_constants.RAY_DASHBOARD_STARTUP_TIMEOUT_S == 600
     ray_private.raise_constant("RAY_DASHBOARD_STARTUP_TIMEOUT_S", 100)
     assert ray_constants.RAY_DASHBOARD_STARTUP_TIMEOUT_S == 600
+
+
+def test_the_node_timeout_that_a_local_start_tries_once_more_is_still_worded_so():
+    import importlib.util
+
+    from ray_ppo.cluster.startup import NODE_TIMED_OUT
+
+    source = Path(importlib.util.find_spec("ray._private.node").origin).read_text()
+    assert NODE_TIMED_OUT in source
