@@ -42,6 +42,9 @@ A), and a line per group of runs (the runs of one directory, e.g. ``real_model_d
 gives the median over its seeds and its ratio to the first group's: how two settings compare in
 time to an accuracy.
 
+Runs with ``algo.dynamic_sampling`` add a column: the groups dropped by the last step (each one an
+extra prompt drawn) and their share of the groups finished.
+
 The results file stores, beside the table, every run's evaluations, samples/s and idle shares
 (``runs``, each with its directory), so ``--runs`` takes a results file as it takes a run directory:
 a table, a ``--reach`` or a plot can be redrawn, or runs added to, after ``runs/`` is gone (it is
@@ -86,6 +89,9 @@ class Run:
     idle: tuple[float, float, float] | None = None
     """Ours: the trainer's mean ``trainer_idle_ratio`` at step 1 (which waits for the base model's
     evaluation), at the steps right after a later evaluation, and at every other step; TRL: None."""
+    dropped: tuple[float, float] | None = None
+    """Ours with ``algo.dynamic_sampling``: the groups dropped by the last step (each an extra prompt
+    drawn) and their share of the groups finished (``prompts_dropped``, ``groups_dropped_share``); else None."""
 
     @property
     def last(self) -> Point:
@@ -144,17 +150,19 @@ def train_trl(seed: int, out: Path, overrides: list[str], trl_python: str, confi
 
 def read_ours(run: Path) -> Run:
     """A ``ray-ppo train`` run directory: ``eval.jsonl`` at the steps' ``elapsed_s`` (``metrics.jsonl``)."""
-    elapsed, idle = {0: 0.0}, {}
+    elapsed, idle, dropped = {0: 0.0}, {}, None
     for line in (run / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         elapsed[row["step"]] = row["elapsed_s"]
         idle[row["step"]] = row["trainer_idle_ratio"]
+        if "prompts_dropped" in row:
+            dropped = (row["prompts_dropped"], row["groups_dropped_share"])
     reports = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     points = [(elapsed[r["step"]], r["step"], r["accuracy"]) for r in reports if r["error"] is None]
     config = yaml.safe_load((run / "config.yaml").read_text())
     last_step = max(elapsed)
     return Run("ours", config["seed"], points, last_step * config["trainer"]["train_batch_size"] / elapsed[last_step],
-               idle_split(idle, {r["step"] for r in reports}))
+               idle_split(idle, {r["step"] for r in reports}), dropped)
 
 
 def idle_split(idle: dict[int, float], eval_steps: set[int]) -> tuple[float, float, float]:
@@ -197,7 +205,9 @@ def read_runs(path: Path) -> list[tuple[Path, Run]]:
         raise SystemExit(f"--runs {path}: the file holds the table only (published before the runs were stored "
                          f"beside it); pass the run directories themselves, or rerun them")
     return [(ROOT / r["dir"], Run(r["side"], r["seed"], [tuple(p) for p in r["points"]], r["samples_per_s"],
-                                 None if r["idle"] is None else tuple(r["idle"]))) for r in record["runs"]]
+                                 None if r["idle"] is None else tuple(r["idle"]),
+                                 None if r.get("dropped") is None else tuple(r["dropped"])))
+            for r in record["runs"]]
 
 
 def at(points: list[Point], seconds: float) -> float:
@@ -221,11 +231,21 @@ def goal(ours: list[Run], trl: list[Run]) -> Goal:
 
 def rows(runs: list[Run], reach: float | None = None) -> list[list]:
     """One table row a run: side, seed, accuracy at step 0, at each of ``MARKS_S``, the last, its
-    step and time, the gain and samples/s; with ``reach``, the time to that accuracy."""
+    step and time, the gain and samples/s; with ``reach``, the time to that accuracy; where a run
+    dropped groups (``algo.dynamic_sampling``), the groups dropped and their share (``headers``)."""
+    dropping = any(r.dropped is not None for r in runs)
     return [[r.side, r.seed, r.points[0][2], *(at(r.points, s) for s in MARKS_S), r.last[2],
              f"{r.last[1]} ({r.last[0]:.0f} s)", f"{r.gain:+.3f}", r.samples_per_s,
              *(("", "", "") if r.idle is None else (f"{x:.3f}" for x in r.idle)),
-             *(() if reach is None else (_seconds(reach_s(r.points, reach)),))] for r in runs]
+             *(() if reach is None else (_seconds(reach_s(r.points, reach)),)),
+             *(() if not dropping else ("" if r.dropped is None else f"{r.dropped[0]:.0f} ({r.dropped[1]:.2f})",))]
+            for r in runs]
+
+
+def headers(runs: list[Run], reach: float | None = None) -> list[str]:
+    """``rows``' column names."""
+    return (HEADERS + ([] if reach is None else [f"reach {reach:g}"])
+            + (["groups dropped (share)"] if any(r.dropped is not None for r in runs) else []))
 
 
 def _seconds(t: float) -> str:
@@ -254,7 +274,7 @@ HEADERS = ["side", "seed", "step 0", *(f"<= {s // 60} min" for s in MARKS_S), "l
 
 def report(runs: list[Run]) -> str:
     """The table and the summary lines below it."""
-    return "\n".join([table(HEADERS, rows(runs)), "", *summary(runs)])
+    return "\n".join([table(headers(runs), rows(runs)), "", *summary(runs)])
 
 
 def summary(runs: list[Run]) -> list[str]:
@@ -326,8 +346,7 @@ def main() -> None:
             train_trl(seed, output / f"trl_seed_{seed}", overrides, args.trl_python, args.config)
             pairs += read_runs(output / f"trl_seed_{seed}")
     dirs, read = [where for where, _ in pairs], [run for _, run in pairs]
-    headers = HEADERS + ([] if args.reach is None else [f"reach {args.reach:g}"])
-    publish(name, headers, rows(read, args.reach), args=args, extra={"runs": stored(pairs)})
+    publish(name, headers(read, args.reach), rows(read, args.reach), args=args, extra={"runs": stored(pairs)})
     print("\n".join(["", *summary(read)]))
     if args.reach is not None:
         groups: dict[str, list[Run]] = {}

@@ -73,6 +73,20 @@ def test_rows_give_the_accuracy_at_each_mark_and_the_last():
     assert row[-3:] == ["0.500", "0.020", "0.010"]
 
 
+def test_runs_that_dropped_groups_get_a_column_the_others_leave_blank(tmp_path):
+    ours, trl = _run_dirs(tmp_path)
+    rows = [json.loads(line) for line in (ours / "metrics.jsonl").read_text().splitlines()]
+    for row, dropped in zip(rows, (4, 9, 12)):
+        row.update(prompts_dropped=float(dropped), groups_dropped_share=dropped / 40)
+    (ours / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    runs = [real_model.read_run(ours), real_model.read_run(trl)]
+    assert runs[0].dropped == (12.0, 0.3)  # the last step's counters
+    assert real_model.headers(runs)[-1] == "groups dropped (share)"
+    assert [row[-1] for row in real_model.rows(runs)] == ["12 (0.30)", ""]
+    assert real_model.headers(runs[1:]) == real_model.HEADERS  # no run dropped: no column
+    assert len(real_model.rows(runs[1:])[0]) == len(real_model.HEADERS)
+
+
 def test_idle_split_sets_step_1_and_the_steps_after_an_evaluation_apart():
     idle = {1: 0.9, 2: 0.1, 3: 0.0, 4: 0.3, 5: 0.5, 6: 0.2, 7: 0.4}
     first, after, other = real_model.idle_split(idle, {0, 3, 6})
