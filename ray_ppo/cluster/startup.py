@@ -183,28 +183,23 @@ def start_once_more_if_node_timed_out(start: Callable[[], None], label: str = "r
     import ray
 
     before = {child.pid for child in _children()}
-    try:
-        start()
-        return
-    except Exception as error:  # Ray raises a bare Exception here
-        if NODE_TIMED_OUT not in str(error):
-            raise
-    with contextlib.suppress(Exception):
-        ray.shutdown()
-    _stop([child for child in _children() if child.pid not in before])
-    print(f"{label}: Ray's node did not register within Ray's fixed 30 s (a busy machine); stopped it, "
-          f"starting the local Ray cluster once more", file=sys.stderr, flush=True)
-    try:
-        start()
-    except Exception as error:
-        if NODE_TIMED_OUT not in str(error):
-            raise
+    for attempt in (1, 2):
+        try:
+            start()
+            return
+        except Exception as error:  # Ray raises a bare Exception here
+            if NODE_TIMED_OUT not in str(error):
+                raise
+            failed = error
         with contextlib.suppress(Exception):
             ray.shutdown()
         _stop([child for child in _children() if child.pid not in before])
-        raise RuntimeError(f"{label}: the local Ray cluster did not start, twice: Ray's node did not register "
-                           f"within Ray's fixed 30 s (the machine is too busy); nothing was trained; run the "
-                           f"command again when fewer programs compete for its cores") from error
+        if attempt == 1:
+            print(f"{label}: Ray's node did not register within Ray's fixed 30 s (a busy machine); stopped it, "
+                  f"starting the local Ray cluster once more", file=sys.stderr, flush=True)
+    raise RuntimeError(f"{label}: the local Ray cluster did not start, twice: Ray's node did not register within "
+                       f"Ray's fixed 30 s (the machine is too busy); nothing ran; run the command again when "
+                       f"fewer programs compete for its cores") from failed
 
 
 def _interrupt(signum, frame) -> None:
