@@ -5,7 +5,7 @@
   (``MARKERS``), so it lists every key, type, default, bound and docstring of the code being
   built and cannot drift; so is docs/design.md's table of the package's modules, from their
   docstrings.
-- benchmarks/README.md (with its figure), benchmarks/real-models.md, benchmarks/streaming.md and
+- benchmarks/README.md, benchmarks/real-models.md, benchmarks/streaming.md, their figures (benchmarks/*.png) and
   CHANGELOG.md join the site as pages of their own, read from where they live in the repository.
 - Links keep working in both places: a page links to another file as the repository lays them out
   (docs/x.md to ``../benchmarks/README.md``, benchmarks/README.md to ``../docs/scaling.md``), and
@@ -29,10 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = "docs"
 OUTSIDE_DOCS = {"benchmarks/README.md": "benchmarks/README.md", "benchmarks/real-models.md": "benchmarks/real-models.md",
                 "benchmarks/streaming.md": "benchmarks/streaming.md",
-                "benchmarks/estimators.png": "benchmarks/estimators.png",
-                "benchmarks/long_tail.png": "benchmarks/long_tail.png", "benchmarks/packing.png": "benchmarks/packing.png",
+                **{f"benchmarks/{png.name}": f"benchmarks/{png.name}" for png in sorted((ROOT / "benchmarks").glob("*.png"))},
                 "CHANGELOG.md": "changelog.md"}
-"""Repository path of a file outside docs/ -> its path in the site."""
+"""Repository path of a file outside docs/ -> its path in the site (every figure in benchmarks/ too)."""
 REPO_PATH = {site: repo for repo, site in OUTSIDE_DOCS.items()}
 LINK = re.compile(r"(\]\()([^)\s#]+)([^)\s]*\))")
 
