@@ -49,7 +49,8 @@ def stderr_within(proc: subprocess.Popen, timeout_s: float, what: str) -> str:
         return proc.communicate(timeout=timeout_s)[1]
     except subprocess.TimeoutExpired:
         proc.kill()
-        pytest.fail(f"{what} within {timeout_s:g} s")
+        printed = proc.communicate()[1]
+        pytest.fail(f"{what} within {timeout_s:g} s; its stderr since: {printed[-2000:]!r}")
 
 
 def wait_for_line(proc: subprocess.Popen, text: str, timeout_s: float = 180) -> list[str]:
