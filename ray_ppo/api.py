@@ -330,15 +330,15 @@ class _MakerLoops:
     def __init__(self, coordinator: Any, makers: dict[int, Any], registered: ray.ObjectRef, max_restarts: int):
         self.coordinator, self.makers, self.max_restarts = coordinator, makers, max_restarts
         self.registered = registered  # the coordinator's acknowledgement of the makers
-        self.running: dict[ray.ObjectRef, int] = {}  # each loop's call -> its maker
+        self.running: dict[ray.ObjectRef, tuple[int, str]] = {}  # each loop's call -> its maker and loop
         self.finished: list[ray.ObjectRef] = []  # loops that returned their summary
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="ray_ppo-makers", daemon=True)
 
     def start(self) -> None:
         """Start each maker's generation and send loops."""
-        self.running = {m.run.remote(): i for i, m in self.makers.items()}
-        self.running.update({m.send_loop.remote(): i for i, m in self.makers.items()})
+        self.running = {m.run.remote(): (i, "run") for i, m in self.makers.items()}
+        self.running.update({m.send_loop.remote(): (i, "send_loop") for i, m in self.makers.items()})
 
     def watch(self) -> None:
         """Start the thread that starts the loops (unless started) and watches them."""
@@ -368,7 +368,7 @@ class _MakerLoops:
     def _check(self) -> None:
         done, _ = ray.wait(list(self.running), num_returns=len(self.running), timeout=0)
         for ref in done:
-            maker_id = self.running.pop(ref)
+            maker_id, loop = self.running.pop(ref)
             try:
                 ray.get(ref)
             except ray.exceptions.RayActorError as e:
@@ -378,10 +378,12 @@ class _MakerLoops:
             except ray.exceptions.RayTaskError as e:
                 # The maker reports its own exception first, and the coordinator keeps a maker's
                 # first failure; this one is for an error raised before the loop's own handler ran.
+                # ray.get raises the error as an instance of its cause's class too, which forwards
+                # attributes it lacks (function_name, traceback_str) to the cause: the loop's name
+                # comes from the call, the traceback from the error's text.
                 first_line = (str(e.cause).splitlines() or [""])[0]
                 self.coordinator.maker_failed.remote(
-                    maker_id, f"maker_{maker_id}'s {e.function_name} raised {type(e.cause).__name__}: {first_line}",
-                    e.traceback_str)
+                    maker_id, f"maker_{maker_id}'s {loop} raised {type(e.cause).__name__}: {first_line}", str(e))
             else:
                 self.finished.append(ref)
 

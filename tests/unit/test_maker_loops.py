@@ -31,16 +31,19 @@ def watched(monkeypatch, outcomes: dict[str, object]) -> tuple[api._MakerLoops, 
     monkeypatch.setattr(ray, "get", get)
     coordinator = Coordinator()
     loops = api._MakerLoops(coordinator, makers={}, registered=None, max_restarts=0)
-    loops.running = {ref: i for i, ref in enumerate(outcomes)}
+    loops.running = {ref: (i, ref) for i, ref in enumerate(outcomes)}
     return loops, coordinator
 
 
 def test_a_loop_that_raised_is_reported_to_the_coordinator_with_its_cause_and_traceback(monkeypatch):
     error = ray.exceptions.RayTaskError("MakerWorker.send_loop", "Traceback ...\nKeyError: 'v3'\n", KeyError("v3"))
-    loops, coordinator = watched(monkeypatch, {"run": {"made": 8}, "send_loop": error})
+    # What ray.get raises: the error as an instance of its cause's class as well, whose missing
+    # attributes (function_name, traceback_str) are looked up on the cause.
+    loops, coordinator = watched(monkeypatch, {"run": {"made": 8}, "send_loop": error.as_instanceof_cause()})
     loops._check()
-    assert coordinator.failed == [(1, "maker_1's MakerWorker.send_loop raised KeyError: 'v3'",
-                                   "Traceback ...\nKeyError: 'v3'\n")]
+    [(maker_id, message, traceback)] = coordinator.failed
+    assert (maker_id, message) == (1, "maker_1's send_loop raised KeyError: 'v3'")
+    assert traceback.endswith("KeyError: 'v3'")
     assert loops.finished == ["run"] and loops.running == {}
 
 
