@@ -67,10 +67,13 @@ def start_local_cluster(num_cpus: int | None = None, sweep: bool = False, label:
     # No dashboard for one run: the run's placement groups end with the job. A sweep needs it:
     # Tune ends an early-stopped trial's process, its Ray Train controller dies with it, and only
     # the dashboard's state API lets Ray Train see that and free the worker group's CPUs.
+    from ray_ppo.cluster.ray_private import agent_ports_chosen
     from ray_ppo.cluster.startup import StartupWatch, start_lock, start_once_more_if_node_timed_out
 
+    # The node's agents get their ports before they start (agent_ports_chosen says why): its raylet
+    # then does not wait for them, which on a busy machine ended the start.
     if not sweep:
-        with start_lock(label), StartupWatch(label, on_give_up=on_give_up):
+        with start_lock(label), StartupWatch(label, on_give_up=on_give_up), agent_ports_chosen(free_port):
             start_once_more_if_node_timed_out(lambda: ray.init(
                 address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, **init_kwargs), label)
         return
@@ -81,7 +84,7 @@ def start_local_cluster(num_cpus: int | None = None, sweep: bool = False, label:
     # the machine, and the CPUs of a trial Tune stopped stayed reserved. Named in the environment the
     # cluster's processes inherit, it reaches this cluster (a value the caller set is kept).
     with scoped_env(API_SERVER_ENV, f"http://127.0.0.1:{port}", users_wins=True), start_lock(label), \
-            StartupWatch(label, on_give_up=on_give_up):
+            StartupWatch(label, on_give_up=on_give_up), agent_ports_chosen(free_port):
         start_once_more_if_node_timed_out(lambda: ray.init(
             address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
             dashboard_port=port, log_to_driver=False, **init_kwargs), label)
@@ -130,7 +133,7 @@ def scoped_env(key: str, value: str, users_wins: bool = False):
 
 
 def free_port() -> int:
-    """A TCP port free on loopback now (the dashboard binds it a moment later)."""
+    """A TCP port free on every interface now (the dashboard or an agent binds it a moment later)."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("", 0))
         return sock.getsockname()[1]

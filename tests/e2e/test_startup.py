@@ -1,7 +1,8 @@
 """A start that cannot hang: `ray-ppo train` whose `ray.init` blocks in native code (as Ray's core
 worker constructor did when another cluster started beside it) ends on Ctrl-C and past the
-readiness bound, in one line, leaving no run directory; and runs started at the same moment on
-one machine all start and finish (`ray_ppo.cluster.startup`)."""
+readiness bound, in one line, leaving no run directory; runs started at the same moment on one
+machine all start and finish (`ray_ppo.cluster.startup`); and a start survives agents slower
+than the raylet's fixed wait for them (`ray_ppo.cluster.ray_private.agent_ports_chosen`)."""
 
 from __future__ import annotations
 
@@ -131,3 +132,27 @@ def test_four_local_clusters_started_at_once(round_):
     outputs = [proc.communicate(timeout=600)[0] for proc in procs]
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0 and "started and ran a task" in output, output[-3000:]
+
+
+# Ray's two agent processes (the dashboard agent and the runtime-env agent) sleep before they start,
+# as an agent did beside three busy runs on 2 cores: longer than the raylet's fixed 15 s wait for
+# the ports they bind.
+SLOW_AGENTS = """
+import time
+cmdline = open("/proc/self/cmdline", "rb").read()
+if b"dashboard/agent.py" in cmdline or b"runtime_env/agent/main.py" in cmdline:
+    time.sleep({delay_s})
+"""
+AGENT_DELAY_S = 20
+
+
+@pytest.mark.parametrize("sweep", [False, True], ids=["run", "sweep"])
+def test_a_local_cluster_starts_though_its_agents_are_slower_than_the_raylets_wait(tmp_path, sweep):
+    (tmp_path / "sitecustomize.py").write_text(SLOW_AGENTS.format(delay_s=AGENT_DELAY_S))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    start = CLUSTER_START.replace("start_local_cluster(", "start_local_cluster(sweep=%s, " % sweep)
+    proc = subprocess.run([sys.executable, "-c", start, "slow agents"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "started and ran a task" in output, output[-3000:]
+    assert "did not register" not in output  # started at the first attempt

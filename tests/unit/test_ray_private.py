@@ -43,3 +43,38 @@ def test_the_node_timeout_that_a_local_start_tries_once_more_is_still_worded_so(
 
     source = Path(importlib.util.find_spec("ray._private.node").origin).read_text()
     assert NODE_TIMED_OUT in source
+
+
+def test_what_a_node_is_given_its_agents_ports_through_still_exists():
+    import inspect
+
+    from ray._private.node import Node
+    from ray._private.parameter import RayParams
+    from ray._raylet import DASHBOARD_AGENT_LISTEN_PORT_NAME, persist_port
+
+    assert list(inspect.signature(Node.__init__).parameters)[1:3] == ["ray_params", "head"]
+    assert callable(Node.get_session_dir_path) and callable(Node.start_raylet)
+    assert "self.head = head" in inspect.getsource(Node.__init__)
+    assert "self._node_id = " in inspect.getsource(Node.__init__)
+    fields = inspect.signature(RayParams.__init__).parameters
+    assert all(name in fields for name in ray_private.AGENT_PORTS)
+    assert callable(persist_port) and DASHBOARD_AGENT_LISTEN_PORT_NAME == "dashboard_agent_listen_port"
+
+
+def test_ports_are_chosen_for_a_head_node_only_and_the_patch_is_undone(monkeypatch):
+    from ray._private import node
+    from ray._private.parameter import RayParams
+
+    seen = []
+    monkeypatch.setattr(node.Node, "__init__", lambda self, ray_params, head=False, *a, **k: seen.append(ray_params))
+    original = node.Node.__init__
+    ports = iter(range(40000, 40100))
+    with ray_private.agent_ports_chosen(lambda: next(ports)):
+        node.Node(RayParams(metrics_export_port=9999), head=True)
+        node.Node(RayParams(), head=False)
+    assert node.Node.__init__ is original
+    head, worker = seen
+    assert {name: getattr(head, name) for name in ray_private.AGENT_PORTS} == {
+        "metrics_agent_port": 40000, "metrics_export_port": 9999, "dashboard_agent_listen_port": 40001,
+        "runtime_env_agent_port": 40002}
+    assert not worker.metrics_agent_port and not worker.runtime_env_agent_port
