@@ -92,11 +92,11 @@ def test_a_start_past_the_readiness_bound_ends_in_one_line(tmp_path):
 
 
 def test_runs_started_at_the_same_moment_all_finish(tmp_path):
-    """Three `ray-ppo train` and a `ray-ppo tune` started at once, each with a local cluster of its own."""
-    commands = [[sys.executable, "-m", "ray_ppo.cli", "train", *TINY, "--output", str(tmp_path / f"run{i}")]
-                for i in range(3)]
-    commands.append([sys.executable, "-m", "ray_ppo.cli", "tune", *TINY, "--grid", "ppo.kl_coef=0.01",
-                     "--output", str(tmp_path / "sweep")])
+    """A `ray-ppo train` and a `ray-ppo tune` started at once (the two kinds of local cluster), each
+    with a cluster of its own. Four clusters starting at once: test_four_local_clusters_started_at_once."""
+    commands = [[sys.executable, "-m", "ray_ppo.cli", "train", *TINY, "--output", str(tmp_path / "run")],
+                [sys.executable, "-m", "ray_ppo.cli", "tune", *TINY, "--grid", "ppo.kl_coef=0.01",
+                 "--output", str(tmp_path / "sweep")]]
     procs = [subprocess.Popen(c, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for c in commands]
     outputs = []
@@ -106,11 +106,10 @@ def test_runs_started_at_the_same_moment_all_finish(tmp_path):
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            pytest.fail("a run started beside three others did not finish within 15 min")
+            pytest.fail("a run started beside another did not finish within 15 min")
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0, output[-3000:]
-    assert all("done: 2 steps" in output for output in outputs[:3])
-    assert "best:" in outputs[3]
+    assert "done: 2 steps" in outputs[0] and "best:" in outputs[1]
 
 
 CLUSTER_START = r"""
@@ -125,8 +124,7 @@ print(f"started and ran a task in {time.monotonic() - start:.0f} s")
 """
 
 
-@pytest.mark.parametrize("round_", range(3))
-def test_four_local_clusters_started_at_once(round_):
+def test_four_local_clusters_started_at_once():
     procs = [subprocess.Popen([sys.executable, "-c", CLUSTER_START, str(i)], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(4)]
     outputs = [proc.communicate(timeout=600)[0] for proc in procs]
