@@ -39,8 +39,6 @@ def start_local_cluster(num_cpus: int | None = None, sweep: bool = False, label:
     One start at a time on the machine, bounded and interruptible (``ray_ppo.cluster.startup``): on
     Ctrl-C or past the readiness bound the process prints one line starting with ``label``,
     calls ``on_give_up`` and exits."""
-    import ray
-
     # The driver's one Ray Data execution (reading the prompt file's schema) would log its plan and
     # progress every 10 s; warnings and errors still show.
     logging.getLogger("ray.data").setLevel(logging.WARNING)
@@ -67,15 +65,8 @@ def start_local_cluster(num_cpus: int | None = None, sweep: bool = False, label:
     # No dashboard for one run: the run's placement groups end with the job. A sweep needs it:
     # Tune ends an early-stopped trial's process, its Ray Train controller dies with it, and only
     # the dashboard's state API lets Ray Train see that and free the worker group's CPUs.
-    from ray_ppo.cluster.ray_private import agent_ports_chosen
-    from ray_ppo.cluster.startup import StartupWatch, start_lock, start_once_more_if_node_timed_out
-
-    # The node's agents get their ports before they start (agent_ports_chosen says why): its raylet
-    # then does not wait for them, which on a busy machine ended the start.
     if not sweep:
-        with start_lock(label), StartupWatch(label, on_give_up=on_give_up), agent_ports_chosen(free_port):
-            start_once_more_if_node_timed_out(lambda: ray.init(
-                address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, **init_kwargs), label)
+        _one_start(label, on_give_up, num_cpus=cpus, include_dashboard=False, **init_kwargs)
         return
     port = free_port()
     _dashboard_startup_bound()
@@ -83,14 +74,27 @@ def start_local_cluster(num_cpus: int | None = None, sweep: bool = False, label:
     # to look for Ray, it raised "Found multiple active Ray instances" whenever another cluster ran on
     # the machine, and the CPUs of a trial Tune stopped stayed reserved. Named in the environment the
     # cluster's processes inherit, it reaches this cluster (a value the caller set is kept).
-    with scoped_env(API_SERVER_ENV, f"http://127.0.0.1:{port}", users_wins=True), start_lock(label), \
-            StartupWatch(label, on_give_up=on_give_up), agent_ports_chosen(free_port):
-        start_once_more_if_node_timed_out(lambda: ray.init(
-            address="local", num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-            dashboard_port=port, log_to_driver=False, **init_kwargs), label)
+    with scoped_env(API_SERVER_ENV, f"http://127.0.0.1:{port}", users_wins=True):
+        _one_start(label, on_give_up, num_cpus=cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+                   dashboard_port=port, **init_kwargs)
     from ray_ppo.cluster.readiness import wait_for_state_api
 
     wait_for_state_api()
+
+
+def _one_start(label: str, on_give_up: Callable[[], None] | None, **init_kwargs) -> None:
+    """``ray.init(address="local", log_to_driver=False, **init_kwargs)`` as the machine's one start
+    (``start_lock``), bounded and interruptible (``StartupWatch``), made once more if Ray gave up on
+    its node, with the node's agents given their ports before they start (``agent_ports_chosen``
+    says why: its raylet then does not wait for them, which on a busy machine ended the start)."""
+    import ray
+
+    from ray_ppo.cluster.ray_private import agent_ports_chosen
+    from ray_ppo.cluster.startup import StartupWatch, start_lock, start_once_more_if_node_timed_out
+
+    with start_lock(label), StartupWatch(label, on_give_up=on_give_up), agent_ports_chosen(free_port):
+        start_once_more_if_node_timed_out(
+            lambda: ray.init(address="local", log_to_driver=False, **init_kwargs), label)
 
 
 DASHBOARD_STARTUP_ENV = "RAY_DASHBOARD_STARTUP_TIMEOUT_S"
