@@ -69,7 +69,7 @@ TRL_STAMP := $(TRL_VENV)/.installed
 # tool-use run (bench-tool-use, ~30 min), profile_detached.py (a profile, not a figure: it needs
 # py-spy) and scaling_model.py (a model, no measurement).
 BENCH_CPU := overlap_sim overlap weight_sync coordinator_scale memory lora_int8 startup example_startup \
-             maker_batch_cost behaviour_logprobs env_utilisation agent_endpoint bf16_cpu
+             maker_batch_cost behaviour_logprobs env_utilisation agent_endpoint bf16_cpu optimizer_step
 .PHONY: bench bench-quick bench-readme bench-vllm bench-tool-use
 bench: $(STAMP) $(TRL_STAMP)
 	for script in $(BENCH_CPU); do $(PY) benchmarks/$$script.py || exit 1; done
@@ -94,6 +94,7 @@ bench-quick: $(STAMP)
 	$(PY) benchmarks/env_utilisation.py && \
 	$(PY) benchmarks/agent_endpoint.py && \
 	$(PY) benchmarks/bf16_cpu.py --repeats 1 --tokens 8 && \
+	$(PY) benchmarks/optimizer_step.py --repeats 1 && \
 	$(PY) benchmarks/estimators.py --steps 4 --seeds 0 --estimators gae,grpo --skip memory && \
 	$(PY) benchmarks/staleness.py --steps 4 --staleness 1,4 --modes none
 
