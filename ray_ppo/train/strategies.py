@@ -50,7 +50,7 @@ class Strategy(Protocol):
 FUSED_DEVICES = ("cpu", "cuda")
 """Where torch's fused AdamW kernel runs (torch >= 2.4 on the CPU). There torch's default is a
 loop of several kernels per tensor (its ``foreach`` kernels are for GPUs): the fused kernel takes
-SmolLM2-135M's step from 627 to 173 ms on one thread (benchmarks/optimizer_step.py), weights equal
+SmolLM2-135M's step from 671 to 172 ms on one thread (benchmarks/optimizer_step.py), weights equal
 to float rounding. A run resumed from a checkpoint keeps the optimizer options it was saved with
 (torch's ``load_state_dict``)."""
 
