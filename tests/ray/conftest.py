@@ -20,6 +20,8 @@ def ray_session(tmp_path_factory):
     # The cluster `ray-ppo tune` starts (with the dashboard, on loopback, whose state API is up when
     # this returns): the sweeps here stop trials early, and Ray Train frees a stopped trial's
     # worker-group CPUs only through that state API.
+    if ray.is_initialized():  # a Ray an earlier module started (a bare ray.put starts one): not this cluster
+        ray.shutdown()
     start_local_cluster(RAY_NUM_CPUS, sweep=True, _temp_dir=str(tmp_path_factory.mktemp("ray")))
     yield ray
     ray.shutdown()
