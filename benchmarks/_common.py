@@ -16,6 +16,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,6 +117,17 @@ def _plain(value):
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else float("nan")
+
+
+def timed(fn, repeats: int) -> float:
+    """Median milliseconds of ``fn()`` over ``repeats`` calls after one untimed call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - start))
+    return median(times)
 
 
 def table(headers: list[str], rows: list[list]) -> str:

@@ -15,21 +15,9 @@ is there, torch emulates bfloat16 and the runs warn (``SlowDtypeWarning``, docs/
 from __future__ import annotations
 
 import argparse
-import time
 
 import _common  # noqa: F401
-from _common import median, publish
-
-
-def timed(fn, repeats: int) -> float:
-    """Median milliseconds of ``fn()`` over ``repeats`` calls after one untimed call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(1000 * (time.perf_counter() - start))
-    return median(times)
+from _common import publish, timed
 
 
 def main() -> None:
