@@ -42,6 +42,11 @@ A), and a line per group of runs (the runs of one directory, e.g. ``real_model_d
 gives the median over its seeds and its ratio to the first group's: how two settings compare in
 time to an accuracy.
 
+Runs of ours whose metrics count the tokens trained add two columns: the response tokens trained a
+second (``tokens_trained`` summed over the steps, over the last step's time), which compares
+throughput where two runs' answers differ in length, and the seconds the maker spent evaluating
+(``eval/s`` summed: an evaluation holds the maker's generation).
+
 Runs with ``algo.dynamic_sampling`` add a column: the groups dropped by the last step (each one an
 extra prompt drawn) and their share of the groups finished.
 
@@ -92,6 +97,10 @@ class Run:
     dropped: tuple[float, float] | None = None
     """Ours with ``algo.dynamic_sampling``: the groups dropped by the last step (each an extra prompt
     drawn) and their share of the groups finished (``prompts_dropped``, ``groups_dropped_share``); else None."""
+    work: tuple[float, float] | None = None
+    """Ours: the response tokens trained a second (``tokens_trained`` summed over the steps, over the
+    last step's time) and the maker's seconds of evaluation (``eval/s`` summed); None for TRL and for
+    runs whose metrics have no ``tokens_trained``."""
 
     @property
     def last(self) -> Point:
@@ -151,18 +160,23 @@ def train_trl(seed: int, out: Path, overrides: list[str], trl_python: str, confi
 def read_ours(run: Path) -> Run:
     """A ``ray-ppo train`` run directory: ``eval.jsonl`` at the steps' ``elapsed_s`` (``metrics.jsonl``)."""
     elapsed, idle, dropped = {0: 0.0}, {}, None
+    tokens, eval_s, counted = 0.0, 0.0, False
     for line in (run / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         elapsed[row["step"]] = row["elapsed_s"]
         idle[row["step"]] = row["trainer_idle_ratio"]
         if "prompts_dropped" in row:
             dropped = (row["prompts_dropped"], row["groups_dropped_share"])
+        counted |= "tokens_trained" in row
+        tokens += row.get("tokens_trained", 0.0)
+        eval_s += row.get("eval/s", 0.0)
     reports = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     points = [(elapsed[r["step"]], r["step"], r["accuracy"]) for r in reports if r["error"] is None]
     config = yaml.safe_load((run / "config.yaml").read_text())
     last_step = max(elapsed)
     return Run("ours", config["seed"], points, last_step * config["trainer"]["train_batch_size"] / elapsed[last_step],
-               idle_split(idle, {r["step"] for r in reports}), dropped)
+               idle_split(idle, {r["step"] for r in reports}), dropped,
+               (tokens / elapsed[last_step], eval_s) if counted else None)
 
 
 def idle_split(idle: dict[int, float], eval_steps: set[int]) -> tuple[float, float, float]:
@@ -206,7 +220,8 @@ def read_runs(path: Path) -> list[tuple[Path, Run]]:
                          f"beside it); pass the run directories themselves, or rerun them")
     return [(ROOT / r["dir"], Run(r["side"], r["seed"], [tuple(p) for p in r["points"]], r["samples_per_s"],
                                  None if r["idle"] is None else tuple(r["idle"]),
-                                 None if r.get("dropped") is None else tuple(r["dropped"])))
+                                 None if r.get("dropped") is None else tuple(r["dropped"]),
+                                 None if r.get("work") is None else tuple(r["work"])))
             for r in record["runs"]]
 
 
@@ -232,11 +247,13 @@ def goal(ours: list[Run], trl: list[Run]) -> Goal:
 def rows(runs: list[Run], reach: float | None = None) -> list[list]:
     """One table row a run: side, seed, accuracy at step 0, at each of ``MARKS_S``, the last, its
     step and time, the gain and samples/s; with ``reach``, the time to that accuracy; where a run
-    dropped groups (``algo.dynamic_sampling``), the groups dropped and their share (``headers``)."""
-    dropping = dropped_any(runs)
+    dropped groups (``algo.dynamic_sampling``), the groups dropped and their share; where a run
+    counted its tokens, its tokens trained a second and seconds of evaluation, before both (``headers``)."""
+    dropping, working = dropped_any(runs), any(r.work is not None for r in runs)
     return [[r.side, r.seed, r.points[0][2], *(at(r.points, s) for s in MARKS_S), r.last[2],
              f"{r.last[1]} ({r.last[0]:.0f} s)", f"{r.gain:+.3f}", r.samples_per_s,
              *(("", "", "") if r.idle is None else (f"{x:.3f}" for x in r.idle)),
+             *(() if not working else ("", "") if r.work is None else (f"{r.work[0]:.1f}", f"{r.work[1]:.0f}")),
              *(() if reach is None else (_seconds(reach_s(r.points, reach)),)),
              *(() if not dropping else ("" if r.dropped is None else f"{r.dropped[0]:.0f} ({r.dropped[1]:.2f})",))]
             for r in runs]
@@ -244,7 +261,8 @@ def rows(runs: list[Run], reach: float | None = None) -> list[list]:
 
 def headers(runs: list[Run], reach: float | None = None) -> list[str]:
     """``rows``' column names."""
-    return (HEADERS + ([] if reach is None else [f"reach {reach:g}"])
+    return (HEADERS + (["tokens/s", "eval s"] if any(r.work is not None for r in runs) else [])
+            + ([] if reach is None else [f"reach {reach:g}"])
             + (["groups dropped (share)"] if dropped_any(runs) else []))
 
 

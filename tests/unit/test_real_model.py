@@ -87,6 +87,20 @@ def test_runs_that_dropped_groups_get_a_column_the_others_leave_blank(tmp_path):
     assert len(real_model.rows(runs[1:])[0]) == len(real_model.HEADERS)
 
 
+def test_runs_that_counted_their_tokens_get_tokens_a_second_and_evaluation_time(tmp_path):
+    ours, trl = _run_dirs(tmp_path)
+    rows = [json.loads(line) for line in (ours / "metrics.jsonl").read_text().splitlines()]
+    for row, tokens in zip(rows, (300.0, 500.0, 400.0)):
+        row.update(tokens_trained=tokens)
+    rows[0]["eval/s"], rows[2]["eval/s"] = 20.0, 25.0  # step 0's evaluation, and step 3's
+    (ours / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    runs = [real_model.read_run(ours), real_model.read_run(trl)]
+    assert runs[0].work == (1200.0 / 120.0, 45.0) and runs[1].work is None
+    assert real_model.headers(runs, reach=0.6)[-3:] == ["tokens/s", "eval s", "reach 0.6"]
+    assert [row[-3:-1] for row in real_model.rows(runs, reach=0.6)] == [["10.0", "45"], ["", ""]]
+    assert real_model.headers(runs[1:]) == real_model.HEADERS  # no run counted: no columns
+
+
 def test_idle_split_sets_step_1_and_the_steps_after_an_evaluation_apart():
     idle = {1: 0.9, 2: 0.1, 3: 0.0, 4: 0.3, 5: 0.5, 6: 0.2, 7: 0.4}
     first, after, other = real_model.idle_split(idle, {0, 3, 6})
