@@ -248,8 +248,8 @@ def rows(runs: list[Run], reach: float | None = None) -> list[list]:
     """One table row a run: side, seed, accuracy at step 0, at each of ``MARKS_S``, the last, its
     step and time, the gain and samples/s; with ``reach``, the time to that accuracy; where a run
     dropped groups (``algo.dynamic_sampling``), the groups dropped and their share; where a run
-    counted its tokens, its tokens trained a second and seconds of evaluation, before both (``headers``)."""
-    dropping, working = dropped_any(runs), any(r.work is not None for r in runs)
+    counted its tokens, its tokens trained a second and seconds of evaluation, before the other two (``headers``)."""
+    dropping, working = dropped_any(runs), counted_any(runs)
     return [[r.side, r.seed, r.points[0][2], *(at(r.points, s) for s in MARKS_S), r.last[2],
              f"{r.last[1]} ({r.last[0]:.0f} s)", f"{r.gain:+.3f}", r.samples_per_s,
              *(("", "", "") if r.idle is None else (f"{x:.3f}" for x in r.idle)),
@@ -261,7 +261,7 @@ def rows(runs: list[Run], reach: float | None = None) -> list[list]:
 
 def headers(runs: list[Run], reach: float | None = None) -> list[str]:
     """``rows``' column names."""
-    return (HEADERS + (["tokens/s", "eval s"] if any(r.work is not None for r in runs) else [])
+    return (HEADERS + (["tokens/s", "eval s"] if counted_any(runs) else [])
             + ([] if reach is None else [f"reach {reach:g}"])
             + (["groups dropped (share)"] if dropped_any(runs) else []))
 
@@ -269,6 +269,11 @@ def headers(runs: list[Run], reach: float | None = None) -> list[str]:
 def dropped_any(runs: list[Run]) -> bool:
     """Whether any run dropped groups: then ``rows`` and ``headers`` have the column for it."""
     return any(r.dropped is not None for r in runs)
+
+
+def counted_any(runs: list[Run]) -> bool:
+    """Whether any run counted its tokens: then ``rows`` and ``headers`` have its two columns."""
+    return any(r.work is not None for r in runs)
 
 
 def _seconds(t: float) -> str:
